@@ -1,0 +1,40 @@
+# Two entry points for a newcomer (README.md): `make run` and `make test`.
+# Everything installs into ./.venv; nothing is needed beyond Python 3.11.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test lint typecheck unit bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e '.[test,torch]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(BIN)/kvstore --help
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check kvstore backends tests
+	$(BIN)/ruff format --check kvstore backends tests
+
+typecheck: $(VENV)/.installed-test
+	$(BIN)/mypy
+
+unit: $(VENV)/.installed-test
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+bench: $(VENV)/.installed
+	$(BIN)/kvstore bench protocol
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

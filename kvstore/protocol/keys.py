@@ -1,0 +1,122 @@
+"""Scopes and Block Keys (K1-K3).
+
+A Block Key names a block *together with its whole prefix*: it is a keyed hash
+chain over the tokens, with ``K[-1]`` = 32 zero octets and::
+
+    K[i] = HMAC-SHA-256( scope_key, "KVSP-BLOCK-1" || 0x00 || compat_id
+                         || K[i-1] || uint32be(t[i*B]) || ... || uint32be(t[i*B+B-1]) )
+
+Only complete blocks have keys. :class:`BlockKeyChain` keeps the last key and
+the tokens of the incomplete block, so a session can extend its chain as
+tokens are generated without rehashing the prefix.
+
+Speed: tokens are packed a whole batch at a time (``array('I')`` plus one
+byteswap, both C loops); the only per-block Python work is one concatenation
+and one ``hmac.digest`` call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+
+SCOPE_LABEL = b"KVSP-SCOPE-1\x00"
+BLOCK_LABEL = b"KVSP-BLOCK-1\x00"
+ZERO_KEY = bytes(32)
+MIN_SCOPE_KEY_OCTETS = 32
+
+assert array("I").itemsize == 4, "array('I') must be 32 bits for token packing"
+
+
+def _check_scope_key(scope_key: bytes) -> None:
+    if not isinstance(scope_key, bytes | bytearray | memoryview):
+        raise TypeError("scope_key must be bytes")
+    if len(scope_key) < MIN_SCOPE_KEY_OCTETS:
+        # K1: at least 32 random octets; a short key is a configuration error.
+        raise ValueError(f"scope key must be at least {MIN_SCOPE_KEY_OCTETS} octets")
+
+
+def scope_id(scope_key: bytes) -> bytes:
+    """The 16-octet Scope ID of a Scope Key (K1). Safe to disclose; the key is not (K3)."""
+    _check_scope_key(scope_key)
+    return hashlib.sha256(SCOPE_LABEL + bytes(scope_key)).digest()[:16]
+
+
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Tokens as consecutive uint32 in network byte order."""
+    try:
+        packed = array("I", tokens)
+    except OverflowError as exc:
+        raise ValueError("tokens must be integers in [0, 2^32)") from exc
+    except TypeError as exc:
+        raise ValueError(f"tokens must be integers: {exc}") from exc
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+class BlockKeyChain:
+    """The Block Key chain of one token sequence, extended incrementally (K2).
+
+    >>> chain = BlockKeyChain(scope_key, compat_id, block_tokens=16)
+    >>> keys = chain.extend(prompt_tokens)      # keys of the complete blocks
+    >>> more = chain.extend(generated_tokens)   # only the newly completed ones
+    """
+
+    __slots__ = ("_key", "_last", "_pending", "_prefix", "_step", "block_tokens", "keys")
+
+    def __init__(
+        self, scope_key: bytes, compat_id: bytes, block_tokens: int, last_key: bytes = ZERO_KEY
+    ) -> None:
+        _check_scope_key(scope_key)
+        if len(compat_id) != 32:
+            raise ValueError("compat_id must be the 32 raw octets of the Compatibility ID")
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be positive")
+        if len(last_key) != 32:
+            raise ValueError("last_key must be 32 octets")
+        self._key = bytes(scope_key)
+        self._prefix = BLOCK_LABEL + bytes(compat_id)
+        self._step = 4 * block_tokens
+        self._last = bytes(last_key)
+        self._pending = b""
+        self.block_tokens = block_tokens
+        #: Every key computed so far, in block order.
+        self.keys: list[bytes] = []
+
+    @property
+    def last_key(self) -> bytes:
+        """``K[i]`` of the last complete block, or 32 zero octets before the first."""
+        return self._last
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens after the last complete block (they have no key yet)."""
+        return len(self._pending) // 4
+
+    def extend(self, tokens: Sequence[int] | Iterable[int]) -> list[bytes]:
+        """Append tokens; return the keys of the blocks this completed, in order."""
+        data = self._pending + pack_tokens(tokens)
+        step = self._step
+        complete = len(data) - len(data) % step
+        new: list[bytes] = []
+        append = new.append
+        prefix, key, prev = self._prefix, self._key, self._last
+        digest = hmac.digest
+        for start in range(0, complete, step):
+            prev = digest(key, prefix + prev + data[start : start + step], "sha256")
+            append(prev)
+        self._last = prev
+        self._pending = data[complete:]
+        self.keys.extend(new)
+        return new
+
+
+def block_keys(
+    scope_key: bytes, compat_id: bytes, tokens: Sequence[int] | Iterable[int], block_tokens: int
+) -> list[bytes]:
+    """The Block Keys of every complete block of ``tokens`` (K2)."""
+    return BlockKeyChain(scope_key, compat_id, block_tokens).extend(tokens)
