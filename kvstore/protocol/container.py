@@ -287,7 +287,7 @@ class Container:
 
     def parts(self) -> ContainerParts:
         """This container as parts (header, then sections), for streaming."""
-        return self.slice(self.first_layer, self.last_layer)
+        return ContainerParts.build(self.codec, self.first_layer, self.token_count, list(self))
 
 
 @dataclass(frozen=True, slots=True)
