@@ -1,0 +1,198 @@
+"""The ``kvstore`` command line.
+
+Every subcommand prints JSON (or one digest line) on success; on bad input it
+prints one line ``kvstore: error: ...`` to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .protocol.problems import KvspError
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed on one line, exit status 2."""
+
+
+def _read_json(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{path} is not JSON: {exc}") from exc
+
+
+def _parse_tokens(text: str) -> list[int]:
+    if text == "-":
+        text = sys.stdin.read()
+    text = text.strip()
+    if text.startswith("["):
+        values = json.loads(text)
+    else:
+        values = [part for part in text.replace(",", " ").split() if part]
+    try:
+        tokens = [int(v) for v in values]
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"tokens must be integers: {exc}") from exc
+    return tokens
+
+
+def cmd_keys(args: argparse.Namespace) -> Any:
+    from .protocol.compat import parse_descriptor
+    from .protocol.keys import block_keys, scope_id
+
+    descriptor = parse_descriptor(_read_json(args.descriptor))
+    try:
+        scope_key = bytes.fromhex(args.scope_key)
+    except ValueError as exc:
+        raise CliError("--scope-key must be hexadecimal") from exc
+    keys = block_keys(
+        scope_key, descriptor.compat_id, _parse_tokens(args.tokens), descriptor.block_tokens
+    )
+    return {
+        "compat_id": descriptor.compat_id_hex,
+        "scope_id": scope_id(scope_key).hex(),
+        "block_keys": [k.hex() for k in keys],
+    }
+
+
+def cmd_container_inspect(args: argparse.Namespace) -> Any:
+    from .protocol import container as kc
+    from .protocol.codecs import CODECS
+    from .protocol.compat import parse_descriptor
+    from .protocol.wire import repr_digest
+
+    try:
+        data = Path(args.file).read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.file}: {exc.strerror}") from exc
+    descriptor = parse_descriptor(_read_json(args.descriptor)) if args.descriptor else None
+    container = kc.decode(data, descriptor=descriptor)
+    header = container.header
+    layers = []
+    digests = []
+    for layer in container:
+        digest = layer.digest()
+        digests.append(digest)
+        layers.append(
+            {
+                "layer": layer.index,
+                "k_length": len(layer.k),
+                "v_length": len(layer.v),
+                "digest": digest.hex(),
+            }
+        )
+    codec = CODECS[header.codec]
+    return {
+        "magic": "KVB1",
+        "version": kc.VERSION,
+        "flags": 0,
+        "codec": header.codec,
+        "codec_name": codec.name,
+        "first_layer": header.first_layer,
+        "layer_count": header.layer_count,
+        "token_count": header.token_count,
+        "header_octets": header.header_octets,
+        "total_octets": header.total_octets,
+        "layers": layers,
+        # Equals the replica digest (B3) when the container holds every layer.
+        "layers_digest": "sha-256:" + kc.replica_digest(digests).hex(),
+        "repr_digest": repr_digest(data),
+    }
+
+
+def cmd_digest(args: argparse.Namespace) -> str:
+    from .digests import model_digest, tokenizer_digest
+
+    try:
+        if args.kind == "model":
+            return model_digest(args.path, args.glob or None)
+        return tokenizer_digest(args.path)
+    except OSError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def cmd_bench(args: argparse.Namespace) -> Any:
+    from .bench import format_table
+    from .bench import protocol as bench_protocol
+
+    results = bench_protocol.run(quick=args.quick)
+    if args.json:
+        return [r.to_json() for r in results]
+    return format_table(results)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="KV Cache Storage Protocol (KVSP) tools, cache server and benchmarks.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    keys = sub.add_parser("keys", help="compute compat_id, scope_id and Block Keys of tokens")
+    keys.add_argument("--descriptor", required=True, help="Compatibility Descriptor JSON file")
+    keys.add_argument("--scope-key", required=True, help="scope key, hex (>= 32 octets)")
+    keys.add_argument(
+        "--tokens", required=True, help="comma-separated token ids, a JSON array, or - for stdin"
+    )
+    keys.set_defaults(func=cmd_keys)
+
+    container = sub.add_parser("container", help="KV Block Container tools")
+    csub = container.add_subparsers(dest="action", metavar="ACTION", required=True)
+    inspect = csub.add_parser("inspect", help="print a container's header, lengths and digests")
+    inspect.add_argument("file")
+    inspect.add_argument("--descriptor", help="also check the geometry against this descriptor")
+    inspect.set_defaults(func=cmd_container_inspect)
+
+    digest = sub.add_parser("digest", help="model_digest / tokenizer_digest for descriptors (C5)")
+    dsub = digest.add_subparsers(dest="kind", metavar="KIND", required=True)
+    model = dsub.add_parser("model", help="SHA-256 of the weight files of a model directory")
+    model.add_argument("path", metavar="DIR")
+    model.add_argument(
+        "--glob", action="append", help="weight file pattern (repeatable); default *.safetensors"
+    )
+    model.set_defaults(func=cmd_digest)
+    tokenizer = dsub.add_parser("tokenizer", help="SHA-256 of a tokenizer definition file")
+    tokenizer.add_argument("path", metavar="FILE")
+    tokenizer.set_defaults(func=cmd_digest)
+
+    bench = sub.add_parser("bench", help="benchmarks, each against a same-run baseline")
+    bsub = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    proto = bsub.add_parser("protocol", help="block keys and container encode/decode")
+    proto.add_argument("--quick", action="store_true", help="smaller inputs, fewer repeats")
+    proto.add_argument("--json", action="store_true", help="print results as JSON")
+    proto.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except (CliError, KvspError, ValueError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"kvstore: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(result, str):
+        print(result)
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

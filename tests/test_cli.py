@@ -1,0 +1,159 @@
+"""The command line, driven as a user would: a subprocess, its stdout, its exit status."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.protocol import container as kc
+
+from .protocol.vectors import COMPAT_ID, DESCRIPTOR, HEADER, K0, K1, SCOPE_ID, SCOPE_KEY, TOKENS
+
+
+def kvstore(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def descriptor_file(tmp_path: Path) -> Path:
+    path = tmp_path / "descriptor.json"
+    path.write_text(json.dumps(DESCRIPTOR))
+    return path
+
+
+def test_keys_reproduces_the_appendix(descriptor_file: Path) -> None:
+    # K1, K2, C2 through the CLI.
+    out = kvstore(
+        "keys",
+        "--descriptor",
+        str(descriptor_file),
+        "--scope-key",
+        SCOPE_KEY.hex(),
+        "--tokens",
+        ",".join(map(str, [*TOKENS, 5, 6])),
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {
+        "compat_id": COMPAT_ID,
+        "scope_id": SCOPE_ID,
+        "block_keys": [K0, K1],
+    }
+
+
+def test_keys_reads_tokens_from_stdin(descriptor_file: Path) -> None:
+    out = kvstore(
+        "keys", "--descriptor", str(descriptor_file), "--scope-key", SCOPE_KEY.hex(),
+        "--tokens", "-", stdin=json.dumps(TOKENS),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["block_keys"] == [K0, K1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scope-key", "00" * 16, "--tokens", "1"], "at least 32 octets"),
+        (["--scope-key", "zz", "--tokens", "1"], "hexadecimal"),
+        (["--scope-key", SCOPE_KEY.hex(), "--tokens", "1,x"], "integers"),
+        (["--scope-key", SCOPE_KEY.hex(), "--tokens", "-5"], "[0, 2^32)"),
+    ],
+)
+def test_keys_bad_input(descriptor_file: Path, args: list[str], message: str) -> None:
+    out = kvstore("keys", "--descriptor", str(descriptor_file), *args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_keys_invalid_descriptor(tmp_path: Path) -> None:
+    bad = dict(DESCRIPTOR, kv_dtype="int3")
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(bad))
+    out = kvstore(
+        "keys", "--descriptor", str(path), "--scope-key", SCOPE_KEY.hex(), "--tokens", "1"
+    )
+    assert out.returncode == 2
+    assert "descriptor.kv_dtype" in out.stderr
+
+
+def test_container_inspect(tmp_path: Path, descriptor_file: Path) -> None:
+    secs = [(os.urandom(8192), os.urandom(8192)) for _ in range(2)]
+    blob = bytes(kc.encode(secs, first_layer=0, token_count=4))
+    assert blob[:52] == HEADER
+    path = tmp_path / "block.kvb"
+    path.write_bytes(blob)
+    out = kvstore("container", "inspect", str(path), "--descriptor", str(descriptor_file))
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["codec_name"] == "raw"
+    assert (info["first_layer"], info["layer_count"], info["token_count"]) == (0, 2, 4)
+    assert [layer["k_length"] for layer in info["layers"]] == [8192, 8192]
+    digests = [hashlib.sha256(k + v).digest() for k, v in secs]
+    assert [layer["digest"] for layer in info["layers"]] == [d.hex() for d in digests]
+    assert info["layers_digest"] == "sha-256:" + hashlib.sha256(b"".join(digests)).hexdigest()
+    assert info["total_octets"] == len(blob)
+
+
+@pytest.mark.parametrize("mangle", [lambda b: b[:30], lambda b: b"XXXX" + b[4:], lambda b: b""])
+def test_container_inspect_malformed(tmp_path: Path, mangle: object) -> None:
+    blob = bytes(kc.encode([(b"ab", b"cd")], token_count=1))
+    path = tmp_path / "bad.kvb"
+    path.write_bytes(mangle(blob))  # type: ignore[operator]
+    out = kvstore("container", "inspect", str(path))
+    assert out.returncode == 2
+    assert out.stderr.startswith("kvstore: error: ")
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert out.stdout == ""
+
+
+def test_container_inspect_missing_file(tmp_path: Path) -> None:
+    out = kvstore("container", "inspect", str(tmp_path / "nope"))
+    assert out.returncode == 2
+    assert "cannot read" in out.stderr
+
+
+def test_digest_model_and_tokenizer(tmp_path: Path) -> None:
+    # C5: weight files concatenated in ascending byte order of their names.
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"second")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"first")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text('{"vocab": {}}')
+    out = kvstore("digest", "model", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "sha-256:" + hashlib.sha256(b"firstsecond").hexdigest()
+    out = kvstore("digest", "tokenizer", str(tmp_path / "tokenizer.json"))
+    expected = hashlib.sha256(b'{"vocab": {}}').hexdigest()
+    assert out.stdout.strip() == "sha-256:" + expected
+    out = kvstore("digest", "model", str(tmp_path / "config.json"))
+    assert out.returncode == 2
+
+
+def test_bench_protocol_quick_runs_and_reports_ratios() -> None:
+    out = kvstore("bench", "protocol", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    assert {r["unit"] for r in results} == {"M tokens/s", "GB/s"}
+    for r in results:
+        assert r["value"] > 0
+        assert r["baseline"] > 0
+        assert r["ratio"] == pytest.approx(r["value"] / r["baseline"])
+
+
+def test_help_lists_the_commands() -> None:
+    out = kvstore("--help")
+    assert out.returncode == 0
+    for command in ("keys", "container", "digest", "bench"):
+        assert command in out.stdout
