@@ -55,6 +55,13 @@ def replica_read_us(record: ReplicaRecord, link: Link) -> float:
     return us
 
 
+def _whole(record: ReplicaRecord) -> bool:
+    """False for a replica known to hold only some layers of its block."""
+    if record.layer_digests is None:
+        return True
+    return sum(r.layer_count for r in record.residency) == len(record.layer_digests)
+
+
 @dataclass(frozen=True, slots=True)
 class FetchPlan:
     """Which holder each block would come from, and the estimate (PL1)."""
@@ -73,9 +80,11 @@ def plan_fetch(
 
     ``replicas[i]`` lists the records of matched block i. Blocks in ``resident``
     (block keys already at the instance) cost nothing. For each other block
-    the replica with the cheapest read over a known link is chosen; transfers
-    from one source add up, sources proceed in parallel (the max). Returns
-    None when some block has no replica reachable over a reported link.
+    the replica with the cheapest RTT + read over a known link is chosen,
+    among replicas that hold every layer (a record whose residency covers
+    fewer layers than its layer_digests list is partial); transfers from one
+    source add up, sources proceed in parallel (the max). Returns None when
+    some block has no whole replica reachable over a reported link.
     """
     per_source_us: dict[str, float] = {}
     chosen: list[ReplicaRecord] = []
@@ -88,18 +97,18 @@ def plan_fetch(
                 best = None
                 break
             link = status.link_to(record.holder)
-            if link is None:
+            if link is None or not _whole(record):
                 continue
-            cost = replica_read_us(record, link)
+            cost = link.rtt_us + replica_read_us(record, link)
             if best is None or cost < best[0]:
                 best = (cost, record, link)
         else:
             if best is None:
                 return None
-            cost, record, link = best
+            _, record, link = best
             if record.holder not in per_source_us:
                 per_source_us[record.holder] = link.rtt_us
-            per_source_us[record.holder] += cost
+            per_source_us[record.holder] += replica_read_us(record, link)
             chosen.append(record)
     fetch = max(per_source_us.values(), default=0.0)
     return FetchPlan(fetch, per_source_us, tuple(chosen))

@@ -7,12 +7,12 @@ absent optional members are left out, not written as null).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from ._json import (
     UINT32_MAX,
@@ -30,6 +30,8 @@ TIERS = ("device", "host", "local-storage", "remote-memory", "remote-storage")
 STORAGE_TIERS = frozenset({"local-storage", "remote-storage"})
 LAYER_ORDERS = frozenset({"ascending"})
 PREFETCH_STATES = frozenset({"pending", "partial", "complete", "failed"})
+
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]+")
 
 # Bounds on what one received record may carry (hostile input).
 MAX_LAYERS = 4096
@@ -98,12 +100,12 @@ class ReplicaRecord:
         obj = Obj(value, path)
         holder = obj.uri("holder")
         moqt_namespace = obj.text("moqt_namespace", None, max_len=1024)
-        if holder.startswith("moqt:"):
+        if urlsplit(holder).scheme == "moqt":  # urlsplit lowercases the scheme
             if moqt_namespace is None:
                 fail(f"{path}.moqt_namespace", "required when the holder is a moqt URI")
-            try:
-                base64.urlsafe_b64decode(moqt_namespace + "=" * (-len(moqt_namespace) % 4))
-            except (binascii.Error, ValueError):
+            # base64url without padding: its alphabet only, and never a length
+            # of 1 mod 4 (no whole octet), and not empty.
+            if not _BASE64URL.fullmatch(moqt_namespace) or len(moqt_namespace) % 4 == 1:
                 fail(f"{path}.moqt_namespace", "must be base64url without padding")
         residency = tuple(
             Residency.from_json(item, item_path)

@@ -7,6 +7,7 @@ parses them, the ``layers=a-b`` query, and the ``Repr-Digest`` field (RFC 9530).
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import re
 
@@ -70,7 +71,10 @@ def parse_repr_digest(value: str) -> bytes:
     for member in value.split(","):
         match = _REPR_DIGEST.fullmatch(member)
         if match:
-            digest = base64.b64decode(match[1])
+            try:
+                digest = base64.b64decode(match[1], validate=True)
+            except binascii.Error:
+                continue
             if len(digest) == 32:
                 return digest
     raise DigestMismatch(f"Repr-Digest {value!r} carries no sha-256 value")
