@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -e '.[test,torch]'
+	$(BIN)/pip install -e '.[test]'
 	touch $@
 
 run: $(VENV)/.installed

@@ -17,8 +17,12 @@ one handler renders every error and one ``isinstance`` check catches them all::
     ├── StaleEpoch                  kvsp-stale-epoch         409
     ├── InvalidState                kvsp-invalid-state       409
     ├── DigestMismatch              kvsp-digest-mismatch     422
+    │   └── CorruptData             stored segment fails decryption or its digest
     ├── PlanConflict                kvsp-plan-conflict       409
-    └── PreconditionFailed          (about:blank, 412)       BL7: replica exists
+    ├── PreconditionFailed          (about:blank, 412)       BL7: replica exists
+    ├── TierUnavailable             (about:blank, 503)       a storage tier is down
+    └── InsufficientStorage         (about:blank, 507)       no tier can take a write
+        └── TierFull                one tier's backend is out of space
 
 Errors that are not KVSP problem types use ``about:blank`` with their status, as
 RFC 9457 section 4.2.1 prescribes.
@@ -132,6 +136,30 @@ class PlanConflict(KvspError):
 class PreconditionFailed(KvspError):
     status = 412
     title = "Precondition failed"
+
+
+class CorruptData(DigestMismatch):
+    title = "Stored data failed its integrity check"
+
+
+class TierUnavailable(KvspError):
+    """A storage backend failed (connection refused, timeout, 5xx)."""
+
+    status = 503
+    title = "Storage tier unavailable"
+
+    def __init__(self, detail: str, tier: str = "", **extensions: Any) -> None:
+        super().__init__(detail, **extensions)
+        self.tier = tier
+
+
+class InsufficientStorage(KvspError):
+    status = 507
+    title = "Insufficient storage"
+
+
+class TierFull(InsufficientStorage):
+    title = "Storage tier full"
 
 
 # Every KVSP problem type of the draft's table, by suffix (H3). Clients use it

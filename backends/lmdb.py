@@ -1,0 +1,93 @@
+"""``local-storage`` tier: LMDB, durable across restarts.
+
+LMDB calls block, so each runs in a worker thread, off the event loop. A read
+copies the value out of the memory map once (the map's buffer is only valid
+inside its transaction). The map size is fixed by configuration; a full map
+is :class:`TierFull`, any other LMDB error :class:`TierUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+
+from kvstore.protocol._bytes import BytesLike
+from kvstore.protocol.problems import TierFull, TierUnavailable
+from kvstore.storage.tier import Tier
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def _translated(path: str) -> Iterator[None]:
+    # STYLE 6: lmdb's exceptions stop here.
+    try:
+        yield
+    except lmdb.MapFullError as exc:
+        raise TierFull(f"LMDB map at {path} is full: {exc}") from exc
+    except lmdb.Error as exc:
+        raise TierUnavailable(f"LMDB at {path}: {exc}", tier="local-storage") from exc
+
+
+class LmdbTier(Tier):
+    kind = "local-storage"
+    persistent = True
+
+    def __init__(
+        self,
+        path: str,
+        map_size: int = 1 << 30,
+        read_mbit_per_s: float | None = None,
+        sync: bool = True,
+    ) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.read_mbit_per_s = read_mbit_per_s
+        with _translated(path):
+            # sync=True: a put is on disk when it returns (nothing acknowledged is lost).
+            self._env = lmdb.open(path, map_size=map_size, sync=sync, max_dbs=0, readahead=False)
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        def call() -> T:
+            with _translated(self.path):
+                return fn()
+
+        return await asyncio.to_thread(call)
+
+    async def get(self, key: str) -> BytesLike | None:
+        def read() -> bytes | None:
+            with self._env.begin(buffers=True) as txn:
+                value = txn.get(key.encode())
+                return None if value is None else bytes(value)
+
+        return await self._run(read)
+
+    async def put(self, key: str, value: BytesLike) -> None:
+        def write() -> None:
+            with self._env.begin(write=True) as txn:
+                txn.put(key.encode(), value)
+
+        await self._run(write)
+
+    async def delete(self, key: str) -> None:
+        def remove() -> None:
+            with self._env.begin(write=True) as txn:
+                txn.delete(key.encode())
+
+        await self._run(remove)
+
+    async def keys(self) -> AsyncIterator[str]:
+        def scan() -> list[str]:
+            with self._env.begin() as txn:
+                return [bytes(k).decode() for k in txn.cursor().iternext(values=False)]
+
+        for key in await self._run(scan):
+            yield key
+
+    async def close(self) -> None:
+        self._env.close()

@@ -1,0 +1,107 @@
+"""``remote-memory`` tier: Redis through redis-py's asyncio client.
+
+Keys are ``{prefix}{<block key>}/<rest>``: the Block Key in braces is a Redis
+Cluster hash tag, so every segment of a block lives in one slot and a
+pipeline over them stays on one node. ``rediss://`` URLs give TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from kvstore.protocol._bytes import BytesLike
+from kvstore.protocol.problems import TierFull, TierUnavailable
+from kvstore.storage.tier import Tier
+
+_PREFIX = re.compile(r"[A-Za-z0-9:_.-]*")
+
+
+@contextlib.contextmanager
+def _translated(url: str) -> Iterator[None]:
+    # STYLE 6: redis-py's exceptions stop here.
+    try:
+        yield
+    except redis_errors.ResponseError as exc:
+        if str(exc).startswith("OOM"):
+            raise TierFull(f"Redis at {url} is out of memory: {exc}") from exc
+        raise TierUnavailable(f"Redis at {url}: {exc}", tier="remote-memory") from exc
+    except (redis_errors.RedisError, OSError) as exc:
+        raise TierUnavailable(f"Redis at {url}: {exc}", tier="remote-memory") from exc
+
+
+class RedisTier(Tier):
+    kind = "remote-memory"
+    persistent = True
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "kvstore:",
+        read_mbit_per_s: float | None = None,
+        timeout_s: float = 5.0,
+        **options: Any,
+    ) -> None:
+        if not _PREFIX.fullmatch(prefix):
+            raise ValueError("Redis key prefix may hold only letters, digits and ':_.-'")
+        self.url = url
+        self.prefix = prefix
+        self.read_mbit_per_s = read_mbit_per_s
+        self._client = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **options
+        )
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}{{{key[:64]}}}{key[64:]}"
+
+    def _unkey(self, stored: bytes) -> str:
+        text = stored.decode()[len(self.prefix) :]
+        return text[1:65] + text[66:]
+
+    async def get(self, key: str) -> BytesLike | None:
+        with _translated(self.url):
+            value: Any = await self._client.get(self._key(key))
+            return cast(bytes | None, value)
+
+    async def put(self, key: str, value: BytesLike) -> None:
+        with _translated(self.url):
+            await self._client.set(self._key(key), bytes(value))
+
+    async def delete(self, key: str) -> None:
+        with _translated(self.url):
+            await self._client.delete(self._key(key))
+
+    async def keys(self) -> AsyncIterator[str]:
+        with _translated(self.url):
+            async for stored in self._client.scan_iter(match=self.prefix + "{*", count=1000):
+                yield self._unkey(stored)
+
+    async def get_many(self, keys: Sequence[str]) -> list[BytesLike | None]:
+        with _translated(self.url):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.get(self._key(key))
+                values: list[BytesLike | None] = await pipe.execute()
+                return values
+
+    async def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+        with _translated(self.url):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key, value in items:
+                    pipe.set(self._key(key), bytes(value))
+                await pipe.execute()
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        with _translated(self.url):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.delete(self._key(key))
+                await pipe.execute()
+
+    async def close(self) -> None:
+        await self._client.aclose()

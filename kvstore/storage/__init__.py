@@ -1,0 +1,19 @@
+"""The tiered block store: Tier interface, eviction manager, leases, sealing."""
+
+from .crypto import SegmentSealer
+from .leases import Lease, LeaseLimits
+from .manager import BlockInfo, BlockRead, TieredStore
+from .tier import TIER_ORDER, Tier
+from .types import BlockRef
+
+__all__ = [
+    "TIER_ORDER",
+    "BlockInfo",
+    "BlockRead",
+    "BlockRef",
+    "Lease",
+    "LeaseLimits",
+    "SegmentSealer",
+    "Tier",
+    "TieredStore",
+]

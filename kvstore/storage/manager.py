@@ -1,0 +1,701 @@
+"""The tiered store: segments of blocks across tiers, under one eviction manager.
+
+Everything that is not "store these octets under this key" lives here, once:
+placement, capacity, ordering, demotion and promotion, leases, sealing
+(encryption and compression) of persistent tiers, integrity checks, tier
+health, eviction notifications and restart recovery (STYLE 5, 8).
+
+A **segment** is a contiguous layer range of one block, stored as a KV Block
+Container, so what any tier holds is self-describing. A block's residency is
+its list of segments and their tiers, i.e. the ``residency`` array of its
+Replica Record.
+
+Rules, with the requirement they serve:
+
+* a block under an unexpired lease, or being read, is never demoted or
+  evicted (LE2); a put that could only make room by evicting leased data
+  goes to a lower tier, or fails with :class:`InsufficientStorage`;
+* ``on_evict`` is awaited *before* a block leaves the holder, so the holder
+  can withdraw it from the Index Service first (P3); data lost to a fault
+  (a tier that no longer has a segment) notifies before it is forgotten,
+  leased or not (LE4);
+* a tier that raises :class:`TierUnavailable` is marked degraded and skipped
+  for new writes until its retry time; reads of segments there fail with
+  that error and the caller treats it as a miss (P4). No backend decides this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
+from ..protocol.compat import CompatibilityDescriptor
+from ..protocol.problems import (
+    CorruptData,
+    InsufficientStorage,
+    LayersUnavailable,
+    MalformedContainer,
+    NotFound,
+    PreconditionFailed,
+    TierFull,
+    TierUnavailable,
+)
+from ..protocol.records import ReplicaRecord, Residency
+from .crypto import SegmentSealer
+from .leases import Lease, LeaseLimits, LeaseTable
+from .policy import LRU, EvictionPolicy
+from .tier import Tier
+from .types import BlockRef, parse_segment_key
+
+log = logging.getLogger("kvstore.storage")
+
+EvictHook = Callable[[BlockRef, str], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class TierSlot:
+    """A configured tier and the manager's bookkeeping for it."""
+
+    tier: Tier
+    capacity: int
+    policy: EvictionPolicy = field(default_factory=LRU)
+    used: int = 0
+    degraded_until: float = 0.0
+    failures: int = 0
+    last_error: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.tier.kind
+
+
+@dataclass(slots=True)
+class Segment:
+    ref: BlockRef
+    first: int
+    last: int
+    slot: int
+    stored_octets: int
+
+    @property
+    def id(self) -> tuple[BlockRef, int]:
+        return (self.ref, self.first)
+
+    @property
+    def key(self) -> str:
+        return self.ref.segment_key(self.first, self.last)
+
+
+@dataclass(slots=True)
+class BlockInfo:
+    """What the manager knows of one held block (no data)."""
+
+    ref: BlockRef
+    codec: int
+    token_count: int
+    #: absolute layer -> (K length, V length, layer digest)
+    layers: dict[int, tuple[int, int, bytes]]
+    segments: list[Segment]
+    readers: int = 0
+    #: Repr-Digest of the whole container, computed on the first whole read.
+    whole_repr_digest: str | None = None
+
+    @property
+    def first_layer(self) -> int:
+        return min(self.layers)
+
+    @property
+    def last_layer(self) -> int:
+        return max(self.layers)
+
+    @property
+    def layer_digests(self) -> list[bytes]:
+        return [self.layers[i][2] for i in sorted(self.layers)]
+
+    @property
+    def size(self) -> int:
+        """Octets of the whole container as served."""
+        data = sum(k + v for k, v, _ in self.layers.values())
+        return kc.FIXED_HEADER_OCTETS + kc.LENGTH_ENTRY_OCTETS * len(self.layers) + data
+
+    def header(self, first: int, last: int) -> kc.ContainerHeader:
+        lengths = tuple(self.layers[i][:2] for i in range(first, last + 1))
+        return kc.ContainerHeader(self.codec, first, self.token_count, lengths)
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters for metrics (OPS1); issue-level exporters read them."""
+
+    puts: int = 0
+    hits: int = 0
+    misses: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    evictions: int = 0
+    fault_evictions: int = 0
+    integrity_failures: int = 0
+    tier_errors: int = 0
+
+
+class BlockRead:
+    """A read in progress: the container header is known before any data is fetched.
+
+    Iterate it (``async for chunk in read``) to receive the header octets, then
+    each layer's K and V sections in ascending order, one segment in memory at
+    a time (B4). ``len(read)`` is the exact size of what will be sent.
+    """
+
+    def __init__(self, store: TieredStore, info: BlockInfo, first: int, last: int) -> None:
+        self._store = store
+        self._info = info
+        self.first = first
+        self.last = last
+        self.header = info.header(first, last)
+        self.whole = first == info.first_layer and last == info.last_layer
+
+    def __len__(self) -> int:
+        return self.header.total_octets
+
+    async def repr_digest(self) -> str:
+        """``Repr-Digest`` of exactly what this read sends (BL4).
+
+        For a whole-block read it is computed once and kept, so a hot GET
+        hashes nothing; a layer-range read hashes its data (one extra pass).
+        """
+        if self.whole and self._info.whole_repr_digest is not None:
+            return self._info.whole_repr_digest
+        hasher = hashlib.sha256()
+        async for chunk in self._chunks(promote=False):
+            hasher.update(chunk)
+        value = "sha-256=:" + base64.b64encode(hasher.digest()).decode() + ":"
+        if self.whole:
+            self._info.whole_repr_digest = value
+        return value
+
+    def __aiter__(self) -> AsyncIterator[BytesLike]:
+        return self._chunks(promote=self._store.promote)
+
+    async def _chunks(self, promote: bool) -> AsyncIterator[BytesLike]:
+        store, info = self._store, self._info
+        info.readers += 1
+        promoted: list[tuple[Segment, BytesLike]] = []
+        try:
+            if info.ref not in store._blocks:
+                raise NotFound(f"block {info.ref.block_key} is no longer held")
+            yield self.header.pack()
+            for segment in list(info.segments):
+                if segment.last < self.first or segment.first > self.last:
+                    continue
+                plain = await store._load(info, segment)
+                if segment.slot > 0 and promote:
+                    promoted.append((segment, plain))
+                container = kc.decode(plain)
+                for index in range(
+                    max(self.first, segment.first), min(self.last, segment.last) + 1
+                ):
+                    layer = container.layer(index)
+                    yield layer.k
+                    yield layer.v
+        finally:
+            info.readers -= 1
+        for segment, plain in promoted:
+            await store._promote(info, segment, plain)
+
+    async def read_all(self) -> bytes:
+        """The whole answer in one buffer (library use; servers should stream)."""
+        return b"".join([bytes(chunk) async for chunk in self])
+
+
+class TieredStore:
+    """Blocks in segments over an ordered list of tiers, fastest first."""
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple[Tier, int]],
+        *,
+        sealer: SegmentSealer | None = None,
+        lease_limits: LeaseLimits | None = None,
+        policy: Callable[[], EvictionPolicy] = LRU,
+        promote: bool = True,
+        fast_layers: int | None = None,
+        verify_reads: bool | None = None,
+        retry_after_s: float = 5.0,
+        on_evict: EvictHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """
+        ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
+        ``sealer``: encryption/compression for persistent tiers (SEC4).
+        ``fast_layers``: keep layers [0, n) of a new block in the first tier and
+        the rest in the second (the draft's device 0-15 / host 16-31 split).
+        ``verify_reads``: check layer digests when reading persistent tiers;
+        default: only when the sealer does not authenticate (no key).
+        """
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.slots = [TierSlot(tier, capacity, policy()) for tier, capacity in tiers]
+        self.sealer = sealer or SegmentSealer()
+        self.leases = LeaseTable(lease_limits or LeaseLimits(), clock)
+        self.promote = promote
+        self.fast_layers = fast_layers
+        self.verify_reads = verify_reads
+        self.retry_after_s = retry_after_s
+        self.on_evict = on_evict
+        self.clock = clock
+        self.stats = StoreStats()
+        self._blocks: dict[BlockRef, BlockInfo] = {}
+        self._by_key: dict[str, set[BlockRef]] = {}
+        self._lock = asyncio.Lock()
+
+    # --- queries -------------------------------------------------------
+
+    def __contains__(self, ref: object) -> bool:
+        return ref in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def blocks(self) -> Iterator[BlockInfo]:
+        return iter(list(self._blocks.values()))
+
+    def info(self, ref: BlockRef) -> BlockInfo:
+        info = self._blocks.get(ref)
+        if info is None:
+            raise NotFound(f"block {ref.block_key} is not held")
+        return info
+
+    def refs_for_key(self, block_key: str) -> set[BlockRef]:
+        return set(self._by_key.get(block_key, ()))
+
+    def residency(self, ref: BlockRef) -> tuple[Residency, ...]:
+        """The ``residency`` array of the block's Replica Record: adjacent
+        segments in one tier merged, ascending, non-overlapping (R2)."""
+        out: list[Residency] = []
+        for segment in sorted(self.info(ref).segments, key=lambda s: s.first):
+            slot = self.slots[segment.slot]
+            prev = out[-1] if out else None
+            if prev is not None and prev.tier == slot.kind and prev.last + 1 == segment.first:
+                out[-1] = Residency(prev.tier, prev.first, segment.last, prev.read_mbit_per_s)
+            else:
+                out.append(
+                    Residency(slot.kind, segment.first, segment.last, slot.tier.read_mbit_per_s)
+                )
+        return tuple(out)
+
+    def replica_record(self, ref: BlockRef, holder: str, ttl_ms: int) -> ReplicaRecord:
+        info = self.info(ref)
+        digests = info.layer_digests
+        return ReplicaRecord(
+            block_key=ref.block_key,
+            compat_id=ref.compat_id,
+            scope_id=ref.scope_id,
+            holder=holder,
+            codec=info.codec,
+            size=info.size,
+            digest="sha-256:" + kc.replica_digest(digests).hex(),
+            residency=self.residency(ref),
+            ttl_ms=ttl_ms,
+            layer_digests=tuple(d.hex() for d in digests),
+        )
+
+    def health(self) -> list[dict[str, object]]:
+        now = self.clock()
+        return [
+            {
+                "tier": s.kind,
+                "used": s.used,
+                "capacity": s.capacity,
+                "degraded": s.degraded_until > now,
+                "failures": s.failures,
+                "last_error": s.last_error,
+            }
+            for s in self.slots
+        ]
+
+    # --- writes --------------------------------------------------------
+
+    async def put(
+        self,
+        ref: BlockRef,
+        data: BytesLike,
+        *,
+        descriptor: CompatibilityDescriptor | None = None,
+    ) -> BlockInfo:
+        """Store a block from its container octets (BL7).
+
+        Raises :class:`PreconditionFailed` if the block is held (the old copy
+        stays), :class:`MalformedContainer` for a bad container, and
+        :class:`InsufficientStorage` when no tier can take it.
+        """
+        container = kc.decode(data, descriptor=descriptor)
+        if len(container) == 0:
+            raise MalformedContainer("a block must carry at least one layer")
+        layers = {layer.index: (len(layer.k), len(layer.v), layer.digest()) for layer in container}
+        async with self._lock:
+            if ref in self._blocks:
+                raise PreconditionFailed(f"block {ref.block_key} is already held")
+            info = BlockInfo(ref, container.codec, container.token_count, layers, [])
+            try:
+                for first, last, slot in self._split(container):
+                    part = container.slice(first, last).tobytes()
+                    await self._place(info, first, last, part, slot)
+            except BaseException:
+                await self._discard(info)
+                raise
+            self._blocks[ref] = info
+            self._by_key.setdefault(ref.block_key, set()).add(ref)
+            self.stats.puts += 1
+            return info
+
+    def _split(self, container: kc.Container) -> list[tuple[int, int, int]]:
+        first, last = container.first_layer, container.last_layer
+        n = self.fast_layers
+        if n is None or len(self.slots) < 2 or first >= n or last < n:
+            return [(first, last, 0)]
+        return [(first, n - 1, 0), (n, last, 1)]
+
+    async def _place(
+        self, info: BlockInfo, first: int, last: int, plain: bytes, start: int
+    ) -> None:
+        """Write a new segment in the first tier from ``start`` that can take it."""
+        errors: list[str] = []
+        for index in range(start, len(self.slots)):
+            slot = self.slots[index]
+            if slot.degraded_until > self.clock():
+                errors.append(f"{slot.kind}: degraded")
+                continue
+            stored = self._seal(slot, info.ref, first, last, plain)
+            size = len(memoryview(stored))
+            if not await self._make_room(index, size, exclude=info.ref):
+                errors.append(f"{slot.kind}: full")
+                continue
+            segment = Segment(info.ref, first, last, index, size)
+            try:
+                await self._tier_call(slot, slot.tier.put(segment.key, stored))
+            except (TierUnavailable, TierFull) as exc:
+                errors.append(f"{slot.kind}: {exc.detail}")
+                continue
+            self._attach(info, segment)
+            return
+        raise InsufficientStorage(
+            f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
+        )
+
+    def _seal(
+        self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike
+    ) -> BytesLike:
+        if not slot.tier.persistent:
+            return plain
+        return self.sealer.seal(ref.segment_name(first, last), plain)
+
+    def _attach(self, info: BlockInfo, segment: Segment) -> None:
+        slot = self.slots[segment.slot]
+        slot.used += segment.stored_octets
+        slot.policy.add(segment.id)
+        info.segments.append(segment)
+        info.segments.sort(key=lambda s: s.first)
+
+    def _detach(self, info: BlockInfo, segment: Segment) -> None:
+        slot = self.slots[segment.slot]
+        slot.used -= segment.stored_octets
+        slot.policy.remove(segment.id)
+        info.segments.remove(segment)
+
+    def _pinned(self, ref: BlockRef) -> bool:
+        info = self._blocks.get(ref)
+        return (info is not None and info.readers > 0) or self.leases.is_leased(ref)
+
+    async def _make_room(self, index: int, need: int, exclude: BlockRef | None = None) -> bool:
+        """Free ``need`` octets in tier ``index`` by demoting or evicting unpinned segments."""
+        slot = self.slots[index]
+        if need > slot.capacity:
+            return False
+        if slot.used + need <= slot.capacity:
+            return True
+        for item in slot.policy.candidates():
+            ref, first = cast(tuple[BlockRef, int], item)
+            if slot.used + need <= slot.capacity:
+                break
+            if ref == exclude or self._pinned(ref):
+                continue  # LE2: leased and in-flight blocks never move
+            info = self._blocks.get(ref)
+            segment = next((s for s in info.segments if s.first == first), None) if info else None
+            if info is None or segment is None or segment.slot != index:
+                slot.policy.remove((ref, first))
+                continue
+            if not await self._demote(info, segment):
+                await self._evict(info, "capacity")
+        return slot.used + need <= slot.capacity
+
+    async def _demote(self, info: BlockInfo, segment: Segment) -> bool:
+        """Move a segment one step down the chain (skipping degraded tiers)."""
+        src = self.slots[segment.slot]
+        try:
+            plain = await self._load(info, segment, locked=True)
+        except (TierUnavailable, CorruptData, NotFound):
+            return segment not in info.segments  # lost data was evicted: room made
+        for index in range(segment.slot + 1, len(self.slots)):
+            dst = self.slots[index]
+            if dst.degraded_until > self.clock():
+                continue
+            stored = self._seal(dst, info.ref, segment.first, segment.last, plain)
+            size = len(memoryview(stored))
+            if not await self._make_room(index, size, exclude=info.ref):
+                continue
+            moved = Segment(info.ref, segment.first, segment.last, index, size)
+            try:
+                # Written below before it is removed above: nothing is lost.
+                await self._tier_call(dst, dst.tier.put(moved.key, stored))
+            except (TierUnavailable, TierFull):
+                continue
+            if segment not in info.segments:
+                # Gone meanwhile (evicted by a nested make-room): undo the copy.
+                await self._quiet_delete(dst, moved.key)
+                return True
+            self._detach(info, segment)
+            self._attach(info, moved)
+            await self._quiet_delete(src, segment.key)
+            self.stats.demotions += 1
+            return True
+        return False
+
+    async def _promote(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
+        """Copy a segment read from a lower tier into the first tier (promotion on hit)."""
+        async with self._lock:
+            # Another read still walks the old location: moving it would pull
+            # the segment out from under that read.
+            if info.readers or segment not in info.segments or info.ref not in self._blocks:
+                return
+            top = self.slots[0]
+            if top.degraded_until > self.clock():
+                return
+            stored = self._seal(top, info.ref, segment.first, segment.last, plain)
+            size = len(memoryview(stored))
+            if not await self._make_room(0, size, exclude=info.ref):
+                return
+            moved = Segment(info.ref, segment.first, segment.last, 0, size)
+            try:
+                await self._tier_call(top, top.tier.put(moved.key, stored))
+            except (TierUnavailable, TierFull):
+                return
+            if segment not in info.segments:
+                await self._quiet_delete(top, moved.key)
+                return
+            src = self.slots[segment.slot]
+            self._detach(info, segment)
+            self._attach(info, moved)
+            await self._quiet_delete(src, segment.key)
+            self.stats.promotions += 1
+
+    async def _evict(self, info: BlockInfo, reason: str) -> None:
+        """Remove a whole block from the holder, notifying first (P3, LE4)."""
+        if self.on_evict is not None:
+            try:
+                await self.on_evict(info.ref, reason)
+            except Exception:
+                log.exception("eviction hook failed for %s", info.ref.block_key)
+        await self._discard(info)
+        self._blocks.pop(info.ref, None)
+        refs = self._by_key.get(info.ref.block_key)
+        if refs is not None:
+            refs.discard(info.ref)
+            if not refs:
+                del self._by_key[info.ref.block_key]
+        self.leases.forget_block(info.ref)
+        if reason == "capacity":
+            self.stats.evictions += 1
+        else:
+            self.stats.fault_evictions += 1
+        log.info("evicted %s (%s)", info.ref.block_key, reason)
+
+    async def _discard(self, info: BlockInfo) -> None:
+        for segment in list(info.segments):
+            self._detach(info, segment)
+            await self._quiet_delete(self.slots[segment.slot], segment.key)
+
+    async def _quiet_delete(self, slot: TierSlot, key: str) -> None:
+        try:
+            await self._tier_call(slot, slot.tier.delete(key))
+        except TierUnavailable:
+            log.warning("could not delete %s from %s; it stays orphaned", key, slot.kind)
+
+    async def delete(self, ref: BlockRef) -> None:
+        """Remove a block (an operator action); leased blocks are refused (LE2)."""
+        async with self._lock:
+            info = self.info(ref)
+            if self._pinned(ref):
+                raise PreconditionFailed(f"block {ref.block_key} is leased or being read")
+            await self._evict(info, "deleted")
+
+    # --- reads ---------------------------------------------------------
+
+    def read(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> BlockRead:
+        """Start a read of layers ``first..last`` (default: all held), BL1-BL2."""
+        info = self._blocks.get(ref)
+        if info is None:
+            self.stats.misses += 1
+            raise NotFound(f"block {ref.block_key} is not held")
+        a = info.first_layer if first is None else first
+        b = info.last_layer if last is None else last
+        if a > b or any(i not in info.layers for i in range(a, b + 1)):
+            raise LayersUnavailable(
+                f"layers {a}-{b} are not held; held: {info.first_layer}-{info.last_layer}",
+                held=[info.first_layer, info.last_layer],
+            )
+        self.stats.hits += 1
+        for segment in info.segments:
+            self.slots[segment.slot].policy.touch(segment.id)
+        return BlockRead(self, info, a, b)
+
+    async def get(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> bytes:
+        """Read layers ``first..last`` of a block into one container buffer."""
+        return await self.read(ref, first, last).read_all()
+
+    async def _load(self, info: BlockInfo, segment: Segment, locked: bool = False) -> BytesLike:
+        """A segment's plaintext container, opened and checked.
+
+        ``locked``: the caller holds the store lock (demotion), so data found
+        lost is evicted directly instead of through :meth:`_lost`.
+        """
+        slot = self.slots[segment.slot]
+        stored = await self._tier_call(slot, slot.tier.get(segment.key))
+        if stored is None:
+            # The tier lost data it had acknowledged (restart, external eviction).
+            await self._lost(
+                info, f"{slot.kind} lost layers {segment.first}-{segment.last}", locked
+            )
+            raise NotFound(f"block {info.ref.block_key} is no longer held")
+        if not slot.tier.persistent:
+            return stored
+        try:
+            plain = self.sealer.open(info.ref.segment_name(segment.first, segment.last), stored)
+            verify = self.verify_reads
+            if verify is None:
+                verify = not self.sealer.authenticates
+            if verify:
+                self._verify(info, segment, plain)
+        except CorruptData:
+            self.stats.integrity_failures += 1
+            await self._lost(info, f"corrupt segment in {slot.kind}", locked)
+            raise
+        return plain
+
+    def _verify(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
+        try:
+            container = kc.decode(plain)
+        except Exception as exc:
+            raise CorruptData(f"segment of {info.ref.block_key} does not decode: {exc}") from exc
+        if (container.first_layer, container.last_layer) != (segment.first, segment.last):
+            raise CorruptData(f"segment of {info.ref.block_key} holds other layers")
+        for layer in container:
+            if layer.digest() != info.layers[layer.index][2]:
+                raise CorruptData(f"layer {layer.index} of {info.ref.block_key} fails its digest")
+
+    async def _lost(self, info: BlockInfo, reason: str, locked: bool) -> None:
+        """LE4: data a tier no longer holds leaves the holder, notified first."""
+        if locked:
+            if info.ref in self._blocks:
+                await self._evict(info, reason)
+            return
+        async with self._lock:
+            if info.ref in self._blocks:
+                await self._evict(info, reason)
+
+    async def _tier_call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
+        """Run a tier operation; record failures and successes (one place, STYLE 8)."""
+        try:
+            result = await call
+        except TierUnavailable as exc:
+            slot.failures += 1
+            slot.last_error = exc.detail
+            slot.degraded_until = self.clock() + self.retry_after_s
+            self.stats.tier_errors += 1
+            log.warning("tier %s unavailable: %s", slot.kind, exc.detail)
+            raise
+        if slot.degraded_until:
+            log.info("tier %s recovered", slot.kind)
+            slot.degraded_until = 0.0
+        return result  # type: ignore[return-value]
+
+    # --- leases --------------------------------------------------------
+
+    def lease(self, client: str, block_keys: Iterable[str], ttl_ms: int) -> Lease:
+        """Lease every held block with one of ``block_keys`` (LE1-LE3)."""
+        held = [
+            (ref, self._blocks[ref].size)
+            for key in dict.fromkeys(block_keys)
+            for ref in self._by_key.get(key, ())
+        ]
+        if not held:
+            raise NotFound("none of the block keys is held")
+        return self.leases.grant(client, held, ttl_ms)
+
+    def renew_lease(self, client: str, lease_id: str, ttl_ms: int) -> Lease:
+        return self.leases.renew(client, lease_id, ttl_ms)
+
+    def release_lease(self, client: str, lease_id: str) -> None:
+        self.leases.release(client, lease_id)
+
+    # --- lifecycle -----------------------------------------------------
+
+    async def recover(self) -> int:
+        """Find the segments persistent tiers still hold (after a restart).
+
+        Each segment is opened and decoded (so a tampered one is dropped, not
+        trusted); returns the number of blocks found.
+        """
+        async with self._lock:
+            for index, slot in enumerate(self.slots):
+                if not slot.tier.persistent:
+                    continue
+                async for key in slot.tier.keys():
+                    await self._recover_segment(index, slot, key)
+        return len(self._blocks)
+
+    async def _recover_segment(self, index: int, slot: TierSlot, key: str) -> None:
+        parsed = parse_segment_key(key)
+        if parsed is None:
+            return
+        ref, first, last = parsed
+        stored = await self._tier_call(slot, slot.tier.get(key))
+        if stored is None:
+            return
+        try:
+            plain = self.sealer.open(ref.segment_name(first, last), stored)
+            container = kc.decode(plain)
+        except Exception as exc:
+            self.stats.integrity_failures += 1
+            log.warning("dropping unreadable segment %s in %s: %s", key, slot.kind, exc)
+            await self._quiet_delete(slot, key)
+            return
+        info = self._blocks.get(ref)
+        if info is None:
+            info = BlockInfo(ref, container.codec, container.token_count, {}, [])
+            self._blocks[ref] = info
+            self._by_key.setdefault(ref.block_key, set()).add(ref)
+        if any(i in info.layers for i in range(first, last + 1)) or info.codec != container.codec:
+            # A second copy (e.g. a demotion interrupted after its write).
+            await self._quiet_delete(slot, key)
+            return
+        for layer in container:
+            info.layers[layer.index] = (len(layer.k), len(layer.v), layer.digest())
+        self._attach(info, Segment(ref, first, last, index, len(memoryview(stored))))
+
+    async def close(self) -> None:
+        for slot in self.slots:
+            await slot.tier.close()
+
+    async def __aenter__(self) -> TieredStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
