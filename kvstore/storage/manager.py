@@ -673,9 +673,10 @@ class TieredStore:
             plain = self.sealer.open(ref.segment_name(first, last), stored)
             container = kc.decode(plain)
         except Exception as exc:
+            # Left in place, not deleted: a wrong key in the configuration
+            # must not destroy the data it cannot read.
             self.stats.integrity_failures += 1
-            log.warning("dropping unreadable segment %s in %s: %s", key, slot.kind, exc)
-            await self._quiet_delete(slot, key)
+            log.warning("skipping unreadable segment %s in %s: %s", key, slot.kind, exc)
             return
         info = self._blocks.get(ref)
         if info is None:

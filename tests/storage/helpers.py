@@ -1,0 +1,73 @@
+"""Blocks and stores for storage tests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from kvstore.protocol import container as kc
+from kvstore.storage import BlockRef
+from kvstore.storage.tier import Tier
+
+COMPAT = hashlib.sha256(b"compat").hexdigest()
+SCOPE = hashlib.sha256(b"scope").hexdigest()[:32]
+
+
+def ref(n: int) -> BlockRef:
+    return BlockRef(COMPAT, SCOPE, hashlib.sha256(f"block {n}".encode()).hexdigest())
+
+
+def block(layers: int = 8, section: int = 256, first: int = 0) -> bytes:
+    """A container of ``layers`` layers with random K/V sections of ``section`` octets."""
+    secs = [(os.urandom(section), os.urandom(section)) for _ in range(layers)]
+    return bytes(kc.encode(secs, first_layer=first, token_count=4))
+
+
+def size_of(layers: int = 8, section: int = 256) -> int:
+    return 20 + 16 * layers + 2 * section * layers
+
+
+class Recorder:
+    """An on_evict hook that records calls and what the store held at that moment."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[BlockRef, str, bool]] = []
+        self.store: Any = None
+
+    async def __call__(self, r: BlockRef, reason: str) -> None:
+        # P3: the hook runs *before* the block leaves the holder.
+        self.calls.append((r, reason, self.store is not None and r in self.store))
+
+
+class FlakyTier(Tier):
+    """Wraps a tier; ``down = True`` makes every call fail like a dead server."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.persistent = inner.persistent
+        self.down = False
+
+    def _check(self) -> None:
+        from kvstore.protocol.problems import TierUnavailable
+
+        if self.down:
+            raise TierUnavailable("injected failure", tier=self.kind)
+
+    async def get(self, key: str) -> Any:
+        self._check()
+        return await self.inner.get(key)
+
+    async def put(self, key: str, value: Any) -> None:
+        self._check()
+        await self.inner.put(key, value)
+
+    async def delete(self, key: str) -> None:
+        self._check()
+        await self.inner.delete(key)
+
+    async def keys(self) -> Any:
+        self._check()
+        async for key in self.inner.keys():
+            yield key

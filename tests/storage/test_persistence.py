@@ -1,0 +1,240 @@
+"""Persistent tiers: encryption at rest, tamper detection, restart recovery, faults."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from backends.host import HostTier
+from backends.lmdb import LmdbTier
+from backends.redis import RedisTier
+from backends.s3 import S3Tier
+from kvstore.protocol import container as kc
+from kvstore.protocol.problems import CorruptData, DigestMismatch, NotFound, TierUnavailable
+from kvstore.storage import SegmentSealer, TieredStore
+from kvstore.storage.tier import Tier
+
+from ..conftest import S3_CREDENTIALS, RedisServer, free_port
+from .helpers import FlakyTier, Recorder, block, ref, size_of
+from .tiers import make_tier
+
+SIZE = size_of()
+KEY = bytes(range(32))
+PERSISTENT = ["local-storage", "remote-memory", "remote-storage"]
+
+
+async def flip_stored_byte(tier: Tier, key: str, offset: int = -5) -> None:
+    """Corrupt one octet of a stored segment behind the store's back."""
+    stored = await tier.get(key)
+    assert stored is not None
+    data = bytearray(stored)
+    data[offset] ^= 0x01
+    await tier.put(key, bytes(data))
+
+
+@pytest.mark.parametrize("kind", PERSISTENT)
+@pytest.mark.parametrize("encrypted", [True, False], ids=["aes-gcm", "plain"])
+async def test_tampering_is_detected_not_served(
+    kind: str, encrypted: bool, request: pytest.FixtureRequest
+) -> None:
+    # SEC4/BL8: a flipped byte fails as a decrypt or digest error, never garbage;
+    # LE4: the block is withdrawn (hook first) although it is leased.
+    tier = make_tier(kind, request)
+    recorder = Recorder()
+    store = TieredStore(
+        [(tier, 10 * SIZE)],
+        sealer=SegmentSealer(KEY if encrypted else None),
+        on_evict=recorder,
+    )
+    recorder.store = store
+    await store.put(ref(1), block())
+    store.lease("c", [ref(1).block_key], 10_000)
+    [segment] = store.info(ref(1)).segments
+    await flip_stored_byte(tier, segment.key)
+    with pytest.raises(DigestMismatch) as info:
+        await store.get(ref(1))
+    assert isinstance(info.value, CorruptData)
+    assert info.value.status == 422
+    assert ref(1) not in store
+    assert recorder.calls and recorder.calls[0][0] == ref(1) and recorder.calls[0][2]
+    assert store.stats.integrity_failures == 1
+    await store.close()
+
+
+async def test_encrypted_segments_hide_the_plaintext(lmdb_path: str) -> None:
+    tier = LmdbTier(lmdb_path)
+    store = TieredStore([(tier, 10 * SIZE)], sealer=SegmentSealer(KEY))
+    data = block()
+    await store.put(ref(1), data)
+    [segment] = store.info(ref(1)).segments
+    stored = await tier.get(segment.key)
+    assert stored is not None
+    layer = kc.decode(data).layer(0)
+    assert bytes(layer.k)[:64] not in bytes(stored)
+    assert await store.get(ref(1)) == data
+    await store.close()
+
+
+async def test_segment_copied_under_another_name_fails(lmdb_path: str) -> None:
+    # SEC4: the block resource name is the associated data of AES-GCM.
+    tier = LmdbTier(lmdb_path)
+    store = TieredStore([(tier, 10 * SIZE)], sealer=SegmentSealer(KEY))
+    await store.put(ref(1), block())
+    await store.put(ref(2), block())
+    a, b = store.info(ref(1)).segments[0], store.info(ref(2)).segments[0]
+    stolen = await tier.get(a.key)
+    assert stolen is not None
+    await tier.put(b.key, stolen)
+    with pytest.raises(CorruptData, match="authentication"):
+        await store.get(ref(2))
+    await store.close()
+
+
+@pytest.mark.parametrize("compress", [False, True])
+async def test_compression_round_trip(lmdb_path: str, compress: bool) -> None:
+    tier = LmdbTier(lmdb_path)
+    store = TieredStore([(tier, 10 * SIZE)], sealer=SegmentSealer(KEY, compress=compress))
+    secs = [(bytes(256), bytes(256)) for _ in range(8)]  # compressible
+    data = bytes(kc.encode(secs, token_count=4))
+    await store.put(ref(1), data)
+    [segment] = store.info(ref(1)).segments
+    assert (segment.stored_octets < len(data)) == compress
+    assert await store.get(ref(1)) == data
+    await store.close()
+
+
+@pytest.mark.parametrize("kind", PERSISTENT)
+async def test_restart_finds_segments_again(kind: str, request: pytest.FixtureRequest) -> None:
+    tier = make_tier(kind, request)
+    store = TieredStore([(tier, 10 * SIZE)], sealer=SegmentSealer(KEY, compress=True))
+    blocks = {n: block() for n in (1, 2, 3)}
+    for n, data in blocks.items():
+        await store.put(ref(n), data)
+    records = {n: store.replica_record(ref(n), "https://h/", 1000) for n in blocks}
+    options = {}
+    if kind == "remote-memory":
+        options["prefix"] = tier.prefix  # type: ignore[attr-defined]
+    if kind == "remote-storage":
+        options["bucket"] = tier.bucket  # type: ignore[attr-defined]
+    await store.close()
+
+    reopened = TieredStore(
+        [(make_tier(kind, request, **options), 10 * SIZE)],
+        sealer=SegmentSealer(KEY, compress=True),
+    )
+    assert await reopened.recover() == 3
+    for n, data in blocks.items():
+        assert reopened.replica_record(ref(n), "https://h/", 1000) == records[n]
+        assert await reopened.get(ref(n)) == data
+    assert reopened.slots[0].used == store.slots[0].used
+    await reopened.close()
+
+
+async def test_restart_with_a_split_block(lmdb_path: str, tmp_path: object) -> None:
+    path2 = lmdb_path + "-2"
+    store = TieredStore(
+        [(LmdbTier(lmdb_path), 10 * SIZE), (LmdbTier(path2), 10 * SIZE)],
+        fast_layers=3,
+        sealer=SegmentSealer(KEY),
+    )
+    data = block()
+    await store.put(ref(1), data)
+    await store.close()
+    again = TieredStore(
+        [(LmdbTier(lmdb_path), 10 * SIZE), (LmdbTier(path2), 10 * SIZE)], sealer=SegmentSealer(KEY)
+    )
+    assert await again.recover() == 1
+    segments = again.info(ref(1)).segments
+    assert [(s.first, s.last, s.slot) for s in segments] == [(0, 2, 0), (3, 7, 1)]
+    assert await again.get(ref(1)) == data
+    await again.close()
+
+
+async def test_wrong_key_at_restart_keeps_the_data(lmdb_path: str) -> None:
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(KEY))
+    data = block()
+    await store.put(ref(1), data)
+    await store.close()
+    wrong = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(bytes(32)))
+    assert await wrong.recover() == 0
+    assert wrong.stats.integrity_failures == 1
+    await wrong.close()
+    right = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(KEY))
+    assert await right.recover() == 1
+    assert await right.get(ref(1)) == data
+    await right.close()
+
+
+async def test_redis_killed_mid_run_degrades_and_recovers(own_redis: RedisServer) -> None:
+    # A real redis-server is killed and restarted (it keeps nothing on disk).
+    recorder = Recorder()
+    redis = RedisTier(url=own_redis.url, prefix="kill:", timeout_s=2.0)
+    store = TieredStore(
+        [(HostTier(), SIZE), (redis, 10 * SIZE)],
+        promote=False,
+        retry_after_s=0.0,
+        on_evict=recorder,
+    )
+    recorder.store = store
+    one, two = block(), block()
+    await store.put(ref(1), one)
+    await store.put(ref(2), two)  # 1 is demoted into Redis
+    assert store.residency(ref(1))[0].tier == "remote-memory"
+
+    own_redis.kill()
+    with pytest.raises(TierUnavailable):
+        await store.get(ref(1))
+    assert store.health()[1]["failures"] == 1
+    assert await store.get(ref(2)) == two  # the host tier still serves
+    assert ref(1) in store  # an unreachable tier is not data loss
+
+    own_redis.start()  # back, but empty
+    with pytest.raises(NotFound):
+        await store.get(ref(1))
+    assert ref(1) not in store
+    assert recorder.calls[-1][0] == ref(1) and recorder.calls[-1][2]
+    await store.put(ref(3), block())  # demotes 2 into the new Redis
+    assert store.residency(ref(2))[0].tier == "remote-memory"
+    assert await store.get(ref(2)) == two
+    assert store.health()[1]["degraded"] is False
+    await store.close()
+
+
+async def test_degraded_tier_is_skipped_for_writes_until_retry() -> None:
+    lower = FlakyTier(HostTier())
+    lower.persistent = False
+    store = TieredStore([(HostTier(), SIZE), (lower, 10 * SIZE)], retry_after_s=3600)
+    await store.put(ref(1), block())
+    lower.down = True
+    await store.put(ref(2), block())  # demoting 1 fails: 1 is evicted, 2 is placed
+    assert ref(1) not in store and ref(2) in store
+    assert store.health()[1]["degraded"] is True
+    lower.down = False  # still skipped until the retry time
+    await store.put(ref(3), block())
+    assert ref(2) not in store
+    assert store.stats.tier_errors == 1
+
+
+async def test_s3_unreachable_is_tier_unavailable() -> None:
+    tier = S3Tier(
+        bucket="nowhere", endpoint_url=f"http://127.0.0.1:{free_port()}", timeout_s=2.0,
+        **S3_CREDENTIALS,
+    )  # fmt: skip
+    with pytest.raises(TierUnavailable):
+        await tier.put("k" * 64 + "/x", b"data")
+    store = TieredStore([(HostTier(), SIZE), (tier, 10 * SIZE)])
+    await store.put(ref(1), block())
+    await store.put(ref(2), block())  # demotion fails, 1 is evicted, no crash
+    assert ref(2) in store
+    assert store.health()[1]["degraded"] is True
+    await store.close()
+
+
+async def test_lmdb_full_is_reported(lmdb_path: str) -> None:
+    from kvstore.protocol.problems import TierFull
+
+    tier = LmdbTier(lmdb_path, map_size=64 * 1024)
+    with pytest.raises(TierFull):
+        await tier.put("f" * 64 + "/x", os.urandom(256 * 1024))
+    await tier.close()
