@@ -126,9 +126,20 @@ def cmd_digest(args: argparse.Namespace) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> Any:
     from .bench import format_table
-    from .bench import protocol as bench_protocol
 
-    results = bench_protocol.run(quick=args.quick)
+    if args.suite == "protocol":
+        from .bench import protocol as bench_protocol
+
+        results = bench_protocol.run(quick=args.quick)
+    else:
+        from .bench import store as bench_store
+
+        results = bench_store.run(
+            quick=args.quick,
+            redis_url=None if args.redis_url == "none" else args.redis_url,
+            s3_endpoint=args.s3_endpoint,
+            start_moto=not args.no_s3,
+        )
     if args.json:
         return [r.to_json() for r in results]
     return format_table(results)
@@ -175,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     proto.add_argument("--quick", action="store_true", help="smaller inputs, fewer repeats")
     proto.add_argument("--json", action="store_true", help="print results as JSON")
     proto.set_defaults(func=cmd_bench)
+    store = bsub.add_parser("store", help="put/get GB/s per tier against raw client baselines")
+    store.add_argument("--quick", action="store_true", help="fewer blocks, one round")
+    store.add_argument("--json", action="store_true", help="print results as JSON")
+    store.add_argument(
+        "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use, or 'none'"
+    )
+    store.add_argument("--s3-endpoint", help="S3 endpoint (default: start moto's server)")
+    store.add_argument("--no-s3", action="store_true", help="skip the S3 tier")
+    store.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -28,6 +28,7 @@ MAGIC = b"KVE1"
 FLAG_ZSTD = 0x01
 _NONCE = 12
 _HEAD = len(MAGIC) + 1 + _NONCE
+_TAG = 16
 
 
 class SegmentSealer:
@@ -61,8 +62,11 @@ class SegmentSealer:
         if self._aead is None:
             return MAGIC + bytes([flags]) + bytes(_NONCE) + bytes(data)
         nonce = os.urandom(_NONCE)
-        sealed = self._aead.encrypt(nonce, bytes(data), name + bytes([flags]))
-        return MAGIC + bytes([flags]) + nonce + sealed
+        # One pass, no intermediate copies: encrypt straight into the output.
+        out = bytearray(_HEAD + len(memoryview(data)) + _TAG)
+        out[:_HEAD] = MAGIC + bytes([flags]) + nonce
+        self._aead.encrypt_into(nonce, data, name + bytes([flags]), memoryview(out)[_HEAD:])
+        return out
 
     def open(self, name: bytes, stored: BytesLike) -> BytesLike:
         """The plaintext of a stored segment; :class:`CorruptData` if it was altered."""
@@ -74,8 +78,12 @@ class SegmentSealer:
         flags = view[4]
         body: BytesLike = view[_HEAD:]
         if self._aead is not None:
+            if len(view) < _HEAD + _TAG:
+                raise CorruptData(f"segment {name.decode()} is truncated")
+            plain = bytearray(len(view) - _HEAD - _TAG)
             try:
-                body = self._aead.decrypt(bytes(view[5:_HEAD]), bytes(body), name + bytes([flags]))
+                self._aead.decrypt_into(bytes(view[5:_HEAD]), body, name + bytes([flags]), plain)
+                body = plain
             except InvalidTag:
                 raise CorruptData(
                     f"segment {name.decode()} failed authentication (altered or misplaced)"

@@ -31,6 +31,7 @@ import base64
 import hashlib
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -59,6 +60,16 @@ log = logging.getLogger("kvstore.storage")
 
 EvictHook = Callable[[BlockRef, str], Awaitable[None]]
 
+#: Segments at least this large are hashed, sealed and checked in a worker
+#: thread: hashlib, zlib and AES-GCM release the GIL, so the event loop keeps
+#: serving and a second core does the work.
+_OFFLOAD_OCTETS = 256 * 1024
+
+
+def _layer_table(container: kc.Container) -> dict[int, tuple[int, int, bytes]]:
+    """absolute layer -> (K length, V length, layer digest) (B3)."""
+    return {layer.index: (len(layer.k), len(layer.v), layer.digest()) for layer in container}
+
 
 @dataclass(slots=True)
 class TierSlot:
@@ -84,6 +95,9 @@ class Segment:
     last: int
     slot: int
     stored_octets: int
+    #: CRC-32 of the stored octets, kept for persistent tiers that store
+    #: plaintext (no AES-GCM tag to catch changes made behind our back).
+    crc: int | None = None
 
     @property
     def id(self) -> tuple[BlockRef, int]:
@@ -237,8 +251,11 @@ class TieredStore:
         ``sealer``: encryption/compression for persistent tiers (SEC4).
         ``fast_layers``: keep layers [0, n) of a new block in the first tier and
         the rest in the second (the draft's device 0-15 / host 16-31 split).
-        ``verify_reads``: check layer digests when reading persistent tiers;
-        default: only when the sealer does not authenticate (no key).
+        ``verify_reads``: True re-checks layer digests on every read of a
+        persistent tier. By default (None) reads are checked by what is cheap:
+        the AES-GCM tag when encryption is on, else a CRC-32 of the stored
+        octets kept in memory (detects corruption, not a forger; turn
+        encryption on against one).
         """
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -339,18 +356,27 @@ class TieredStore:
         container = kc.decode(data, descriptor=descriptor)
         if len(container) == 0:
             raise MalformedContainer("a block must carry at least one layer")
-        layers = {layer.index: (len(layer.k), len(layer.v), layer.digest()) for layer in container}
+        # B3: the layer digests are computed in a worker thread while the
+        # segments are written; hashlib releases the GIL, so the two overlap.
+        hashing = asyncio.ensure_future(asyncio.to_thread(_layer_table, container))
         async with self._lock:
-            if ref in self._blocks:
-                raise PreconditionFailed(f"block {ref.block_key} is already held")
-            info = BlockInfo(ref, container.codec, container.token_count, layers, [])
             try:
-                for first, last, slot in self._split(container):
-                    part = container.slice(first, last).tobytes()
-                    await self._place(info, first, last, part, slot)
-            except BaseException:
-                await self._discard(info)
-                raise
+                if ref in self._blocks:
+                    raise PreconditionFailed(f"block {ref.block_key} is already held")
+                info = BlockInfo(ref, container.codec, container.token_count, {}, [])
+                try:
+                    for first, last, slot in self._split(container):
+                        if (first, last) == (container.first_layer, container.last_layer):
+                            part: BytesLike = data  # the whole container: no copy
+                        else:
+                            part = container.slice(first, last).tobytes()
+                        await self._place(info, first, last, part, slot)
+                    info.layers = await hashing
+                except BaseException:
+                    await self._discard(info)
+                    raise
+            finally:
+                await asyncio.gather(hashing, return_exceptions=True)
             self._blocks[ref] = info
             self._by_key.setdefault(ref.block_key, set()).add(ref)
             self.stats.puts += 1
@@ -364,7 +390,7 @@ class TieredStore:
         return [(first, n - 1, 0), (n, last, 1)]
 
     async def _place(
-        self, info: BlockInfo, first: int, last: int, plain: bytes, start: int
+        self, info: BlockInfo, first: int, last: int, plain: BytesLike, start: int
     ) -> None:
         """Write a new segment in the first tier from ``start`` that can take it."""
         errors: list[str] = []
@@ -373,12 +399,12 @@ class TieredStore:
             if slot.degraded_until > self.clock():
                 errors.append(f"{slot.kind}: degraded")
                 continue
-            stored = self._seal(slot, info.ref, first, last, plain)
+            stored, crc = await self._stored_form(slot, info.ref, first, last, plain)
             size = len(memoryview(stored))
             if not await self._make_room(index, size, exclude=info.ref):
                 errors.append(f"{slot.kind}: full")
                 continue
-            segment = Segment(info.ref, first, last, index, size)
+            segment = Segment(info.ref, first, last, index, size, crc)
             try:
                 await self._tier_call(slot, slot.tier.put(segment.key, stored))
             except (TierUnavailable, TierFull) as exc:
@@ -390,12 +416,22 @@ class TieredStore:
             f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
         )
 
-    def _seal(
+    async def _stored_form(
         self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike
-    ) -> BytesLike:
+    ) -> tuple[BytesLike, int | None]:
+        """What a tier stores for a segment, and its CRC-32 when no tag protects it."""
         if not slot.tier.persistent:
-            return plain
-        return self.sealer.seal(ref.segment_name(first, last), plain)
+            return plain, None
+
+        def seal() -> tuple[BytesLike, int | None]:
+            stored = self.sealer.seal(ref.segment_name(first, last), plain)
+            crc = None if self.sealer.authenticates else zlib.crc32(stored)
+            return stored, crc
+
+        # Large segments are sealed off the event loop (AES-GCM, zstd, CRC).
+        if len(memoryview(plain)) >= _OFFLOAD_OCTETS:
+            return await asyncio.to_thread(seal)
+        return seal()
 
     def _attach(self, info: BlockInfo, segment: Segment) -> None:
         slot = self.slots[segment.slot]
@@ -447,11 +483,11 @@ class TieredStore:
             dst = self.slots[index]
             if dst.degraded_until > self.clock():
                 continue
-            stored = self._seal(dst, info.ref, segment.first, segment.last, plain)
+            stored, crc = await self._stored_form(dst, info.ref, segment.first, segment.last, plain)
             size = len(memoryview(stored))
             if not await self._make_room(index, size, exclude=info.ref):
                 continue
-            moved = Segment(info.ref, segment.first, segment.last, index, size)
+            moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
             try:
                 # Written below before it is removed above: nothing is lost.
                 await self._tier_call(dst, dst.tier.put(moved.key, stored))
@@ -478,11 +514,11 @@ class TieredStore:
             top = self.slots[0]
             if top.degraded_until > self.clock():
                 return
-            stored = self._seal(top, info.ref, segment.first, segment.last, plain)
+            stored, crc = await self._stored_form(top, info.ref, segment.first, segment.last, plain)
             size = len(memoryview(stored))
             if not await self._make_room(0, size, exclude=info.ref):
                 return
-            moved = Segment(info.ref, segment.first, segment.last, 0, size)
+            moved = Segment(info.ref, segment.first, segment.last, 0, size, crc)
             try:
                 await self._tier_call(top, top.tier.put(moved.key, stored))
             except (TierUnavailable, TierFull):
@@ -576,13 +612,23 @@ class TieredStore:
             raise NotFound(f"block {info.ref.block_key} is no longer held")
         if not slot.tier.persistent:
             return stored
-        try:
+
+        def check_and_open() -> BytesLike:
+            if segment.crc is not None and zlib.crc32(stored) != segment.crc:
+                raise CorruptData(
+                    f"segment {segment.first}-{segment.last} of {info.ref.block_key} "
+                    f"in {slot.kind} fails its checksum"
+                )
             plain = self.sealer.open(info.ref.segment_name(segment.first, segment.last), stored)
-            verify = self.verify_reads
-            if verify is None:
-                verify = not self.sealer.authenticates
-            if verify:
+            if self.verify_reads:
                 self._verify(info, segment, plain)
+            return plain
+
+        try:
+            if len(memoryview(stored)) >= _OFFLOAD_OCTETS:
+                plain = await asyncio.to_thread(check_and_open)
+            else:
+                plain = check_and_open()
         except CorruptData:
             self.stats.integrity_failures += 1
             await self._lost(info, f"corrupt segment in {slot.kind}", locked)
@@ -689,7 +735,9 @@ class TieredStore:
             return
         for layer in container:
             info.layers[layer.index] = (len(layer.k), len(layer.v), layer.digest())
-        self._attach(info, Segment(ref, first, last, index, len(memoryview(stored))))
+        size = len(memoryview(stored))
+        crc = None if self.sealer.authenticates else zlib.crc32(stored)
+        self._attach(info, Segment(ref, first, last, index, size, crc))
 
     async def close(self) -> None:
         for slot in self.slots:

@@ -1,0 +1,292 @@
+"""``kvstore bench store``: put and get GB/s per tier, beside raw baselines.
+
+For each tier, ``count`` blocks of ``block_mib`` MiB (32 layers) are stored
+and read back through the :class:`TieredStore`, and the same octets through
+the tier's own library with nothing around it:
+
+=============  ==========================================
+tier           baseline
+=============  ==========================================
+host           a plain dict of bytes
+local-storage  raw ``lmdb`` put/get (same map, same sync)
+remote-memory  raw redis-py SET/GET
+remote-storage raw aiobotocore put_object/get_object
+=============  ==========================================
+
+A store put decodes the container and hashes every layer (B3): work a raw
+put does not do. LMDB runs with ``sync=False`` on both sides: fsync time is
+the disk's, not ours, and made the comparison noise. Reads are consumed as a
+server would send them (the chunk stream, no join). A last pair of rows
+shows the cost of AES-GCM on LMDB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvstore.protocol import container as kc
+from kvstore.storage import BlockRef, SegmentSealer, TieredStore
+from kvstore.storage.tier import Tier
+
+from . import Result
+
+COMPAT = hashlib.sha256(b"bench").hexdigest()
+SCOPE = "0" * 32
+
+
+def _blocks(count: int, block_octets: int, layers: int = 32) -> list[tuple[BlockRef, bytes]]:
+    section = block_octets // (2 * layers)
+    out = []
+    for n in range(count):
+        secs = [(os.urandom(section), os.urandom(section)) for _ in range(layers)]
+        key = hashlib.sha256(n.to_bytes(4, "big") + os.urandom(8)).hexdigest()
+        out.append((BlockRef(COMPAT, SCOPE, key), bytes(kc.encode(secs, token_count=16))))
+    return out
+
+
+async def _best(fn: Callable[[], Awaitable[None]], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        await fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+async def _measure_store(
+    make_tier: Callable[[], Tier], blocks: list[tuple[BlockRef, bytes]], repeat: int,
+    sealer: SegmentSealer | None = None,
+) -> tuple[float, float]:  # fmt: skip
+    """(put seconds, get seconds) for all blocks through a fresh store each round."""
+    puts, gets = [], []
+    for _ in range(repeat):
+        tier = make_tier()
+        store = TieredStore([(tier, 1 << 40)], sealer=sealer, promote=False)
+        start = time.perf_counter()
+        for ref, data in blocks:
+            await store.put(ref, data)
+        puts.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for ref, _ in blocks:
+            async for _chunk in store.read(ref):
+                pass
+        gets.append(time.perf_counter() - start)
+        for ref, _ in blocks:
+            await store.delete(ref)
+        await store.close()
+    return min(puts), min(gets)
+
+
+def _rows(
+    tier: str, octets: int, ours: tuple[float, float], raw: tuple[float, float], what: str
+) -> list[Result]:
+    gb = octets / 1e9
+    return [
+        Result(f"{tier} put", "GB/s", gb / ours[0], f"{what} put", gb / raw[0], goal=0.7),
+        Result(f"{tier} get", "GB/s", gb / ours[1], f"{what} get", gb / raw[1], goal=0.7),
+    ]
+
+
+async def bench_host(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[Result]:
+    from backends.host import HostTier
+
+    octets = sum(len(d) for _, d in blocks)
+    ours = await _measure_store(HostTier, blocks, repeat)
+    table: dict[str, bytes] = {}
+
+    async def put() -> None:
+        for ref, data in blocks:
+            table[ref.block_key] = data
+
+    async def get() -> None:
+        for ref, _ in blocks:
+            table[ref.block_key]
+
+    raw = (await _best(put, repeat), await _best(get, repeat))
+    return _rows("host", octets, ours, raw, "dict")
+
+
+async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[Result]:
+    import lmdb
+
+    from backends.lmdb import LmdbTier
+
+    octets = sum(len(d) for _, d in blocks)
+    root = tempfile.mkdtemp(prefix="kvstore-bench-")
+    try:
+        counter = iter(range(10**6))
+
+        def fresh() -> LmdbTier:
+            return LmdbTier(
+                os.path.join(root, f"s{next(counter)}"), map_size=4 * octets + (64 << 20)
+            )
+
+        ours = await _measure_store(fresh, blocks, repeat)
+        sealed = await _measure_store(fresh, blocks, repeat, SegmentSealer(bytes(32)))
+        # A fresh map each round, as the store gets: new pages cost page faults.
+        envs = iter(
+            lmdb.open(
+                os.path.join(root, f"raw{i}"),
+                map_size=4 * octets + (64 << 20),
+                readahead=False,
+                sync=False,
+            )
+            for i in range(10**6)
+        )
+        env = next(envs)
+
+        async def put() -> None:
+            nonlocal env
+            env = next(envs)
+            for ref, data in blocks:
+                with env.begin(write=True) as txn:
+                    txn.put(ref.block_key.encode(), data)
+
+        async def get() -> None:
+            for ref, _ in blocks:
+                with env.begin(buffers=True) as txn:
+                    value = txn.get(ref.block_key.encode())
+                    assert value is not None
+                    bytes(value)
+
+        raw = (await _best(put, repeat), await _best(get, repeat))
+        env.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    gb = octets / 1e9
+    rows = _rows("local-storage (LMDB)", octets, ours, raw, "raw lmdb")
+    rows += [
+        Result("LMDB put, AES-GCM on", "GB/s", gb / sealed[0], "LMDB put, off", gb / ours[0], 0.7),
+        Result("LMDB get, AES-GCM on", "GB/s", gb / sealed[1], "LMDB get, off", gb / ours[1], 0.7),
+    ]
+    return rows
+
+
+async def bench_redis(blocks: list[tuple[BlockRef, bytes]], repeat: int, url: str) -> list[Result]:
+    import redis.asyncio as aioredis
+
+    from backends.redis import RedisTier
+
+    octets = sum(len(d) for _, d in blocks)
+    prefix = f"bench{os.getpid()}:"
+    ours = await _measure_store(lambda: RedisTier(url=url, prefix=prefix), blocks, repeat)
+    client: Any = aioredis.Redis.from_url(url)
+
+    async def put() -> None:
+        for ref, data in blocks:
+            await client.set(prefix + ref.block_key, data)
+
+    async def get() -> None:
+        for ref, _ in blocks:
+            await client.get(prefix + ref.block_key)
+
+    raw = (await _best(put, repeat), await _best(get, repeat))
+    await client.delete(*[prefix + ref.block_key for ref, _ in blocks])
+    await client.aclose()
+    return _rows("remote-memory (Redis)", octets, ours, raw, "raw redis-py")
+
+
+async def bench_s3(
+    blocks: list[tuple[BlockRef, bytes]], repeat: int, endpoint: str
+) -> list[Result]:
+    from aiobotocore.session import get_session
+
+    from backends.s3 import S3Tier
+
+    octets = sum(len(d) for _, d in blocks)
+    creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+    bucket = f"kvstore-bench-{os.getpid()}"
+    async with get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", **creds
+    ) as client:
+        await client.create_bucket(Bucket=bucket)
+
+        def fresh() -> S3Tier:
+            return S3Tier(
+                bucket, endpoint_url=endpoint, region="us-east-1",
+                access_key_id="bench", secret_access_key="bench",
+            )  # fmt: skip
+
+        ours = await _measure_store(fresh, blocks, repeat)
+
+        async def put() -> None:
+            for ref, data in blocks:
+                await client.put_object(Bucket=bucket, Key="raw/" + ref.block_key, Body=data)
+
+        async def get() -> None:
+            for ref, _ in blocks:
+                response = await client.get_object(Bucket=bucket, Key="raw/" + ref.block_key)
+                async with response["Body"] as body:
+                    await body.read()
+
+        raw = (await _best(put, repeat), await _best(get, repeat))
+    return _rows("remote-storage (S3, moto)", octets, ours, raw, "raw aiobotocore")
+
+
+def _start_moto() -> tuple[Any, str] | None:
+    """moto's server on a free loopback port, when moto is installed."""
+    import socket
+    import subprocess
+    import sys
+
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    return None
+
+
+async def _run(
+    count: int, block_mib: float, repeat: int, redis_url: str | None, s3_endpoint: str | None
+) -> list[Result]:
+    blocks = _blocks(count, int(block_mib * (1 << 20)))
+    results = await bench_host(blocks, repeat)
+    results += await bench_lmdb(blocks, repeat)
+    if redis_url:
+        results += await bench_redis(blocks, repeat, redis_url)
+    if s3_endpoint:
+        results += await bench_s3(blocks, repeat, s3_endpoint)
+    return results
+
+
+def run(
+    *,
+    quick: bool = False,
+    redis_url: str | None = "redis://127.0.0.1:6379/0",
+    s3_endpoint: str | None = None,
+    start_moto: bool = True,
+) -> list[Result]:
+    """All store benchmarks; S3 runs against ``s3_endpoint`` or a moto server started here."""
+    moto = None
+    if s3_endpoint is None and start_moto:
+        moto = _start_moto()
+        s3_endpoint = moto[1] if moto else None
+    try:
+        return asyncio.run(_run(4 if quick else 16, 2.0, 1 if quick else 5, redis_url, s3_endpoint))
+    finally:
+        if moto is not None:
+            moto[0].kill()
+            moto[0].wait()
