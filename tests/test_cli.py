@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +158,16 @@ def test_help_lists_the_commands() -> None:
     assert out.returncode == 0
     for command in ("keys", "container", "digest", "bench"):
         assert command in out.stdout
+
+
+def test_bench_store_quick_covers_every_tier(redis_server: Any, s3_endpoint: str) -> None:
+    out = kvstore(
+        "bench", "store", "--quick", "--json",
+        "--redis-url", redis_server.url, "--s3-endpoint", s3_endpoint,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    names = {r["name"] for r in json.loads(out.stdout)}
+    for tier in ("host", "LMDB", "Redis", "S3"):
+        assert any(tier in name for name in names), tier
+    for r in json.loads(out.stdout):
+        assert r["ratio"] == pytest.approx(r["value"] / r["baseline"])

@@ -222,3 +222,23 @@ async def test_health_reports_usage() -> None:
     assert health["tier"] == "host"
     assert health["used"] == SIZE
     assert health["degraded"] is False
+
+
+async def test_device_tier_in_the_store() -> None:
+    # The draft's split: first layers in accelerator memory (cpu here), the rest in host.
+    from backends.device import DeviceTier
+
+    device = DeviceTier("cpu")
+    store = TieredStore(
+        [(device, 10 * SIZE), (HostTier(), 10 * SIZE)], fast_layers=4, promote=False
+    )
+    data = block()
+    await store.put(ref(1), data)
+    assert [(r.tier, r.first, r.last) for r in store.residency(ref(1))] == [
+        ("device", 0, 3),
+        ("host", 4, 7),
+    ]
+    [first, _] = store.info(ref(1)).segments
+    tensor = device.tensor(first.key)
+    assert tensor is not None and tensor.device.type == "cpu"
+    assert await store.get(ref(1)) == data
