@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvstore.protocol._bytes import BytesLike
-from kvstore.protocol.problems import TierUnavailable
+from kvstore.protocol.problems import TierFull, TierUnavailable
 from kvstore.storage.tier import Tier
 
 if TYPE_CHECKING:
@@ -36,7 +36,10 @@ class DeviceTier(Tier):
         tensor = self._data.get(key)
         if tensor is None:
             return None
-        host = tensor.cpu()  # a no-op on a cpu device; one copy from an accelerator
+        try:
+            host = tensor.cpu()  # a no-op on a cpu device; one copy from an accelerator
+        except RuntimeError as exc:  # device fault, ECC error, lost context
+            raise TierUnavailable(f"device {self.device}: {exc}", tier=self.kind) from exc
         array: Any = host.numpy()
         return memoryview(array).cast("B")
 
@@ -45,7 +48,9 @@ class DeviceTier(Tier):
         staging = bytearray(value)  # a writable host buffer torch may alias
         try:
             tensor = torch.frombuffer(staging, dtype=torch.uint8).to(self.device)
-        except RuntimeError as exc:  # e.g. CUDA out of memory, device lost
+        except RuntimeError as exc:
+            if "out of memory" in str(exc):
+                raise TierFull(f"device {self.device} is out of memory") from exc
             raise TierUnavailable(f"device {self.device}: {exc}", tier=self.kind) from exc
         self._data[key] = tensor
 

@@ -8,10 +8,12 @@ use. ``NoSuchKey`` is a miss; connection failures and 5xx answers are
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
@@ -25,11 +27,12 @@ _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 
 @contextlib.contextmanager
 def _translated(where: str) -> Iterator[None]:
-    # STYLE 6: botocore's exceptions stop here.
+    # STYLE 6: botocore's and aiohttp's exceptions stop here (aiobotocore
+    # lets some aiohttp errors through, e.g. a body cut short).
     try:
         yield
-    except (ClientError, BotoCoreError, OSError) as exc:
-        raise TierUnavailable(f"S3 {where}: {exc}", tier="remote-storage") from exc
+    except (ClientError, BotoCoreError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise TierUnavailable(f"S3 {where}: {exc!r}", tier="remote-storage") from exc
 
 
 class S3Tier(Tier):
@@ -63,17 +66,20 @@ class S3Tier(Tier):
         }
         self._context: Any = None
         self._client: Any = None
+        self._opening = asyncio.Lock()
         self._where = f"s3://{bucket}/{prefix}"
 
     async def _s3(self) -> Any:
-        if self._client is None:
-            self._context = get_session().create_client("s3", **self._options)
-            self._client = await self._context.__aenter__()
+        async with self._opening:  # one client, even when the first calls race
+            if self._client is None:
+                context = get_session().create_client("s3", **self._options)
+                self._client = await context.__aenter__()
+                self._context = context
         return self._client
 
     async def get(self, key: str) -> BytesLike | None:
-        client = await self._s3()
         with _translated(self._where):
+            client = await self._s3()
             try:
                 response = await client.get_object(Bucket=self.bucket, Key=self.prefix + key)
             except ClientError as exc:
@@ -85,18 +91,18 @@ class S3Tier(Tier):
                 return data
 
     async def put(self, key: str, value: BytesLike) -> None:
-        client = await self._s3()
         with _translated(self._where):
+            client = await self._s3()
             await client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=bytes(value))
 
     async def delete(self, key: str) -> None:
-        client = await self._s3()
         with _translated(self._where):
+            client = await self._s3()
             await client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
 
     async def keys(self) -> AsyncIterator[str]:
-        client = await self._s3()
         with _translated(self._where):
+            client = await self._s3()
             paginator = client.get_paginator("list_objects_v2")
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
                 for item in page.get("Contents", ()):

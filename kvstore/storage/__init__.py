@@ -1,8 +1,9 @@
 """The tiered block store: Tier interface, eviction manager, leases, sealing."""
 
+from .blocks import BlockInfo, BlockRead
 from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits
-from .manager import BlockInfo, BlockRead, TieredStore
+from .manager import TieredStore
 from .tier import TIER_ORDER, Tier
 from .types import BlockRef
 

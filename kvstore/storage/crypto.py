@@ -34,12 +34,22 @@ _TAG = 16
 class SegmentSealer:
     """Seals and opens segments of persistent tiers; ``key=None`` means no encryption."""
 
-    def __init__(self, key: bytes | None = None, *, compress: bool = False, level: int = 3) -> None:
+    def __init__(
+        self,
+        key: bytes | None = None,
+        *,
+        compress: bool = False,
+        level: int = 3,
+        max_plain_octets: int = 1 << 31,
+    ) -> None:
         if key is not None and len(key) not in (16, 24, 32):
             raise ValueError("encryption key must be 16, 24 or 32 octets (AES-128/192/256)")
         self._aead = AESGCM(key) if key is not None else None
         self._compress = compress
         self._level = level
+        #: Largest plaintext a stored segment may open to (a decompression bomb
+        #: is refused before anything is allocated).
+        self.max_plain_octets = max_plain_octets
 
     @property
     def authenticates(self) -> bool:
@@ -90,7 +100,10 @@ class SegmentSealer:
                 ) from None
         if flags & FLAG_ZSTD:
             try:
-                body = zstandard.ZstdDecompressor().decompress(body)
-            except zstandard.ZstdError as exc:
-                raise CorruptData(f"segment {name.decode()}: {exc}") from exc
+                size = zstandard.frame_content_size(body)
+                if not 0 <= size <= self.max_plain_octets:
+                    raise CorruptData(f"segment {name.decode()}: bad decompressed size {size}")
+                body = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+            except (zstandard.ZstdError, MemoryError) as exc:
+                raise CorruptData(f"segment {name.decode()}: {exc!r}") from exc
         return body

@@ -20,10 +20,18 @@ from .types import BlockRef
 class Lease:
     id: str
     client: str
-    blocks: tuple[BlockRef, ...]
-    octets: int
+    #: The leased blocks and the octets each counts against the client's quota.
+    sizes: dict[BlockRef, int]
     expires_at: float
     ttl_ms: int
+
+    @property
+    def blocks(self) -> tuple[BlockRef, ...]:
+        return tuple(self.sizes)
+
+    @property
+    def octets(self) -> int:
+        return sum(self.sizes.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +100,8 @@ class LeaseTable:
     def grant(self, client: str, blocks: Iterable[tuple[BlockRef, int]], ttl_ms: int) -> Lease:
         """Create a lease on ``blocks`` (ref, octets); raises :class:`LeaseQuota` (LE3)."""
         self._check_ttl(ttl_ms)
-        pairs = list(dict(blocks).items())
-        octets = sum(size for _, size in pairs)
+        sizes = dict(blocks)
+        octets = sum(sizes.values())
         held = self.client_octets(client)
         if held + octets > self.limits.max_octets_per_client:
             self.rejections += 1
@@ -108,8 +116,7 @@ class LeaseTable:
         lease = Lease(
             id=secrets.token_urlsafe(16),
             client=client,
-            blocks=tuple(ref for ref, _ in pairs),
-            octets=octets,
+            sizes=sizes,
             expires_at=self.clock() + ttl_ms / 1000,
             ttl_ms=ttl_ms,
         )
@@ -143,7 +150,11 @@ class LeaseTable:
         for lease_id in list(self._by_block.pop(ref, ())):
             lease = self._leases.get(lease_id)
             if lease is not None:
-                lease.blocks = tuple(r for r in lease.blocks if r != ref)
+                # Its octets stop counting against the quota (LE3) ...
+                lease.sizes.pop(ref, None)
+                if not lease.sizes:
+                    # ... and a lease left covering nothing is gone.
+                    self._drop(lease)
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -1,15 +1,10 @@
 """The tiered store: segments of blocks across tiers, under one eviction manager.
 
-Everything that is not "store these octets under this key" lives here, once:
-placement, capacity, ordering, demotion and promotion, leases, sealing
-(encryption and compression) of persistent tiers, integrity checks, tier
-health, eviction notifications and restart recovery (STYLE 5, 8).
-
-A **segment** is a contiguous layer range of one block, stored as a KV Block
-Container, so what any tier holds is self-describing. A block's residency is
-its list of segments and their tiers, i.e. the ``residency`` array of its
-Replica Record.
-
+Everything that is not "store these octets under this key" lives here, once
+(STYLE 5, 8): placement, capacity, ordering, demotion and promotion, leases,
+sealing of persistent tiers, integrity checks, tier health, eviction
+notifications. A **segment** is a layer range of one block stored as a KV
+Block Container; a block's segments and their tiers are its ``residency``.
 Rules, with the requirement they serve:
 
 * a block under an unexpired lease, or being read, is never demoted or
@@ -27,14 +22,12 @@ Rules, with the requirement they serve:
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
+import contextlib
 import logging
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
@@ -50,11 +43,12 @@ from ..protocol.problems import (
     TierUnavailable,
 )
 from ..protocol.records import ReplicaRecord, Residency
+from .blocks import BlockInfo, BlockRead, Segment, StoreStats, TierSlot
 from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits, LeaseTable
 from .policy import LRU, EvictionPolicy
 from .tier import Tier
-from .types import BlockRef, parse_segment_key
+from .types import BlockRef
 
 log = logging.getLogger("kvstore.storage")
 
@@ -69,164 +63,6 @@ _OFFLOAD_OCTETS = 256 * 1024
 def _layer_table(container: kc.Container) -> dict[int, tuple[int, int, bytes]]:
     """absolute layer -> (K length, V length, layer digest) (B3)."""
     return {layer.index: (len(layer.k), len(layer.v), layer.digest()) for layer in container}
-
-
-@dataclass(slots=True)
-class TierSlot:
-    """A configured tier and the manager's bookkeeping for it."""
-
-    tier: Tier
-    capacity: int
-    policy: EvictionPolicy = field(default_factory=LRU)
-    used: int = 0
-    degraded_until: float = 0.0
-    failures: int = 0
-    last_error: str = ""
-
-    @property
-    def kind(self) -> str:
-        return self.tier.kind
-
-
-@dataclass(slots=True)
-class Segment:
-    ref: BlockRef
-    first: int
-    last: int
-    slot: int
-    stored_octets: int
-    #: CRC-32 of the stored octets, kept for persistent tiers that store
-    #: plaintext (no AES-GCM tag to catch changes made behind our back).
-    crc: int | None = None
-
-    @property
-    def id(self) -> tuple[BlockRef, int]:
-        return (self.ref, self.first)
-
-    @property
-    def key(self) -> str:
-        return self.ref.segment_key(self.first, self.last)
-
-
-@dataclass(slots=True)
-class BlockInfo:
-    """What the manager knows of one held block (no data)."""
-
-    ref: BlockRef
-    codec: int
-    token_count: int
-    #: absolute layer -> (K length, V length, layer digest)
-    layers: dict[int, tuple[int, int, bytes]]
-    segments: list[Segment]
-    readers: int = 0
-    #: Repr-Digest of the whole container, computed on the first whole read.
-    whole_repr_digest: str | None = None
-
-    @property
-    def first_layer(self) -> int:
-        return min(self.layers)
-
-    @property
-    def last_layer(self) -> int:
-        return max(self.layers)
-
-    @property
-    def layer_digests(self) -> list[bytes]:
-        return [self.layers[i][2] for i in sorted(self.layers)]
-
-    @property
-    def size(self) -> int:
-        """Octets of the whole container as served."""
-        data = sum(k + v for k, v, _ in self.layers.values())
-        return kc.FIXED_HEADER_OCTETS + kc.LENGTH_ENTRY_OCTETS * len(self.layers) + data
-
-    def header(self, first: int, last: int) -> kc.ContainerHeader:
-        lengths = tuple(self.layers[i][:2] for i in range(first, last + 1))
-        return kc.ContainerHeader(self.codec, first, self.token_count, lengths)
-
-
-@dataclass(slots=True)
-class StoreStats:
-    """Counters for metrics (OPS1); issue-level exporters read them."""
-
-    puts: int = 0
-    hits: int = 0
-    misses: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    evictions: int = 0
-    fault_evictions: int = 0
-    integrity_failures: int = 0
-    tier_errors: int = 0
-
-
-class BlockRead:
-    """A read in progress: the container header is known before any data is fetched.
-
-    Iterate it (``async for chunk in read``) to receive the header octets, then
-    each layer's K and V sections in ascending order, one segment in memory at
-    a time (B4). ``len(read)`` is the exact size of what will be sent.
-    """
-
-    def __init__(self, store: TieredStore, info: BlockInfo, first: int, last: int) -> None:
-        self._store = store
-        self._info = info
-        self.first = first
-        self.last = last
-        self.header = info.header(first, last)
-        self.whole = first == info.first_layer and last == info.last_layer
-
-    def __len__(self) -> int:
-        return self.header.total_octets
-
-    async def repr_digest(self) -> str:
-        """``Repr-Digest`` of exactly what this read sends (BL4).
-
-        For a whole-block read it is computed once and kept, so a hot GET
-        hashes nothing; a layer-range read hashes its data (one extra pass).
-        """
-        if self.whole and self._info.whole_repr_digest is not None:
-            return self._info.whole_repr_digest
-        hasher = hashlib.sha256()
-        async for chunk in self._chunks(promote=False):
-            hasher.update(chunk)
-        value = "sha-256=:" + base64.b64encode(hasher.digest()).decode() + ":"
-        if self.whole:
-            self._info.whole_repr_digest = value
-        return value
-
-    def __aiter__(self) -> AsyncIterator[BytesLike]:
-        return self._chunks(promote=self._store.promote)
-
-    async def _chunks(self, promote: bool) -> AsyncIterator[BytesLike]:
-        store, info = self._store, self._info
-        info.readers += 1
-        promoted: list[tuple[Segment, BytesLike]] = []
-        try:
-            if info.ref not in store._blocks:
-                raise NotFound(f"block {info.ref.block_key} is no longer held")
-            yield self.header.pack()
-            for segment in list(info.segments):
-                if segment.last < self.first or segment.first > self.last:
-                    continue
-                plain = await store._load(info, segment)
-                if segment.slot > 0 and promote:
-                    promoted.append((segment, plain))
-                container = kc.decode(plain)
-                for index in range(
-                    max(self.first, segment.first), min(self.last, segment.last) + 1
-                ):
-                    layer = container.layer(index)
-                    yield layer.k
-                    yield layer.v
-        finally:
-            info.readers -= 1
-        for segment, plain in promoted:
-            await store._promote(info, segment, plain)
-
-    async def read_all(self) -> bytes:
-        """The whole answer in one buffer (library use; servers should stream)."""
-        return b"".join([bytes(chunk) async for chunk in self])
 
 
 class TieredStore:
@@ -272,6 +108,8 @@ class TieredStore:
         self._blocks: dict[BlockRef, BlockInfo] = {}
         self._by_key: dict[str, set[BlockRef]] = {}
         self._lock = asyncio.Lock()
+        self._owner: asyncio.Task[Any] | None = None
+        self._hooks_running = 0
 
     # --- queries -------------------------------------------------------
 
@@ -359,7 +197,7 @@ class TieredStore:
         # B3: the layer digests are computed in a worker thread while the
         # segments are written; hashlib releases the GIL, so the two overlap.
         hashing = asyncio.ensure_future(asyncio.to_thread(_layer_table, container))
-        async with self._lock:
+        async with self._locked():
             try:
                 if ref in self._blocks:
                     raise PreconditionFailed(f"block {ref.block_key} is already held")
@@ -455,30 +293,35 @@ class TieredStore:
         slot = self.slots[index]
         if need > slot.capacity:
             return False
-        if slot.used + need <= slot.capacity:
-            return True
         for item in slot.policy.candidates():
-            ref, first = cast(tuple[BlockRef, int], item)
             if slot.used + need <= slot.capacity:
                 break
+            ref, first = cast(tuple[BlockRef, int], item)
             if ref == exclude or self._pinned(ref):
                 continue  # LE2: leased and in-flight blocks never move
             info = self._blocks.get(ref)
-            segment = next((s for s in info.segments if s.first == first), None) if info else None
-            if info is None or segment is None or segment.slot != index:
-                slot.policy.remove((ref, first))
+            if info is None:
+                continue  # a block still being put: not a candidate yet
+            segment = next((x for x in info.segments if x.first == first and x.slot == index), None)
+            if segment is None:
                 continue
-            if not await self._demote(info, segment):
-                await self._evict(info, "capacity")
+            if await self._demote(info, segment):
+                continue
+            if self._pinned(ref) or not self._current(info, segment):
+                continue  # a reader or a lease arrived while we tried
+            await self._evict(info, "capacity")
         return slot.used + need <= slot.capacity
 
     async def _demote(self, info: BlockInfo, segment: Segment) -> bool:
-        """Move a segment one step down the chain (skipping degraded tiers)."""
+        """Move a segment one step down the chain (skipping degraded tiers).
+
+        True when the segment left its tier: moved, or dropped as lost.
+        """
         src = self.slots[segment.slot]
         try:
-            plain = await self._load(info, segment, locked=True)
+            plain = await self._load(info, segment)
         except (TierUnavailable, CorruptData, NotFound):
-            return segment not in info.segments  # lost data was evicted: room made
+            return not self._current(info, segment)
         for index in range(segment.slot + 1, len(self.slots)):
             dst = self.slots[index]
             if dst.degraded_until > self.clock():
@@ -493,12 +336,11 @@ class TieredStore:
                 await self._tier_call(dst, dst.tier.put(moved.key, stored))
             except (TierUnavailable, TierFull):
                 continue
-            if segment not in info.segments:
-                # Gone meanwhile (evicted by a nested make-room): undo the copy.
+            if info.readers or not self._current(info, segment):
+                # A read started, or the block went, while we copied: undo.
                 await self._quiet_delete(dst, moved.key)
-                return True
-            self._detach(info, segment)
-            self._attach(info, moved)
+                return not self._current(info, segment)
+            self._replace(info, segment, moved)
             await self._quiet_delete(src, segment.key)
             self.stats.demotions += 1
             return True
@@ -506,10 +348,12 @@ class TieredStore:
 
     async def _promote(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
         """Copy a segment read from a lower tier into the first tier (promotion on hit)."""
-        async with self._lock:
+        async with self._locked():
             # Another read still walks the old location: moving it would pull
             # the segment out from under that read.
-            if info.readers or segment not in info.segments or info.ref not in self._blocks:
+            # A hook reading a block it is told about must not set off more
+            # evictions (and more hooks) by promoting it.
+            if info.readers or self._hooks_running or not self._current(info, segment):
                 return
             top = self.slots[0]
             if top.degraded_until > self.clock():
@@ -523,24 +367,42 @@ class TieredStore:
                 await self._tier_call(top, top.tier.put(moved.key, stored))
             except (TierUnavailable, TierFull):
                 return
-            if segment not in info.segments:
+            if info.readers or not self._current(info, segment):
                 await self._quiet_delete(top, moved.key)
                 return
             src = self.slots[segment.slot]
-            self._detach(info, segment)
-            self._attach(info, moved)
+            self._replace(info, segment, moved)
             await self._quiet_delete(src, segment.key)
             self.stats.promotions += 1
 
+    def _current(self, info: BlockInfo, segment: Segment) -> bool:
+        """The block is still this registered one and the segment still its own."""
+        return self._blocks.get(info.ref) is info and segment in info.segments
+
+    def _replace(self, info: BlockInfo, old: Segment, new: Segment) -> None:
+        self._detach(info, old)
+        self._attach(info, new)
+
     async def _evict(self, info: BlockInfo, reason: str) -> None:
         """Remove a whole block from the holder, notifying first (P3, LE4)."""
+        if self._blocks.get(info.ref) is not info:
+            return
         if self.on_evict is not None:
+            self._hooks_running += 1
             try:
                 await self.on_evict(info.ref, reason)
             except Exception:
                 log.exception("eviction hook failed for %s", info.ref.block_key)
-        await self._discard(info)
-        self._blocks.pop(info.ref, None)
+            finally:
+                self._hooks_running -= 1
+            if self._blocks.get(info.ref) is not info:
+                return
+        # Unregistered at once, with no await in between: a cancelled or
+        # failing eviction never leaves a block registered without its data.
+        segments = list(info.segments)
+        for segment in segments:
+            self._detach(info, segment)
+        del self._blocks[info.ref]
         refs = self._by_key.get(info.ref.block_key)
         if refs is not None:
             refs.discard(info.ref)
@@ -552,21 +414,30 @@ class TieredStore:
         else:
             self.stats.fault_evictions += 1
         log.info("evicted %s (%s)", info.ref.block_key, reason)
+        await asyncio.shield(self._delete_segments(segments))
 
     async def _discard(self, info: BlockInfo) -> None:
-        for segment in list(info.segments):
+        """Remove the segments of a block that was never registered (a failed put)."""
+        segments = list(info.segments)
+        for segment in segments:
             self._detach(info, segment)
+        await asyncio.shield(self._delete_segments(segments))
+
+    async def _delete_segments(self, segments: Sequence[Segment]) -> None:
+        for segment in segments:
             await self._quiet_delete(self.slots[segment.slot], segment.key)
 
     async def _quiet_delete(self, slot: TierSlot, key: str) -> None:
         try:
             await self._tier_call(slot, slot.tier.delete(key))
-        except TierUnavailable:
-            log.warning("could not delete %s from %s; it stays orphaned", key, slot.kind)
+        except Exception as exc:
+            # The data is already unaccounted for; an orphan costs space, not
+            # correctness (recover() finds and re-adopts it at the next start).
+            log.warning("could not delete %s from %s (%s); it stays orphaned", key, slot.kind, exc)
 
     async def delete(self, ref: BlockRef) -> None:
         """Remove a block (an operator action); leased blocks are refused (LE2)."""
-        async with self._lock:
+        async with self._locked():
             info = self.info(ref)
             if self._pinned(ref):
                 raise PreconditionFailed(f"block {ref.block_key} is leased or being read")
@@ -596,44 +467,52 @@ class TieredStore:
         """Read layers ``first..last`` of a block into one container buffer."""
         return await self.read(ref, first, last).read_all()
 
-    async def _load(self, info: BlockInfo, segment: Segment, locked: bool = False) -> BytesLike:
+    async def _load(self, info: BlockInfo, segment: Segment) -> BytesLike:
         """A segment's plaintext container, opened and checked.
 
-        ``locked``: the caller holds the store lock (demotion), so data found
-        lost is evicted directly instead of through :meth:`_lost`.
+        A segment that a concurrent promotion or demotion moved is followed
+        to its new tier; one that is gone while still attached was lost by
+        its tier, and the block leaves the holder (LE4).
         """
-        slot = self.slots[segment.slot]
-        stored = await self._tier_call(slot, slot.tier.get(segment.key))
-        if stored is None:
+        while True:
+            slot = self.slots[segment.slot]
+            stored = await self._tier_call(slot, slot.tier.get(segment.key))
+            if stored is not None:
+                break
+            if self._blocks.get(info.ref) is not info:
+                raise NotFound(f"block {info.ref.block_key} is no longer held")
+            if segment not in info.segments:
+                moved = next((x for x in info.segments if x.first == segment.first), None)
+                if moved is None:
+                    raise NotFound(f"block {info.ref.block_key} is no longer held")
+                segment = moved
+                continue
             # The tier lost data it had acknowledged (restart, external eviction).
-            await self._lost(
-                info, f"{slot.kind} lost layers {segment.first}-{segment.last}", locked
-            )
+            await self._lost(info, f"{slot.kind} lost layers {segment.first}-{segment.last}")
             raise NotFound(f"block {info.ref.block_key} is no longer held")
         if not slot.tier.persistent:
             return stored
+        checked = segment
 
         def check_and_open() -> BytesLike:
-            if segment.crc is not None and zlib.crc32(stored) != segment.crc:
+            if checked.crc is not None and zlib.crc32(stored) != checked.crc:
                 raise CorruptData(
-                    f"segment {segment.first}-{segment.last} of {info.ref.block_key} "
+                    f"segment {checked.first}-{checked.last} of {info.ref.block_key} "
                     f"in {slot.kind} fails its checksum"
                 )
-            plain = self.sealer.open(info.ref.segment_name(segment.first, segment.last), stored)
+            plain = self.sealer.open(info.ref.segment_name(checked.first, checked.last), stored)
             if self.verify_reads:
-                self._verify(info, segment, plain)
+                self._verify(info, checked, plain)
             return plain
 
         try:
             if len(memoryview(stored)) >= _OFFLOAD_OCTETS:
-                plain = await asyncio.to_thread(check_and_open)
-            else:
-                plain = check_and_open()
+                return await asyncio.to_thread(check_and_open)
+            return check_and_open()
         except CorruptData:
             self.stats.integrity_failures += 1
-            await self._lost(info, f"corrupt segment in {slot.kind}", locked)
+            await self._lost(info, f"corrupt segment in {slot.kind}")
             raise
-        return plain
 
     def _verify(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
         try:
@@ -646,15 +525,25 @@ class TieredStore:
             if layer.digest() != info.layers[layer.index][2]:
                 raise CorruptData(f"layer {layer.index} of {info.ref.block_key} fails its digest")
 
-    async def _lost(self, info: BlockInfo, reason: str, locked: bool) -> None:
+    async def _lost(self, info: BlockInfo, reason: str) -> None:
         """LE4: data a tier no longer holds leaves the holder, notified first."""
-        if locked:
-            if info.ref in self._blocks:
-                await self._evict(info, reason)
+        async with self._locked():
+            await self._evict(info, reason)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> AsyncIterator[None]:
+        """The store lock, re-entrant for the task holding it (an ``on_evict``
+        hook may read the store; a demotion may find data lost)."""
+        task = asyncio.current_task()
+        if self._owner is task:
+            yield
             return
         async with self._lock:
-            if info.ref in self._blocks:
-                await self._evict(info, reason)
+            self._owner = task
+            try:
+                yield
+            finally:
+                self._owner = None
 
     async def _tier_call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
         """Run a tier operation; record failures and successes (one place, STYLE 8)."""
@@ -694,50 +583,12 @@ class TieredStore:
     # --- lifecycle -----------------------------------------------------
 
     async def recover(self) -> int:
-        """Find the segments persistent tiers still hold (after a restart).
+        """Find the segments persistent tiers still hold (after a restart);
+        returns the number of blocks found. See :mod:`.recovery`."""
+        from .recovery import recover
 
-        Each segment is opened and decoded (so a tampered one is dropped, not
-        trusted); returns the number of blocks found.
-        """
-        async with self._lock:
-            for index, slot in enumerate(self.slots):
-                if not slot.tier.persistent:
-                    continue
-                async for key in slot.tier.keys():
-                    await self._recover_segment(index, slot, key)
-        return len(self._blocks)
-
-    async def _recover_segment(self, index: int, slot: TierSlot, key: str) -> None:
-        parsed = parse_segment_key(key)
-        if parsed is None:
-            return
-        ref, first, last = parsed
-        stored = await self._tier_call(slot, slot.tier.get(key))
-        if stored is None:
-            return
-        try:
-            plain = self.sealer.open(ref.segment_name(first, last), stored)
-            container = kc.decode(plain)
-        except Exception as exc:
-            # Left in place, not deleted: a wrong key in the configuration
-            # must not destroy the data it cannot read.
-            self.stats.integrity_failures += 1
-            log.warning("skipping unreadable segment %s in %s: %s", key, slot.kind, exc)
-            return
-        info = self._blocks.get(ref)
-        if info is None:
-            info = BlockInfo(ref, container.codec, container.token_count, {}, [])
-            self._blocks[ref] = info
-            self._by_key.setdefault(ref.block_key, set()).add(ref)
-        if any(i in info.layers for i in range(first, last + 1)) or info.codec != container.codec:
-            # A second copy (e.g. a demotion interrupted after its write).
-            await self._quiet_delete(slot, key)
-            return
-        for layer in container:
-            info.layers[layer.index] = (len(layer.k), len(layer.v), layer.digest())
-        size = len(memoryview(stored))
-        crc = None if self.sealer.authenticates else zlib.crc32(stored)
-        self._attach(info, Segment(ref, first, last, index, size, crc))
+        async with self._locked():
+            return await recover(self)
 
     async def close(self) -> None:
         for slot in self.slots:

@@ -1,0 +1,184 @@
+"""What the manager knows of tiers, segments and blocks, and a read in progress.
+
+No data lives here: a :class:`BlockInfo` holds lengths and layer digests; the
+octets are in the tiers. :class:`BlockRead` streams a block's layers from its
+segments, in ascending order, one segment at a time (B4).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
+from ..protocol.problems import NotFound
+from .policy import LRU, EvictionPolicy
+from .tier import Tier
+from .types import BlockRef
+
+if TYPE_CHECKING:
+    from .manager import TieredStore
+
+
+@dataclass(slots=True)
+class TierSlot:
+    """A configured tier and the manager's bookkeeping for it."""
+
+    tier: Tier
+    capacity: int
+    policy: EvictionPolicy = field(default_factory=LRU)
+    used: int = 0
+    degraded_until: float = 0.0
+    failures: int = 0
+    last_error: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.tier.kind
+
+
+@dataclass(slots=True)
+class Segment:
+    ref: BlockRef
+    first: int
+    last: int
+    slot: int
+    stored_octets: int
+    #: CRC-32 of the stored octets, kept for persistent tiers that store
+    #: plaintext (no AES-GCM tag to catch changes made behind our back).
+    crc: int | None = None
+
+    @property
+    def id(self) -> tuple[BlockRef, int]:
+        return (self.ref, self.first)
+
+    @property
+    def key(self) -> str:
+        return self.ref.segment_key(self.first, self.last)
+
+
+@dataclass(slots=True)
+class BlockInfo:
+    """What the manager knows of one held block (no data)."""
+
+    ref: BlockRef
+    codec: int
+    token_count: int
+    #: absolute layer -> (K length, V length, layer digest)
+    layers: dict[int, tuple[int, int, bytes]]
+    segments: list[Segment]
+    readers: int = 0
+    #: Repr-Digest of the whole container, computed on the first whole read.
+    whole_repr_digest: str | None = None
+
+    @property
+    def first_layer(self) -> int:
+        return min(self.layers)
+
+    @property
+    def last_layer(self) -> int:
+        return max(self.layers)
+
+    @property
+    def layer_digests(self) -> list[bytes]:
+        return [self.layers[i][2] for i in sorted(self.layers)]
+
+    @property
+    def size(self) -> int:
+        """Octets of the whole container as served."""
+        data = sum(k + v for k, v, _ in self.layers.values())
+        return kc.FIXED_HEADER_OCTETS + kc.LENGTH_ENTRY_OCTETS * len(self.layers) + data
+
+    def header(self, first: int, last: int) -> kc.ContainerHeader:
+        lengths = tuple(self.layers[i][:2] for i in range(first, last + 1))
+        return kc.ContainerHeader(self.codec, first, self.token_count, lengths)
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters for metrics (OPS1); issue-level exporters read them."""
+
+    puts: int = 0
+    hits: int = 0
+    misses: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    evictions: int = 0
+    fault_evictions: int = 0
+    integrity_failures: int = 0
+    tier_errors: int = 0
+
+
+class BlockRead:
+    """A read in progress: the container header is known before any data is fetched.
+
+    Iterate it (``async for chunk in read``) to receive the header octets, then
+    each layer's K and V sections in ascending order, one segment in memory at
+    a time (B4). ``len(read)`` is the exact size of what will be sent.
+    """
+
+    def __init__(self, store: TieredStore, info: BlockInfo, first: int, last: int) -> None:
+        self._store = store
+        self._info = info
+        self.first = first
+        self.last = last
+        self.header = info.header(first, last)
+        self.whole = first == info.first_layer and last == info.last_layer
+
+    def __len__(self) -> int:
+        return self.header.total_octets
+
+    async def repr_digest(self) -> str:
+        """``Repr-Digest`` of exactly what this read sends (BL4).
+
+        For a whole-block read it is computed once and kept, so a hot GET
+        hashes nothing; a layer-range read hashes its data (one extra pass).
+        """
+        if self.whole and self._info.whole_repr_digest is not None:
+            return self._info.whole_repr_digest
+        hasher = hashlib.sha256()
+        async for chunk in self._chunks(promote=False):
+            hasher.update(chunk)
+        value = "sha-256=:" + base64.b64encode(hasher.digest()).decode() + ":"
+        if self.whole:
+            self._info.whole_repr_digest = value
+        return value
+
+    def __aiter__(self) -> AsyncIterator[BytesLike]:
+        return self._chunks(promote=self._store.promote)
+
+    async def _chunks(self, promote: bool) -> AsyncIterator[BytesLike]:
+        store, info = self._store, self._info
+        info.readers += 1
+        promoted: list[tuple[Segment, BytesLike]] = []
+        try:
+            segments = [x for x in info.segments if x.last >= self.first and x.first <= self.last]
+            # The block may have been dropped (and even put again) since
+            # read() was called: never send a header without its layers.
+            covered = sum(min(self.last, x.last) - max(self.first, x.first) + 1 for x in segments)
+            if store._blocks.get(info.ref) is not info or covered != self.last - self.first + 1:
+                raise NotFound(f"block {info.ref.block_key} is no longer held")
+            yield self.header.pack()
+            for segment in segments:
+                plain = await store._load(info, segment)
+                if segment.slot > 0 and promote:
+                    promoted.append((segment, plain))
+                container = kc.decode(plain)
+                for index in range(
+                    max(self.first, segment.first), min(self.last, segment.last) + 1
+                ):
+                    layer = container.layer(index)
+                    yield layer.k
+                    yield layer.v
+        finally:
+            info.readers -= 1
+        for segment, plain in promoted:
+            await store._promote(info, segment, plain)
+
+    async def read_all(self) -> bytes:
+        """The whole answer in one buffer (library use; servers should stream)."""
+        return b"".join([bytes(chunk) async for chunk in self])
