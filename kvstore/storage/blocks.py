@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
-from ..protocol.problems import NotFound
+from ..protocol.problems import CorruptData, NotFound
 from .policy import LRU, EvictionPolicy
 from .tier import Tier
 from .types import BlockRef
 
 if TYPE_CHECKING:
     from .manager import TieredStore
+
+
+def layer_table(container: kc.Container) -> dict[int, tuple[int, int, bytes]]:
+    """absolute layer -> (K length, V length, layer digest) (B3)."""
+    return {layer.index: (len(layer.k), len(layer.v), layer.digest()) for layer in container}
 
 
 @dataclass(slots=True)
@@ -92,6 +97,18 @@ class BlockInfo:
         """Octets of the whole container as served."""
         data = sum(k + v for k, v, _ in self.layers.values())
         return kc.FIXED_HEADER_OCTETS + kc.LENGTH_ENTRY_OCTETS * len(self.layers) + data
+
+    def verify_segment(self, segment: Segment, plain: BytesLike) -> None:
+        """Check a segment's layers against the layer digests taken at put (B3)."""
+        try:
+            container = kc.decode(plain)
+        except Exception as exc:
+            raise CorruptData(f"segment of {self.ref.block_key} does not decode: {exc}") from exc
+        if (container.first_layer, container.last_layer) != (segment.first, segment.last):
+            raise CorruptData(f"segment of {self.ref.block_key} holds other layers")
+        for layer in container:
+            if layer.digest() != self.layers[layer.index][2]:
+                raise CorruptData(f"layer {layer.index} of {self.ref.block_key} fails its digest")
 
     def header(self, first: int, last: int) -> kc.ContainerHeader:
         lengths = tuple(self.layers[i][:2] for i in range(first, last + 1))

@@ -43,7 +43,7 @@ from ..protocol.problems import (
     TierUnavailable,
 )
 from ..protocol.records import ReplicaRecord, Residency
-from .blocks import BlockInfo, BlockRead, Segment, StoreStats, TierSlot
+from .blocks import BlockInfo, BlockRead, Segment, StoreStats, TierSlot, layer_table
 from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits, LeaseTable
 from .policy import LRU, EvictionPolicy
@@ -58,11 +58,6 @@ EvictHook = Callable[[BlockRef, str], Awaitable[None]]
 #: thread: hashlib, zlib and AES-GCM release the GIL, so the event loop keeps
 #: serving and a second core does the work.
 _OFFLOAD_OCTETS = 256 * 1024
-
-
-def _layer_table(container: kc.Container) -> dict[int, tuple[int, int, bytes]]:
-    """absolute layer -> (K length, V length, layer digest) (B3)."""
-    return {layer.index: (len(layer.k), len(layer.v), layer.digest()) for layer in container}
 
 
 class TieredStore:
@@ -162,6 +157,12 @@ class TieredStore:
             layer_digests=tuple(d.hex() for d in digests),
         )
 
+    async def measure_read_rates(self, probe_octets: int = 2 << 20, rounds: int = 3) -> None:
+        """Measure ``read_mbit_per_s`` of tiers that have none configured (PL1 inputs)."""
+        from .startup import measure_read_rates
+
+        await measure_read_rates(self, probe_octets, rounds)
+
     def health(self) -> list[dict[str, object]]:
         now = self.clock()
         return [
@@ -196,7 +197,7 @@ class TieredStore:
             raise MalformedContainer("a block must carry at least one layer")
         # B3: the layer digests are computed in a worker thread while the
         # segments are written; hashlib releases the GIL, so the two overlap.
-        hashing = asyncio.ensure_future(asyncio.to_thread(_layer_table, container))
+        hashing = asyncio.ensure_future(asyncio.to_thread(layer_table, container))
         async with self._locked():
             try:
                 if ref in self._blocks:
@@ -502,7 +503,7 @@ class TieredStore:
                 )
             plain = self.sealer.open(info.ref.segment_name(checked.first, checked.last), stored)
             if self.verify_reads:
-                self._verify(info, checked, plain)
+                info.verify_segment(checked, plain)
             return plain
 
         try:
@@ -513,17 +514,6 @@ class TieredStore:
             self.stats.integrity_failures += 1
             await self._lost(info, f"corrupt segment in {slot.kind}")
             raise
-
-    def _verify(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
-        try:
-            container = kc.decode(plain)
-        except Exception as exc:
-            raise CorruptData(f"segment of {info.ref.block_key} does not decode: {exc}") from exc
-        if (container.first_layer, container.last_layer) != (segment.first, segment.last):
-            raise CorruptData(f"segment of {info.ref.block_key} holds other layers")
-        for layer in container:
-            if layer.digest() != info.layers[layer.index][2]:
-                raise CorruptData(f"layer {layer.index} of {info.ref.block_key} fails its digest")
 
     async def _lost(self, info: BlockInfo, reason: str) -> None:
         """LE4: data a tier no longer holds leaves the holder, notified first."""
@@ -584,8 +574,8 @@ class TieredStore:
 
     async def recover(self) -> int:
         """Find the segments persistent tiers still hold (after a restart);
-        returns the number of blocks found. See :mod:`.recovery`."""
-        from .recovery import recover
+        returns the number of blocks found. See :mod:`.startup`."""
+        from .startup import recover
 
         async with self._locked():
             return await recover(self)

@@ -242,3 +242,17 @@ async def test_device_tier_in_the_store() -> None:
     tensor = device.tensor(first.key)
     assert tensor is not None and tensor.device.type == "cpu"
     assert await store.get(ref(1)) == data
+
+
+async def test_read_rates_are_measured_when_not_configured(lmdb_path: str) -> None:
+    # PL1 inputs: each tier reports the rate it can be read at.
+    host, lmdb = HostTier(read_mbit_per_s=400000.0), LmdbTier(lmdb_path)
+    store = TieredStore([(host, 10 * SIZE), (lmdb, 10 * SIZE)], fast_layers=4, promote=False)
+    await store.measure_read_rates(probe_octets=256 * 1024, rounds=2)
+    assert host.read_mbit_per_s == 400000.0  # configured: kept
+    assert lmdb.read_mbit_per_s is not None and lmdb.read_mbit_per_s > 0
+    assert [k async for k in lmdb.keys()] == []  # the probe is gone
+    await store.put(ref(1), block())
+    rates = [r.read_mbit_per_s for r in store.residency(ref(1))]
+    assert rates == [400000.0, lmdb.read_mbit_per_s]
+    await store.close()

@@ -238,3 +238,18 @@ async def test_lmdb_full_is_reported(lmdb_path: str) -> None:
     with pytest.raises(TierFull):
         await tier.put("f" * 64 + "/x", os.urandom(256 * 1024))
     await tier.close()
+
+
+async def test_verify_reads_checks_layer_digests(lmdb_path: str) -> None:
+    # verify_reads=True re-checks every layer digest, beyond the CRC/AES tag.
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], verify_reads=True)
+    data = block()
+    await store.put(ref(1), data)
+    assert await store.get(ref(1)) == data
+    info = store.info(ref(1))
+    [segment] = info.segments
+    forged = bytearray(data)
+    forged[-1] ^= 1
+    with pytest.raises(CorruptData, match="layer 7"):
+        info.verify_segment(segment, bytes(forged))
+    await store.close()

@@ -1,4 +1,6 @@
-"""Restart recovery: rebuild the block table from what persistent tiers hold.
+"""What a store does when it starts: find its segments again, measure its tiers.
+
+Restart recovery rebuilds the block table from what persistent tiers hold.
 
 Each stored segment is opened (decrypted, checked) and decoded, so a tampered
 segment is skipped, not trusted; a segment that cannot be opened is left in
@@ -9,10 +11,13 @@ cannot read. Runs under the store lock, before the store serves.
 from __future__ import annotations
 
 import logging
+import os
+import time
 import zlib
 from typing import TYPE_CHECKING
 
 from ..protocol import container as kc
+from ..protocol.problems import TierFull, TierUnavailable
 from .blocks import BlockInfo, Segment, TierSlot
 from .types import parse_segment_key
 
@@ -60,3 +65,25 @@ async def _recover_segment(store: TieredStore, index: int, slot: TierSlot, key: 
     size = len(memoryview(stored))
     crc = None if store.sealer.authenticates else zlib.crc32(stored)
     store._attach(info, Segment(ref, first, last, index, size, crc))
+
+
+async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int) -> None:
+    """Measure ``read_mbit_per_s`` of every tier that has none configured (PL1
+    inputs): write a probe, read it ``rounds`` times, keep the best, delete it."""
+    key = "0" * 64 + "/probe"
+    probe = os.urandom(probe_octets)
+    for slot in store.slots:
+        if slot.tier.read_mbit_per_s is not None:
+            continue
+        try:
+            await store._tier_call(slot, slot.tier.put(key, probe))
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                await store._tier_call(slot, slot.tier.get(key))
+                best = min(best, time.perf_counter() - start)
+            slot.tier.read_mbit_per_s = round(8 * probe_octets / max(best, 1e-9) / 1e6)
+        except (TierUnavailable, TierFull) as exc:
+            log.warning("could not measure %s: %s", slot.kind, exc.detail)
+        finally:
+            await store._quiet_delete(slot, key)
