@@ -275,6 +275,14 @@ class Container:
         if digest is not None and whole and replica_digest(layer_digests) != digest:
             raise DigestMismatch("layer digests do not match the replica digest")
 
+    def span(self, first: int, last: int) -> memoryview:
+        """The sections of layers ``first..last`` as one view: they are contiguous."""
+        if first > last or first < self.first_layer or last > self.last_layer:
+            raise LayersUnavailable(f"layers {first}-{last} are not within this container")
+        start = self._offsets[first - self.first_layer]
+        k_len, v_len = self.header.lengths[last - self.first_layer]
+        return self.data[start : self._offsets[last - self.first_layer] + k_len + v_len]
+
     def slice(self, first: int, last: int) -> ContainerParts:
         """Layers ``first..last`` (inclusive) as a new container, without copying data."""
         if first > last or first < self.first_layer or last > self.last_layer:

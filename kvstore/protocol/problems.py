@@ -8,7 +8,8 @@ one handler renders every error and one ``isinstance`` check catches them all::
     ├── BadRequest                  (about:blank, 400)
     │   ├── InvalidDescriptor       C1: a Compatibility Descriptor member is wrong
     │   ├── InvalidRecord           R1-R5: a JSON record failed validation
-    │   └── MalformedContainer      B1: a KV Block Container cannot be decoded
+    │   ├── MalformedContainer      B1: a KV Block Container cannot be decoded
+    │   └── PayloadTooLarge         (413) a body over the configured limit
     ├── NotFound                    kvsp-not-found           404
     │   └── LayersUnavailable       kvsp-layers-unavailable  404
     ├── ScopeDenied                 kvsp-scope-denied        403
@@ -20,6 +21,8 @@ one handler renders every error and one ``isinstance`` check catches them all::
     │   └── CorruptData             stored segment fails decryption or its digest
     ├── PlanConflict                kvsp-plan-conflict       409
     ├── PreconditionFailed          (about:blank, 412)       BL7: replica exists
+    ├── PreconditionRequired        (about:blank, 428)       BL7: If-None-Match missing
+    ├── Forbidden / Unauthenticated (about:blank, 403/401)   SEC1: policy, no certificate
     ├── TierUnavailable             (about:blank, 503)       a storage tier is down
     └── InsufficientStorage         (about:blank, 507)       no tier can take a write
         └── TierFull                one tier's backend is out of space
@@ -136,6 +139,32 @@ class PlanConflict(KvspError):
 class PreconditionFailed(KvspError):
     status = 412
     title = "Precondition failed"
+
+
+class PreconditionRequired(KvspError):
+    """BL7: a block PUT must carry ``If-None-Match: *``."""
+
+    status = 428
+    title = "Precondition required"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+    title = "Request body too large"
+
+
+class Forbidden(KvspError):
+    """The authenticated principal may not use this resource at all."""
+
+    status = 403
+    title = "Forbidden"
+
+
+class Unauthenticated(KvspError):
+    """No client certificate was presented (mutual TLS is required)."""
+
+    status = 401
+    title = "Client certificate required"
 
 
 class CorruptData(DigestMismatch):
