@@ -145,6 +145,47 @@ def cmd_bench(args: argparse.Namespace) -> Any:
     return format_table(results)
 
 
+def cmd_serve(args: argparse.Namespace) -> Any:
+    from .config import ConfigError, load
+    from .serve import run
+
+    try:
+        config = load(args.config)
+        run(config, tuple(r.strip() for r in args.roles.split(",")))
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    except KeyboardInterrupt:
+        pass
+    return None
+
+
+def cmd_certs_init(args: argparse.Namespace) -> Any:
+    from .security import create_dev_certificates
+
+    directory = Path(args.directory)
+    names = args.principal or ["client"]
+    uris = create_dev_certificates(
+        directory, names, hosts=args.host or ("localhost", "127.0.0.1", "::1")
+    )
+    policy = {
+        "principals": {
+            uri: {"roles": ["client"], "read_scopes": ["*"], "write_scopes": ["*"]}
+            for uri in uris.values()
+        }
+    }
+    (directory / "policy.json").write_text(json.dumps(policy, indent=2) + "\n")
+    return {
+        "ca": str(directory / "ca.pem"),
+        "server": [str(directory / "server.pem"), str(directory / "server.key")],
+        "clients": {
+            name: [str(directory / f"client-{name}.pem"), str(directory / f"client-{name}.key")]
+            for name in uris
+        },
+        "principals": uris,
+        "policy": str(directory / "policy.json"),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore",
@@ -180,6 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("path", metavar="FILE")
     tokenizer.set_defaults(func=cmd_digest)
 
+    serve = sub.add_parser("serve", help="run KVSP roles (today: the holder) under uvicorn")
+    serve.add_argument("--config", required=True, help="TOML configuration file")
+    serve.add_argument("--roles", default="holder", help="comma-separated roles (holder)")
+    serve.set_defaults(func=cmd_serve)
+
+    certs = sub.add_parser("certs", help="development certificates for mutual TLS")
+    certs_sub = certs.add_subparsers(dest="action", metavar="ACTION", required=True)
+    init = certs_sub.add_parser("init", help="create a CA, a server and client certificates")
+    init.add_argument("directory")
+    init.add_argument("--principal", action="append", help="client name (repeatable)")
+    init.add_argument("--host", action="append", help="server host name or IP (repeatable)")
+    init.set_defaults(func=cmd_certs_init)
+
     bench = sub.add_parser("bench", help="benchmarks, each against a same-run baseline")
     bsub = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
     proto = bsub.add_parser("protocol", help="block keys and container encode/decode")
@@ -209,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if isinstance(result, str):
         print(result)
-    else:
+    elif result is not None:
         print(json.dumps(result, indent=2))
     return 0
 

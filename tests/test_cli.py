@@ -171,3 +171,39 @@ def test_bench_store_quick_covers_every_tier(redis_server: Any, s3_endpoint: str
         assert any(tier in name for name in names), tier
     for r in json.loads(out.stdout):
         assert r["ratio"] == pytest.approx(r["value"] / r["baseline"])
+
+
+def test_certs_init_makes_a_working_ca(tmp_path: Path) -> None:
+    out = kvstore("certs", "init", str(tmp_path / "c"), "--principal", "alice")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["principals"] == {"alice": "urn:kvstore:alice"}
+    policy = json.loads((tmp_path / "c" / "policy.json").read_text())
+    assert "urn:kvstore:alice" in policy["principals"]
+    import ssl
+
+    from kvstore.security import client_context, server_context
+
+    server_context(*info["server"], info["ca"])
+    client_context(info["ca"], *info["clients"]["alice"])
+    assert oct((tmp_path / "c" / "client-alice.key").stat().st_mode)[-3:] == "600"
+    assert ssl.PEM_cert_to_DER_cert((tmp_path / "c" / "ca.pem").read_text())
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[server\n", "kvstore: error:"),
+        ('[server]\nhost="0.0.0.0"\ninsecure_http=true\n[holder]\npolicy="p.json"\n'
+         '[[storage.tiers]]\nbackend="host"\ncapacity=1024\n', "non-loopback"),
+        ('[[storage.tiers]]\nbackend="host"\ncapacity=1024\n', "holder.policy"),
+        ('[holder]\npolicy="p.json"\n[[storage.tiers]]\nbackend="floppy"\ncapacity=1\n',
+         "unknown backend"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_bad_configuration(tmp_path: Path, toml: str, message: str) -> None:
+    (tmp_path / "p.json").write_text('{"principals": {}}')
+    (tmp_path / "k.toml").write_text(toml)
+    out = kvstore("serve", "--config", str(tmp_path / "k.toml"))
+    assert out.returncode == 2
+    assert message in out.stderr

@@ -34,7 +34,7 @@ RFC 9457 section 4.2.1 prescribes.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import Any
 
 KVSP_TYPE_BASE = "https://iana.org/assignments/kvsp#"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -43,9 +43,10 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 class KvspError(Exception):
     """Base of every kvstore error; maps to one problem type and status."""
 
-    suffix: ClassVar[str | None] = None
-    status: ClassVar[int] = 500
-    title: ClassVar[str] = "Internal error"
+    # Class attributes, overridable on an instance (e.g. a routing error's status).
+    suffix: str | None = None
+    status: int = 500
+    title: str = "Internal error"
 
     def __init__(self, detail: str, **extensions: Any) -> None:
         super().__init__(detail)

@@ -553,12 +553,20 @@ class TieredStore:
 
     # --- leases --------------------------------------------------------
 
-    def lease(self, client: str, block_keys: Iterable[str], ttl_ms: int) -> Lease:
-        """Lease every held block with one of ``block_keys`` (LE1-LE3)."""
+    def lease(
+        self,
+        client: str,
+        block_keys: Iterable[str],
+        ttl_ms: int,
+        allowed: Callable[[BlockRef], bool] | None = None,
+    ) -> Lease:
+        """Lease every held block with one of ``block_keys`` (LE1-LE3), or those
+        of them ``allowed`` accepts (the holder passes the client's scopes)."""
         held = [
             (ref, self._blocks[ref].size)
             for key in dict.fromkeys(block_keys)
             for ref in self._by_key.get(key, ())
+            if allowed is None or allowed(ref)
         ]
         if not held:
             raise NotFound("none of the block keys is held")

@@ -1,0 +1,167 @@
+"""Configuration files (TOML): strict, every key typed, unknown keys are errors.
+
+A holder's file, with every key and its default::
+
+    [server]
+    host = "127.0.0.1"
+    port = 8443
+    certfile = "certs/server.pem"     # TLS 1.3 with client certificates (H1)
+    keyfile = "certs/server.key"
+    cafile = "certs/ca.pem"           # CA that signs client certificates
+    insecure_http = false             # plain HTTP: loopback only, logged loudly
+
+    [holder]
+    uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
+    policy = "policy.json"                 # principals -> roles and scopes (SEC1)
+    descriptors = []                       # descriptor files: PUTs checked against them
+    replica_ttl_ms = 600000
+    max_block_octets = 67108864
+
+    [storage]
+    encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
+    compress = false
+    fast_layers = 0                   # 0: no split
+    promote = true
+    lease_max_ttl_ms = 60000
+    lease_max_octets_per_client = 8589934592
+
+    [[storage.tiers]]                 # fastest first
+    backend = "host"                  # device | host | lmdb | redis | s3
+    capacity = 1073741824             # octets
+    # further keys are the backend's options (path, url, bucket, ...)
+
+Relative paths are resolved against the file's directory.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration file is wrong; the message names the key's path."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8443
+    certfile: str = ""
+    keyfile: str = ""
+    cafile: str = ""
+    insecure_http: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HolderConfig:
+    uri: str = "https://127.0.0.1:8443/kvsp/"
+    policy: str = ""
+    descriptors: tuple[str, ...] = ()
+    replica_ttl_ms: int = 600_000
+    max_block_octets: int = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    backend: str
+    capacity: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    encryption_key_file: str = ""
+    compress: bool = False
+    fast_layers: int = 0
+    promote: bool = True
+    lease_max_ttl_ms: int = 60_000
+    lease_max_octets_per_client: int = 8 << 30
+    tiers: tuple[TierConfig, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = ServerConfig()
+    holder: HolderConfig = HolderConfig()
+    storage: StorageConfig = StorageConfig()
+    #: Directory relative paths are resolved against.
+    root: Path = Path(".")
+
+    def path(self, value: str) -> Path:
+        return (self.root / value).resolve() if value else Path()
+
+
+_PATH_KEYS = {"certfile", "keyfile", "cafile", "policy", "encryption_key_file"}
+
+
+def _section(cls: type, data: Any, where: str, root: Path) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a table")
+    known = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known or key == "tiers":
+            raise ConfigError(f"{where}.{key}: unknown key; known: {sorted(known)}")
+        default = known[key].default
+        expected = type(default) if default is not None else str
+        if expected is tuple:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{where}.{key}: must be an array of strings")
+            value = tuple(str(root / v) for v in value)
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}.{key}: must be {expected.__name__}, got {value!r}")
+        if key in _PATH_KEYS and value:
+            value = str(root / value)
+        values[key] = value
+    return cls(**values)
+
+
+def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
+    """Validate a parsed TOML document."""
+    unknown = set(data) - {"server", "holder", "storage"}
+    if unknown:
+        raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: holder, server, storage")
+    storage_data = dict(data.get("storage", {}))
+    tiers_data = storage_data.pop("tiers", [])
+    storage = _section(StorageConfig, storage_data, "storage", root)
+    if not isinstance(tiers_data, list) or not tiers_data:
+        raise ConfigError("storage.tiers: at least one [[storage.tiers]] is required")
+    tiers = []
+    for index, raw in enumerate(tiers_data):
+        where = f"storage.tiers[{index}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: must be a table")
+        options = dict(raw)
+        backend = options.pop("backend", None)
+        capacity = options.pop("capacity", None)
+        if not isinstance(backend, str):
+            raise ConfigError(f"{where}.backend: required, one of device, host, lmdb, redis, s3")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ConfigError(f"{where}.capacity: required, a positive number of octets")
+        if "path" in options and isinstance(options["path"], str):
+            options["path"] = str(root / options["path"])
+        tiers.append(TierConfig(backend, capacity, options))
+    return Config(
+        server=_section(ServerConfig, data.get("server", {}), "server", root),
+        holder=_section(HolderConfig, data.get("holder", {}), "holder", root),
+        storage=StorageConfig(**{**_asdict(storage), "tiers": tuple(tiers)}),
+        root=root,
+    )
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def load(path: str | Path) -> Config:
+    file = Path(path)
+    try:
+        data = tomllib.loads(file.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {file}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: {exc}") from exc
+    return parse(data, file.resolve().parent)

@@ -1,0 +1,234 @@
+"""The holder's ASGI app: ``blocks/{compat}/{scope}/{block_key}`` and ``leases``.
+
+Resources are relative to the configured base URI (H7). Every request is
+authorized by the principal of its client certificate (SEC1) before anything
+about the block is revealed: a principal without the block's scope gets
+``kvsp-scope-denied`` whether or not the block exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Mount, Route
+
+from ..http import (
+    EXCEPTION_HANDLERS,
+    empty_response,
+    json_response,
+    principal,
+    read_body,
+    read_json,
+)
+from ..protocol import container as kc
+from ..protocol.codecs import CODECS
+from ..protocol.compat import CompatibilityDescriptor
+from ..protocol.problems import BadRequest, NotFound, PreconditionRequired
+from ..protocol.records import LeaseGrant, LeaseRequest
+from ..protocol.wire import (
+    BLOCK_MEDIA_TYPE,
+    block_cache_control,
+    block_path,
+    parse_layers,
+    repr_digest,
+)
+from ..security import Policy
+from ..storage import BlockRef, TieredStore
+from ..storage.leases import Lease
+
+log = logging.getLogger("kvstore.holder")
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True, slots=True)
+class HolderSettings:
+    """What a holder needs to know about itself."""
+
+    #: Public base URI of this holder (H7), e.g. ``https://h1.example:8443/kvsp/``.
+    holder_uri: str
+    #: Largest block PUT body accepted (413 beyond it).
+    max_block_octets: int = 64 << 20
+    #: Largest JSON body accepted.
+    max_json_octets: int = 1 << 20
+    #: TTL of the replica records it publishes; bounds Cache-Control max-age (BL5).
+    replica_ttl_ms: int = 600_000
+    #: Descriptors the holder knows, by compat_id: PUTs are checked against them (B2).
+    descriptors: Mapping[str, CompatibilityDescriptor] = field(default_factory=dict)
+    #: Most block keys in one lease request (SEC3).
+    max_lease_keys: int = 8192
+    #: Plain-HTTP development mode: requests without a certificate are "anonymous".
+    allow_anonymous: bool = False
+
+    @property
+    def base_path(self) -> str:
+        path = urlsplit(self.holder_uri).path or "/"
+        return path if path.endswith("/") else path + "/"
+
+
+class Publisher:
+    """Hooks the holder calls as replicas come and go (P1-P3); no-op by default."""
+
+    async def published(self, ref: BlockRef) -> None:
+        """A replica was stored."""
+
+    async def withdrawn(self, ref: BlockRef) -> None:
+        """A replica is about to leave (called before it is gone)."""
+
+
+def _ref(request: Request) -> BlockRef:
+    compat, scope, key = (request.path_params[k] for k in ("compat", "scope", "block_key"))
+    # Malformed path parts name no resource: 404, never a 500.
+    if not (_HEX64.fullmatch(compat) and _HEX32.fullmatch(scope) and _HEX64.fullmatch(key)):
+        raise NotFound(
+            "no such block resource (compat and block key are 64, scope 32 lowercase hex)"
+        )
+    return BlockRef(compat, scope, key)
+
+
+def _lease_json(lease: Lease, clock: Callable[[], float]) -> dict[str, Any]:
+    remaining = max(0, int((lease.expires_at - clock()) * 1000))
+    return LeaseGrant(lease.id, remaining, tuple(r.block_key for r in lease.blocks)).to_json()
+
+
+def create_app(
+    settings: HolderSettings,
+    store: TieredStore,
+    policy: Policy,
+    publisher: Publisher | None = None,
+) -> Starlette:
+    """The holder app over ``store``, authorizing with ``policy``."""
+    publisher = publisher or Publisher()
+    if store.on_evict is None:
+        # P3: the store calls this before a replica leaves; the publisher withdraws it.
+        async def withdraw(ref: BlockRef, reason: str) -> None:
+            await publisher.withdrawn(ref)
+
+        store.on_evict = withdraw
+
+    def who(request: Request) -> str | None:
+        return principal(request, settings.allow_anonymous)
+
+    async def get_block(request: Request) -> Response:
+        ref = _ref(request)
+        policy.require_read(who(request), ref.scope_id)
+        first = last = None
+        if "layers" in request.query_params:
+            first, last = parse_layers(request.query_params["layers"])
+        read = store.read(ref, first, last)
+        codec = request.query_params.get("codec")
+        info = store.info(ref)
+        if codec is not None and _wants_transcode(codec, info.codec, ref, settings):
+            # BL3: transcoded representations are protected by Repr-Digest only.
+            body = kc.transcode(
+                kc.decode(await read.read_all()),
+                int(codec),
+                settings.descriptors[ref.compat_id],
+            )
+            headers = _block_headers(repr_digest(body), settings)
+            return Response(bytes(body), headers=headers, media_type=BLOCK_MEDIA_TYPE)
+        headers = _block_headers(await read.repr_digest(), settings)
+        headers["Content-Length"] = str(len(read))
+        return StreamingResponse(_stream(read), headers=headers, media_type=BLOCK_MEDIA_TYPE)
+
+    async def put_block(request: Request) -> Response:
+        ref = _ref(request)
+        policy.require_write(who(request), ref.scope_id)
+        if request.headers.get("if-none-match", "").strip() != "*":
+            raise PreconditionRequired("a block PUT must carry If-None-Match: * (BL7)")
+        try:
+            body = await read_body(request, settings.max_block_octets)
+        except ClientDisconnect:
+            log.info("PUT %s ended early; nothing stored", ref.block_key)
+            return empty_response(400)
+        descriptor = settings.descriptors.get(ref.compat_id)
+        await store.put(ref, body, descriptor=descriptor)
+        await publisher.published(ref)
+        record = store.replica_record(ref, settings.holder_uri, settings.replica_ttl_ms)
+        location = settings.base_path + block_path(ref.compat_id, ref.scope_id, ref.block_key)
+        return json_response(record.to_json(), 201, {"Location": location})
+
+    async def create_lease(request: Request) -> Response:
+        client = who(request)
+        grant = policy.grant(client)
+        wanted = LeaseRequest.from_json(
+            await read_json(request, settings.max_json_octets), settings.max_lease_keys
+        )
+
+        def allowed(ref: BlockRef) -> bool:
+            # Only blocks of scopes the client may read are leased (SEC1).
+            return (
+                grant.can_read(ref.scope_id)
+                and wanted.scope_id in (None, ref.scope_id)
+                and wanted.compat_id in (None, ref.compat_id)
+            )
+
+        assert client is not None
+        lease = store.lease(client, wanted.block_keys, wanted.ttl_ms, allowed)
+        location = settings.base_path + f"leases/{lease.id}"
+        return json_response(_lease_json(lease, store.clock), 201, {"Location": location})
+
+    async def renew_lease(request: Request) -> Response:
+        client = who(request)
+        policy.grant(client)
+        body = await read_json(request, settings.max_json_octets)
+        if not isinstance(body, dict) or not isinstance(body.get("ttl_ms"), int):
+            raise BadRequest('renewal body must be {"ttl_ms": <integer>}')
+        assert client is not None
+        lease = store.renew_lease(client, request.path_params["lease_id"], body["ttl_ms"])
+        return json_response(_lease_json(lease, store.clock))
+
+    async def release_lease(request: Request) -> Response:
+        client = who(request)
+        policy.grant(client)
+        assert client is not None
+        store.release_lease(client, request.path_params["lease_id"])
+        return empty_response()
+
+    routes = [
+        Route("/blocks/{compat}/{scope}/{block_key}", get_block, methods=["GET", "HEAD"]),
+        Route("/blocks/{compat}/{scope}/{block_key}", put_block, methods=["PUT"]),
+        Route("/leases", create_lease, methods=["POST"]),
+        Route("/leases/{lease_id}", renew_lease, methods=["PUT"]),
+        Route("/leases/{lease_id}", release_lease, methods=["DELETE"]),
+    ]
+    base = settings.base_path.rstrip("/")
+    app = Starlette(
+        routes=[Mount(base, routes=routes)] if base else routes,
+        exception_handlers=EXCEPTION_HANDLERS,
+    )
+    app.state.store = store
+    app.state.settings = settings
+    return app
+
+
+def _wants_transcode(codec: str, stored: int, ref: BlockRef, settings: HolderSettings) -> bool:
+    try:
+        value = int(codec)
+    except ValueError:
+        raise BadRequest(f"codec={codec!r} is not an integer") from None
+    # A holder MAY transcode (BL3): only between codecs it has, with the geometry known.
+    return value != stored and value in CODECS and ref.compat_id in settings.descriptors
+
+
+def _block_headers(digest: str, settings: HolderSettings) -> dict[str, str]:
+    return {
+        "Repr-Digest": digest,  # BL4
+        # BL5: records are refreshed every ttl/3, so a replica's remaining TTL
+        # never drops below two thirds of it; a third is always within it.
+        "Cache-Control": block_cache_control(settings.replica_ttl_ms // 3),
+    }
+
+
+async def _stream(read: Any) -> AsyncIterator[Any]:
+    async for chunk in read:
+        yield chunk

@@ -1,0 +1,134 @@
+"""ASGI pieces every role shares: problem+json, KVSP JSON, bounded bodies, identity.
+
+* every error leaves through :func:`problem_response`, one mapping from the
+  exception hierarchy to RFC 9457 bodies (H3, STYLE 7);
+* every non-block response carries ``Cache-Control: no-store`` (H5);
+* JSON bodies are ``application/kvsp+json`` (H2) and are read with a size
+  limit before they are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from .protocol.problems import (
+    PROBLEM_MEDIA_TYPE,
+    BadRequest,
+    KvspError,
+    PayloadTooLarge,
+    render_problem,
+)
+from .protocol.wire import JSON_MEDIA_TYPE, NO_STORE
+from .tlsscope import principal_from_scope
+
+log = logging.getLogger("kvstore.http")
+
+#: The principal of requests without a client certificate, in the explicit
+#: plain-HTTP development mode only.
+ANONYMOUS = "anonymous"
+
+
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A KVSP JSON response (H2, H5)."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    merged = {"Cache-Control": NO_STORE, **(headers or {})}
+    return Response(payload, status, headers=merged, media_type=JSON_MEDIA_TYPE)
+
+
+def empty_response(status: int = 204, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(b"", status, headers={"Cache-Control": NO_STORE, **(headers or {})})
+
+
+def problem_response(error: KvspError, instance: str | None = None) -> Response:
+    """The problem+json response of any kvstore error (H3, H5)."""
+    headers = {"Cache-Control": NO_STORE}
+    if error.status == 503:
+        headers["Retry-After"] = "1"
+    return Response(
+        render_problem(error, instance),
+        error.status,
+        headers=headers,
+        media_type=PROBLEM_MEDIA_TYPE,
+    )
+
+
+class _HttpStatus(KvspError):
+    """A routing-level error (unknown path, wrong method) as a problem."""
+
+
+async def handle_kvsp_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, KvspError)
+    return problem_response(exc, request.url.path)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = _HttpStatus(exc.detail if isinstance(exc.detail, str) else "error")
+    error.status = exc.status_code
+    error.title = "Not found" if exc.status_code == 404 else "HTTP error"
+    response = problem_response(error, request.url.path)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    # Log the cause here; tell the peer nothing about internals.
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return problem_response(KvspError("internal error"), request.url.path)
+
+
+EXCEPTION_HANDLERS = {
+    KvspError: handle_kvsp_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` octets as they arrive (413).
+
+    A body that ends early (the client went away) raises
+    :class:`starlette.requests.ClientDisconnect`; callers store nothing then.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise BadRequest("Content-Length is not a number") from None
+        if size > limit:
+            raise PayloadTooLarge(f"body of {size} octets exceeds the limit of {limit}")
+    buffer = bytearray()
+    async for chunk in request.stream():
+        if len(buffer) + len(chunk) > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
+        buffer += chunk
+    if declared is not None and len(buffer) != int(declared):
+        raise ClientDisconnect()
+    return bytes(buffer)
+
+
+async def read_json(request: Request, limit: int = 1 << 20) -> Any:
+    body = await read_body(request, limit)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+
+
+def principal(request: Request, allow_anonymous: bool = False) -> str | None:
+    """The authenticated principal (SEC1), or :data:`ANONYMOUS` in plain-HTTP dev mode."""
+    found = principal_from_scope(request.scope)
+    if found is None and allow_anonymous:
+        return ANONYMOUS
+    return found

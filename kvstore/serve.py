@@ -1,0 +1,132 @@
+"""Build roles from a configuration and run them under uvicorn (``kvstore serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import ssl
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError
+from .holder import HolderSettings, create_app
+from .protocol.compat import parse_descriptor
+from .security import Policy
+from .storage import LeaseLimits, SegmentSealer, TieredStore
+
+log = logging.getLogger("kvstore.serve")
+
+
+def build_store(config: Config) -> TieredStore:
+    """The TieredStore a configuration describes (backends imported lazily)."""
+    from backends import create_tier
+
+    cfg = config.storage
+    key = None
+    if cfg.encryption_key_file:
+        key = Path(cfg.encryption_key_file).read_bytes()
+        if len(key) != 32:
+            raise ConfigError("storage.encryption_key_file: must hold exactly 32 octets")
+    tiers = []
+    for index, tier in enumerate(cfg.tiers):
+        try:
+            tiers.append((create_tier(tier.backend, **tier.options), tier.capacity))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"storage.tiers[{index}]: {exc}") from exc
+    return TieredStore(
+        tiers,
+        sealer=SegmentSealer(key, compress=cfg.compress),
+        lease_limits=LeaseLimits(
+            max_octets_per_client=cfg.lease_max_octets_per_client,
+            max_ttl_ms=cfg.lease_max_ttl_ms,
+        ),
+        promote=cfg.promote,
+        fast_layers=cfg.fast_layers or None,
+    )
+
+
+def build_holder(config: Config, store: TieredStore) -> Any:
+    cfg = config.holder
+    if not cfg.policy:
+        raise ConfigError("holder.policy: a policy file is required")
+    descriptors = {}
+    for file in cfg.descriptors:
+        descriptor = parse_descriptor(json.loads(Path(file).read_text()))
+        descriptors[descriptor.compat_id_hex] = descriptor
+    settings = HolderSettings(
+        holder_uri=cfg.uri,
+        max_block_octets=cfg.max_block_octets,
+        replica_ttl_ms=cfg.replica_ttl_ms,
+        descriptors=descriptors,
+        allow_anonymous=config.server.insecure_http,
+    )
+    return create_app(settings, store, Policy.load(cfg.policy))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def uvicorn_config(config: Config, app: Any) -> Any:
+    import uvicorn
+
+    from .tlsscope import TLSH11Protocol
+
+    server = config.server
+    options: dict[str, Any] = {"host": server.host, "port": server.port, "http": TLSH11Protocol}
+    if server.insecure_http:
+        if not _is_loopback(server.host):
+            raise ConfigError("server.insecure_http: refused on a non-loopback address")
+        where = f"{server.host}:{server.port}"
+        log.warning("PLAIN HTTP on %s: no TLS, no client identity (development only)", where)
+    else:
+        missing = [k for k in ("certfile", "keyfile", "cafile") if not getattr(server, k)]
+        if missing:
+            raise ConfigError(f"server.{missing[0]}: required unless insecure_http = true")
+        options.update(
+            ssl_certfile=server.certfile,
+            ssl_keyfile=server.keyfile,
+            ssl_ca_certs=server.cafile,
+            ssl_cert_reqs=ssl.CERT_REQUIRED,  # H1: both sides authenticate
+        )
+    uv = uvicorn.Config(app, log_level="warning", lifespan="off", **options)
+    uv.load()
+    if uv.ssl is not None:
+        uv.ssl.minimum_version = ssl.TLSVersion.TLSv1_3  # H1: TLS 1.3 or later
+    return uv
+
+
+async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
+    """Run the configured roles until interrupted."""
+    import uvicorn
+
+    if roles != ("holder",):
+        raise ConfigError(f"roles {roles}: only 'holder' is available in this version")
+    store = build_store(config)
+    try:
+        found = await store.recover()
+        await store.measure_read_rates()
+        app = build_holder(config, store)
+        server = uvicorn.Server(uvicorn_config(config, app))
+        scheme = "http" if config.server.insecure_http else "https"
+        where = f"{scheme}://{config.server.host}:{config.server.port}"
+        log.warning(
+            "holder %s serving on %s (%d blocks recovered)", config.holder.uri, where, found
+        )
+        await server.serve()
+    finally:
+        await store.close()
+
+
+def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    asyncio.run(serve(config, roles))

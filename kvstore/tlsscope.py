@@ -1,0 +1,114 @@
+"""The ASGI ``tls`` scope extension for uvicorn, and the principal it carries.
+
+Roles authorize by the peer's certificate (SEC1), so the app must see it. The
+ASGI spec defines ``scope["extensions"]["tls"]`` for that, but no released
+uvicorn fills it in (tested with uvicorn 0.54). These protocol classes do:
+on each new connection they read the transport's ``ssl_object`` and wrap the
+app for that connection so every request scope carries::
+
+    {"server_cert": None, "client_cert_chain": [<PEM>], "client_cert_name": <RFC 4514>,
+     "client_cert_error": None, "tls_version": 0x0304, "cipher_suite": None}
+
+Use them with ``uvicorn.Config(app, http=TLSH11Protocol, ...)`` (or
+``TLSHttpToolsProtocol``). ``tests/integration`` fails if an upgrade breaks
+this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+
+_TLS_VERSIONS = {"TLSv1.3": 0x0304, "TLSv1.2": 0x0303}
+
+
+def tls_extension(transport: asyncio.BaseTransport) -> dict[str, Any] | None:
+    """The ASGI ``tls`` extension dict of a connection, or None for plain TCP."""
+    ssl_object: ssl.SSLObject | None = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    chain = [ssl.DER_cert_to_PEM_cert(der)] if der else []
+    return {
+        "server_cert": None,
+        "client_cert_chain": chain,
+        "client_cert_name": _rfc4514(ssl_object.getpeercert()) if der else None,
+        "client_cert_error": None,
+        "tls_version": _TLS_VERSIONS.get(ssl_object.version() or ""),
+        "cipher_suite": None,
+    }
+
+
+def _rfc4514(peercert: Any) -> str | None:
+    if not peercert:
+        return None
+    parts = [f"{k}={v}" for rdn in peercert.get("subject", ()) for k, v in rdn]
+    return ",".join(reversed(parts)) or None
+
+
+class _WithTLS:
+    """Per-connection wrapper that adds the ``tls`` extension to each scope."""
+
+    __slots__ = ("app", "tls")
+
+    def __init__(self, app: ASGIApp, tls: dict[str, Any]) -> None:
+        self.app = app
+        self.tls = tls
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            extensions = dict(scope.get("extensions") or {})
+            extensions["tls"] = self.tls
+            scope = {**scope, "extensions": extensions}
+        await self.app(scope, receive, send)
+
+
+class TLSH11Protocol(H11Protocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        tls = tls_extension(transport)
+        if tls is not None:
+            self.app = _WithTLS(self.app, tls)
+
+
+class TLSHttpToolsProtocol(HttpToolsProtocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        tls = tls_extension(transport)
+        if tls is not None:
+            self.app = _WithTLS(self.app, tls)
+
+
+@functools.lru_cache(maxsize=4096)
+def principal_of_pem(pem: str) -> str | None:
+    """First URI subjectAltName of a PEM certificate, else its common name."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = x509.load_pem_x509_certificate(pem.encode())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+        if uris:
+            return str(uris[0])
+    except x509.ExtensionNotFound:
+        pass
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else None
+
+
+def principal_from_scope(scope: Scope) -> str | None:
+    """The authenticated principal of a request, or None without a client certificate."""
+    tls = (scope.get("extensions") or {}).get("tls")
+    if not tls or not tls.get("client_cert_chain"):
+        return None
+    return principal_of_pem(tls["client_cert_chain"][0])
