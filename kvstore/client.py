@@ -19,6 +19,7 @@ miss and moves on to the next replica (P4, BL8).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from .protocol.wire import (
     block_path,
     format_layers,
     parse_repr_digest,
+    replica_path,
 )
 
 log = logging.getLogger("kvstore.client")
@@ -49,8 +51,8 @@ def _base(uri: str) -> str:
     return uri if uri.endswith("/") else uri + "/"
 
 
-class HolderClient:
-    """A pooled client for any number of holders."""
+class _Http:
+    """Pooled HTTPS connections with the client certificate of ``ssl_context``."""
 
     def __init__(
         self,
@@ -75,7 +77,7 @@ class HolderClient:
             await self._session.close()
             self._session = None
 
-    async def __aenter__(self) -> HolderClient:
+    async def __aenter__(self) -> Any:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -94,7 +96,9 @@ class HolderClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise KvspError(f"{method} {url}: {exc!r}") from exc
 
-    # --- blocks ---------------------------------------------------------
+
+class HolderClient(_Http):
+    """A pooled client for any number of holders: blocks and leases."""
 
     async def get_block(
         self,
@@ -190,6 +194,29 @@ class HolderClient:
     async def release_lease(self, holder: str, lease_id: str) -> None:
         url = urljoin(_base(holder), f"leases/{lease_id}")
         await self._request("DELETE", url, expect=[200, 204])
+
+
+class IndexClient(_Http):
+    """A client of an Index Service: publish and withdraw replica records (P1-P3)."""
+
+    def __init__(
+        self, index_uri: str, ssl_context: ssl.SSLContext | None = None, **kw: Any
+    ) -> None:
+        super().__init__(ssl_context, **kw)
+        self.index_uri = _base(index_uri)
+
+    async def publish(self, record: ReplicaRecord) -> None:
+        """``PUT replicas/{holder-id}/{block_key}``: publish or refresh (idempotent, P2)."""
+        url = urljoin(self.index_uri, replica_path(record.holder, record.block_key))
+        payload = json.dumps(record.to_json()).encode()
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        await self._request("PUT", url, expect=[200, 201, 204], data=payload, headers=headers)
+
+    async def withdraw(self, holder: str, block_key: str) -> None:
+        """``DELETE replicas/{holder-id}/{block_key}``; an unknown record is already gone."""
+        url = urljoin(self.index_uri, replica_path(holder, block_key))
+        with contextlib.suppress(NotFound):
+            await self._request("DELETE", url, expect=[200, 204])
 
 
 def _error(status: int, headers: dict[str, str], body: bytes) -> KvspError:

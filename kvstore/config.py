@@ -16,6 +16,9 @@ A holder's file, with every key and its default::
     descriptors = []                       # descriptor files: PUTs checked against them
     replica_ttl_ms = 600000
     max_block_octets = 67108864
+    index_uri = ""                         # Index Service to publish to (P1); empty: none
+    client_certfile = ""                   # the holder's client certificate for the IS
+    client_keyfile = ""
 
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
@@ -62,6 +65,9 @@ class HolderConfig:
     descriptors: tuple[str, ...] = ()
     replica_ttl_ms: int = 600_000
     max_block_octets: int = 64 << 20
+    index_uri: str = ""
+    client_certfile: str = ""
+    client_keyfile: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +100,15 @@ class Config:
         return (self.root / value).resolve() if value else Path()
 
 
-_PATH_KEYS = {"certfile", "keyfile", "cafile", "policy", "encryption_key_file"}
+_PATH_KEYS = {
+    "certfile",
+    "keyfile",
+    "cafile",
+    "policy",
+    "encryption_key_file",
+    "client_certfile",
+    "client_keyfile",
+}
 
 
 def _section(cls: type, data: Any, where: str, root: Path) -> Any:

@@ -47,7 +47,25 @@ def build_store(config: Config) -> TieredStore:
     )
 
 
-def build_holder(config: Config, store: TieredStore) -> Any:
+def build_publisher(config: Config, store: TieredStore) -> Any:
+    """An IndexPublisher when ``holder.index_uri`` is set, else None."""
+    from .client import IndexClient
+    from .holder.publisher import IndexPublisher
+    from .security import client_context
+
+    cfg = config.holder
+    if not cfg.index_uri:
+        return None
+    context = None
+    if cfg.index_uri.startswith("https:"):
+        if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
+            raise ConfigError("holder.client_certfile: required to publish to an https index")
+        context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+    index = IndexClient(cfg.index_uri, context)
+    return IndexPublisher(index, store, cfg.uri, cfg.replica_ttl_ms)
+
+
+def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> Any:
     cfg = config.holder
     if not cfg.policy:
         raise ConfigError("holder.policy: a policy file is required")
@@ -62,7 +80,7 @@ def build_holder(config: Config, store: TieredStore) -> Any:
         descriptors=descriptors,
         allow_anonymous=config.server.insecure_http,
     )
-    return create_app(settings, store, Policy.load(cfg.policy))
+    return create_app(settings, store, Policy.load(cfg.policy), publisher)
 
 
 def _is_loopback(host: str) -> bool:
@@ -110,11 +128,15 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
     if roles != ("holder",):
         raise ConfigError(f"roles {roles}: only 'holder' is available in this version")
     store = build_store(config)
+    publisher = None
     try:
         found = await store.recover()
         await store.measure_read_rates()
-        app = build_holder(config, store)
+        publisher = build_publisher(config, store)
+        app = build_holder(config, store, publisher)
         server = uvicorn.Server(uvicorn_config(config, app))
+        if publisher is not None:
+            publisher.start()  # its first round republishes what was recovered
         scheme = "http" if config.server.insecure_http else "https"
         where = f"{scheme}://{config.server.host}:{config.server.port}"
         log.warning(
@@ -122,6 +144,9 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         )
         await server.serve()
     finally:
+        if publisher is not None:
+            await publisher.stop()
+            await publisher.index.close()
         await store.close()
 
 

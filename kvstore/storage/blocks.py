@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -81,26 +82,70 @@ class BlockInfo:
     readers: int = 0
     #: Repr-Digest of the whole container, computed on the first whole read.
     whole_repr_digest: str | None = None
+    #: Persistent tiers holding this block's layer table (see :meth:`meta`).
+    meta_slots: set[int] = field(default_factory=set)
     #: Repr-Digests of layer ranges already served, (first, last) -> value.
     range_digests: dict[tuple[int, int], str] = field(default_factory=dict)
 
     @property
     def first_layer(self) -> int:
-        return min(self.layers)
+        """First layer held (segments may cover fewer layers than are known)."""
+        return min(x.first for x in self.segments)
 
     @property
     def last_layer(self) -> int:
-        return max(self.layers)
+        """Last layer held."""
+        return max(x.last for x in self.segments)
+
+    def holds(self, first: int, last: int) -> bool:
+        """True when segments cover every layer of ``first..last``."""
+        covered = sum(
+            min(last, x.last) - max(first, x.first) + 1
+            for x in self.segments
+            if x.last >= first and x.first <= last
+        )
+        return first <= last and covered == last - first + 1
 
     @property
     def layer_digests(self) -> list[bytes]:
+        """Digests of every layer of the block, held or not, in layer order (B3)."""
         return [self.layers[i][2] for i in sorted(self.layers)]
 
     @property
     def size(self) -> int:
-        """Octets of the whole container as served."""
-        data = sum(k + v for k, v, _ in self.layers.values())
-        return kc.FIXED_HEADER_OCTETS + kc.LENGTH_ENTRY_OCTETS * len(self.layers) + data
+        """Octets of the container that serves every held layer."""
+        held = [self.layers[i] for x in self.segments for i in range(x.first, x.last + 1)]
+        data = sum(k + v for k, v, _ in held)
+        return kc.FIXED_HEADER_OCTETS + kc.LENGTH_ENTRY_OCTETS * len(held) + data
+
+    def meta(self) -> bytes:
+        """The block's layer table as stored beside its segments in persistent
+        tiers, so a restart knows every layer's digest even when only some
+        segments survived (the replica record lists all of them, R2)."""
+        return json.dumps(
+            {
+                "codec": self.codec,
+                "token_count": self.token_count,
+                "layers": [[i, k, v, d.hex()] for i, (k, v, d) in sorted(self.layers.items())],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    def load_meta(self, raw: BytesLike) -> None:
+        """Adopt a stored layer table (see :meth:`meta`); ValueError if malformed."""
+        try:
+            data = json.loads(bytes(raw))
+            layers = {int(i): (int(k), int(v), bytes.fromhex(d)) for i, k, v, d in data["layers"]}
+            codec, tokens = int(data["codec"]), int(data["token_count"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"malformed block metadata: {exc}") from exc
+        if self.layers and (
+            (codec, tokens) != (self.codec, self.token_count)
+            or any(layers[i] != known for i, known in self.layers.items() if i in layers)
+        ):
+            raise ValueError("block metadata disagrees with its segments")
+        self.codec, self.token_count = codec, tokens
+        self.layers.update(layers)
 
     def verify_segment(self, segment: Segment, plain: BytesLike) -> None:
         """Check a segment's layers against the layer digests taken at put (B3)."""

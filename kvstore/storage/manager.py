@@ -193,8 +193,9 @@ class TieredStore:
         :class:`InsufficientStorage` when no tier can take it.
         """
         container = kc.decode(data, descriptor=descriptor)
-        if len(container) == 0:
-            raise MalformedContainer("a block must carry at least one layer")
+        if len(container) == 0 or container.first_layer != 0:
+            # A block is stored whole: its record lists every layer's digest (R2).
+            raise MalformedContainer("a block must carry its layers from layer 0 on")
         # B3: the layer digests are computed in a worker thread while the
         # segments are written; hashlib releases the GIL, so the two overlap.
         hashing = asyncio.ensure_future(asyncio.to_thread(layer_table, container))
@@ -211,6 +212,7 @@ class TieredStore:
                             part = container.slice(first, last).tobytes()
                         await self._place(info, first, last, part, slot)
                     info.layers = await hashing
+                    await self._sync_meta(info)
                 except BaseException:
                     await self._discard(info)
                     raise
@@ -343,6 +345,7 @@ class TieredStore:
                 return not self._current(info, segment)
             self._replace(info, segment, moved)
             await self._quiet_delete(src, segment.key)
+            await self._sync_meta(info)
             self.stats.demotions += 1
             return True
         return False
@@ -374,6 +377,7 @@ class TieredStore:
             src = self.slots[segment.slot]
             self._replace(info, segment, moved)
             await self._quiet_delete(src, segment.key)
+            await self._sync_meta(info)
             self.stats.promotions += 1
 
     def _current(self, info: BlockInfo, segment: Segment) -> bool:
@@ -415,18 +419,36 @@ class TieredStore:
         else:
             self.stats.fault_evictions += 1
         log.info("evicted %s (%s)", info.ref.block_key, reason)
-        await asyncio.shield(self._delete_segments(segments))
+        await asyncio.shield(self._delete_segments(segments, info))
 
     async def _discard(self, info: BlockInfo) -> None:
         """Remove the segments of a block that was never registered (a failed put)."""
         segments = list(info.segments)
         for segment in segments:
             self._detach(info, segment)
-        await asyncio.shield(self._delete_segments(segments))
+        await asyncio.shield(self._delete_segments(segments, info))
 
-    async def _delete_segments(self, segments: Sequence[Segment]) -> None:
+    async def _delete_segments(self, segments: Sequence[Segment], info: BlockInfo) -> None:
         for segment in segments:
             await self._quiet_delete(self.slots[segment.slot], segment.key)
+        await self._sync_meta(info)
+
+    async def _sync_meta(self, info: BlockInfo) -> None:
+        """Keep the block's layer table in each persistent tier that holds one of
+        its segments, and nowhere else (a restart reads it back, see startup)."""
+        want = {x.slot for x in info.segments if self.slots[x.slot].tier.persistent}
+        for index in sorted(want - info.meta_slots):
+            slot = self.slots[index]
+            stored = self.sealer.seal(info.ref.meta_name, info.meta())
+            try:
+                await self._tier_call(slot, slot.tier.put(info.ref.meta_key, stored))
+                info.meta_slots.add(index)
+            except (TierUnavailable, TierFull) as exc:
+                log.warning("layer table of %s not stored in %s: %s", info.ref.block_key,
+                            slot.kind, exc.detail)  # fmt: skip
+        for index in sorted(info.meta_slots - want):
+            info.meta_slots.discard(index)
+            await self._quiet_delete(self.slots[index], info.ref.meta_key)
 
     async def _quiet_delete(self, slot: TierSlot, key: str) -> None:
         try:
@@ -454,7 +476,7 @@ class TieredStore:
             raise NotFound(f"block {ref.block_key} is not held")
         a = info.first_layer if first is None else first
         b = info.last_layer if last is None else last
-        if a > b or any(i not in info.layers for i in range(a, b + 1)):
+        if not info.holds(a, b):
             raise LayersUnavailable(
                 f"layers {a}-{b} are not held; held: {info.first_layer}-{info.last_layer}",
                 held=[info.first_layer, info.last_layer],

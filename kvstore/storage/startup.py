@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..protocol import container as kc
 from ..protocol.problems import TierFull, TierUnavailable
 from .blocks import BlockInfo, Segment, TierSlot
-from .types import parse_segment_key
+from .types import BlockRef, parse_segment_key
 
 if TYPE_CHECKING:
     from .manager import TieredStore
@@ -32,36 +32,69 @@ async def recover(store: TieredStore) -> int:
         if not slot.tier.persistent:
             continue
         async for key in slot.tier.keys():
-            await _recover_segment(store, index, slot, key)
+            await _recover_key(store, index, slot, key)
+    for info in list(store._blocks.values()):
+        known = sorted(info.layers)
+        # A block is kept only if its record can list every layer (R2) and
+        # something of it survived; what is dropped here stays on disk.
+        if not info.segments or known != list(range(len(known))):
+            log.warning("not adopting %s: layers %s known, %d segments", info.ref.block_key,
+                        known[:3], len(info.segments))  # fmt: skip
+            for segment in list(info.segments):
+                store._detach(info, segment)
+            del store._blocks[info.ref]
+            store._by_key.get(info.ref.block_key, set()).discard(info.ref)
     return len(store._blocks)
 
 
-async def _recover_segment(store: TieredStore, index: int, slot: TierSlot, key: str) -> None:
+def _info(store: TieredStore, ref: BlockRef, codec: int, token_count: int) -> BlockInfo:
+    info = store._blocks.get(ref)
+    if info is None:
+        info = BlockInfo(ref, codec, token_count, {}, [])
+        store._blocks[ref] = info
+        store._by_key.setdefault(ref.block_key, set()).add(ref)
+    return info
+
+
+async def _recover_key(store: TieredStore, index: int, slot: TierSlot, key: str) -> None:
     parsed = parse_segment_key(key)
     if parsed is None:
         return  # not ours (a shared bucket or Redis database)
-    ref, first, last = parsed
+    ref, span = parsed
     stored = await store._tier_call(slot, slot.tier.get(key))
     if stored is None:
         return
+    name = ref.meta_name if span is None else ref.segment_name(*span)
     try:
-        plain = store.sealer.open(ref.segment_name(first, last), stored)
+        plain = store.sealer.open(name, stored)
+        if span is None:
+            info = _info(store, ref, 0, 0)  # a new entry takes codec and tokens from the table
+            info.load_meta(plain)
+            info.meta_slots.add(index)
+            return
         container = kc.decode(plain)
+        if (container.first_layer, container.last_layer) != span:
+            raise ValueError("segment holds other layers than its key says")
     except Exception as exc:
         store.stats.integrity_failures += 1
-        log.warning("skipping unreadable segment %s in %s: %s", key, slot.kind, exc)
+        log.warning("skipping unreadable %s in %s: %s", key, slot.kind, exc)
         return
-    info = store._blocks.get(ref)
-    if info is None:
-        info = BlockInfo(ref, container.codec, container.token_count, {}, [])
-        store._blocks[ref] = info
-        store._by_key.setdefault(ref.block_key, set()).add(ref)
-    if any(i in info.layers for i in range(first, last + 1)) or info.codec != container.codec:
+    info = _info(store, ref, container.codec, container.token_count)
+    first, last = span
+    if any(x.first <= last and first <= x.last for x in info.segments) or (
+        info.codec != container.codec
+    ):
         # A second copy (e.g. a demotion interrupted between its write and delete).
         await store._quiet_delete(slot, key)
         return
     for layer in container:
-        info.layers[layer.index] = (len(layer.k), len(layer.v), layer.digest())
+        known = info.layers.get(layer.index)
+        digest = layer.digest()
+        if known is not None and known[2] != digest:
+            store.stats.integrity_failures += 1
+            log.warning("skipping %s in %s: layer %d fails its digest", key, slot.kind, layer.index)
+            return
+        info.layers[layer.index] = (len(layer.k), len(layer.v), digest)
     size = len(memoryview(stored))
     crc = None if store.sealer.authenticates else zlib.crc32(stored)
     store._attach(info, Segment(ref, first, last, index, size, crc))

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from ..protocol.wire import block_resource_name
 
-_SEGMENT_KEY = re.compile(r"([0-9a-f]{64})/([0-9a-f]{64})/([0-9a-f]{32})/(\d{1,10})-(\d{1,10})")
+_SEGMENT_KEY = re.compile(
+    r"([0-9a-f]{64})/([0-9a-f]{64})/([0-9a-f]{32})/(?:(\d{1,10})-(\d{1,10})|meta)"
+)
 _HEX32 = re.compile(r"[0-9a-f]{64}")
 _HEX16 = re.compile(r"[0-9a-f]{32}")
 
@@ -38,17 +40,30 @@ class BlockRef:
         """Tier key of layers first..last: the Block Key leads (see Tier)."""
         return f"{self.block_key}/{self.compat_id}/{self.scope_id}/{first}-{last}"
 
+    @property
+    def meta_key(self) -> str:
+        """Tier key of the block's layer table (beside its segments)."""
+        return f"{self.block_key}/{self.compat_id}/{self.scope_id}/meta"
+
+    @property
+    def meta_name(self) -> bytes:
+        return self.resource + b"?meta"
+
     def segment_name(self, first: int, last: int) -> bytes:
         """Associated data binding a sealed segment to its place (SEC4)."""
         return self.resource + f"?layers={first}-{last}".encode()
 
 
-def parse_segment_key(key: str) -> tuple[BlockRef, int, int] | None:
-    """Inverse of :meth:`BlockRef.segment_key`; None for keys that are not ours."""
+def parse_segment_key(key: str) -> tuple[BlockRef, tuple[int, int] | None] | None:
+    """Inverse of :meth:`BlockRef.segment_key` (span) and :attr:`BlockRef.meta_key`
+    (None); None for keys that are not ours."""
     match = _SEGMENT_KEY.fullmatch(key)
     if match is None:
         return None
+    ref = BlockRef(match[2], match[3], match[1])
+    if match[4] is None:
+        return ref, None
     first, last = int(match[4]), int(match[5])
     if first > last:
         return None
-    return BlockRef(match[2], match[3], match[1]), first, last
+    return ref, (first, last)

@@ -6,6 +6,7 @@ the client is kvstore.client over real sockets on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -13,8 +14,11 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -40,8 +44,26 @@ def key(n: int) -> str:
     return hashlib.sha256(f"it-{n}".encode()).hexdigest()
 
 
+class ThreadedIndex:
+    """The stand-in IS on its own event loop in a thread (the holder is a process)."""
+
+    def __init__(self) -> None:
+        from ..holder.stand_in_index import StandInIndex
+
+        self.index = StandInIndex()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.index.start(), self.loop).result(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.index.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
 class Holder:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, index_uri: str) -> None:
         self.root = root
         self.port = free_port()
         self.uri = f"https://127.0.0.1:{self.port}/kvsp/"
@@ -65,6 +87,7 @@ cafile = "certs/ca.pem"
 [holder]
 uri = "{self.uri}"
 policy = "policy.json"
+index_uri = "{index_uri}"
 
 [storage]
 encryption_key_file = "key.bin"
@@ -110,11 +133,25 @@ map_size = 268435456
 
 
 @pytest.fixture(scope="module")
-def holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Holder]:
-    server = Holder(tmp_path_factory.mktemp("holder"))
+def index() -> Iterator[ThreadedIndex]:
+    stand_in = ThreadedIndex()
+    yield stand_in
+    stand_in.stop()
+
+
+@pytest.fixture(scope="module")
+def holder(tmp_path_factory: pytest.TempPathFactory, index: ThreadedIndex) -> Iterator[Holder]:
+    server = Holder(tmp_path_factory.mktemp("holder"), index.index.uri)
     server.start()
     yield server
     server.stop()
+
+
+async def eventually(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -136,6 +173,18 @@ async def test_put_get_and_layer_range_across_two_tiers(
     assert await alice.get_block(holder.uri, COMPAT, SCOPE, key(1), record=record) == data
     part = await alice.get_block(holder.uri, COMPAT, SCOPE, key(1), layers=(2, 5), record=record)
     assert (kc.decode(part).first_layer, kc.decode(part).last_layer) == (2, 5)
+
+
+async def test_replicas_are_published_to_the_index(
+    holder: Holder, alice: HolderClient, index: ThreadedIndex
+) -> None:
+    # P1: the holder process publishes what it stores, with its residency.
+    record = await alice.put_block(holder.uri, COMPAT, SCOPE, key(6), block())
+    await eventually(lambda: key(6) in index.index.records)
+    published = index.index.records[key(6)]
+    assert published.holder == holder.uri
+    assert published.layer_digests == record.layer_digests
+    assert [r.tier for r in published.residency] == ["host", "local-storage"]
 
 
 async def test_existing_replica_keeps_the_old_copy(holder: Holder, alice: HolderClient) -> None:
@@ -201,12 +250,17 @@ async def test_corrupted_segment_is_detected(holder: Holder, alice: HolderClient
     assert await alice.fetch_first([record], on_digest_failure=report) is None
 
 
-async def test_restart_after_kill_recovers_lmdb_segments(holder: Holder) -> None:
+async def test_restart_after_kill_recovers_lmdb_segments(
+    holder: Holder, index: ThreadedIndex
+) -> None:
     async with HolderClient(holder.context("alice")) as client:
         data = block()
         await client.put_block(holder.uri, COMPAT, SCOPE, key(5), data)
     holder.stop(signal.SIGKILL)  # no shutdown code runs
+    index.index.records.clear()
     holder.start()
+    # The restarted holder republishes what it found in LMDB.
+    await eventually(lambda: key(5) in index.index.records)
     async with HolderClient(holder.context("alice")) as client:
         # Layers 0-3 were in host memory and are gone; 4-7 are back from LMDB.
         part = await client.get_block(holder.uri, COMPAT, SCOPE, key(5), layers=(4, 7))

@@ -11,7 +11,14 @@ from backends.lmdb import LmdbTier
 from backends.redis import RedisTier
 from backends.s3 import S3Tier
 from kvstore.protocol import container as kc
-from kvstore.protocol.problems import CorruptData, DigestMismatch, NotFound, TierUnavailable
+from kvstore.protocol.problems import (
+    CorruptData,
+    DigestMismatch,
+    LayersUnavailable,
+    NotFound,
+    TierUnavailable,
+)
+from kvstore.protocol.records import ReplicaRecord
 from kvstore.storage import SegmentSealer, TieredStore
 from kvstore.storage.tier import Tier
 
@@ -158,7 +165,7 @@ async def test_wrong_key_at_restart_keeps_the_data(lmdb_path: str) -> None:
     await store.close()
     wrong = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(bytes(32)))
     assert await wrong.recover() == 0
-    assert wrong.stats.integrity_failures == 1
+    assert wrong.stats.integrity_failures == 2  # the segment and the block's layer table
     await wrong.close()
     right = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(KEY))
     assert await right.recover() == 1
@@ -252,4 +259,43 @@ async def test_verify_reads_checks_layer_digests(lmdb_path: str) -> None:
     forged[-1] ^= 1
     with pytest.raises(CorruptData, match="layer 7"):
         info.verify_segment(segment, bytes(forged))
+    await store.close()
+
+
+async def test_partial_block_after_restart_keeps_every_layer_digest(lmdb_path: str) -> None:
+    # Layers 0-3 lived in host memory and are gone after a restart; 4-7 come
+    # back from LMDB, and the record still lists all eight layer digests (R2).
+    store = TieredStore(
+        [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)],
+        fast_layers=4,
+        sealer=SegmentSealer(KEY),
+    )
+    data = block()
+    await store.put(ref(1), data)
+    before = store.replica_record(ref(1), "https://h/", 1000)
+    await store.close()
+
+    again = TieredStore(
+        [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(KEY)
+    )
+    assert await again.recover() == 1
+    record = ReplicaRecord.from_json(again.replica_record(ref(1), "https://h/", 1000).to_json())
+    assert record.layer_digests == before.layer_digests
+    assert record.digest == before.digest
+    assert [(r.tier, r.first, r.last) for r in record.residency] == [("local-storage", 4, 7)]
+    part = kc.decode(await again.get(ref(1)))  # what is held: layers 4-7
+    part.verify([bytes.fromhex(d) for d in record.layer_digests])
+    assert (part.first_layer, part.last_layer) == (4, 7)
+    with pytest.raises(LayersUnavailable):
+        again.read(ref(1), 0, 7)
+    await again.close()
+
+
+async def test_layer_tables_leave_with_their_block(lmdb_path: str) -> None:
+    tier = LmdbTier(lmdb_path)
+    store = TieredStore([(tier, 10 * SIZE)])
+    await store.put(ref(1), block())
+    assert sorted([k.rsplit("/", 1)[1] async for k in tier.keys()]) == ["0-7", "meta"]
+    await store.delete(ref(1))
+    assert [k async for k in tier.keys()] == []
     await store.close()

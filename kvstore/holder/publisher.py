@@ -1,0 +1,144 @@
+"""Publishing the holder's replicas to an Index Service (P1-P3).
+
+* a new replica is published at once; every held replica is refreshed with
+  the same idempotent PUT every ``ttl/3`` (P2);
+* a replica about to leave is withdrawn with DELETE before it goes (P3); the
+  store awaits :meth:`IndexPublisher.withdrawn` before dropping the data;
+* an unreachable IS never stops the holder from serving: failed PUTs and
+  DELETEs are queued and caught up, in order, when it answers again;
+* after a restart, :meth:`IndexPublisher.start` republishes what the store
+  recovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..client import IndexClient
+from ..protocol.problems import KvspError
+from ..storage import BlockRef, TieredStore
+from .app import Publisher
+
+log = logging.getLogger("kvstore.holder.publisher")
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    published: int = 0
+    withdrawn: int = 0
+    errors: int = 0
+
+
+class IndexPublisher(Publisher):
+    """Keeps an Index Service's records of this holder's replicas current."""
+
+    def __init__(
+        self,
+        index: IndexClient,
+        store: TieredStore,
+        holder_uri: str,
+        ttl_ms: int,
+        *,
+        withdraw_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.store = store
+        self.holder_uri = holder_uri
+        self.ttl_ms = ttl_ms
+        self.withdraw_timeout_s = withdraw_timeout_s
+        self.clock = clock
+        self.stats = PublisherStats()
+        # Work the IS has not acknowledged yet: ref -> "put" | "delete"; the
+        # latest intent per block wins, in the order blocks were touched.
+        self._pending: OrderedDict[BlockRef, str] = OrderedDict()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def published(self, ref: BlockRef) -> None:
+        self._pending[ref] = "put"
+        self._pending.move_to_end(ref)
+        self._wake.set()
+
+    async def withdrawn(self, ref: BlockRef) -> None:
+        # P3: withdraw before the replica leaves; a slow or absent IS delays
+        # the eviction by at most withdraw_timeout_s, then it is queued.
+        self._pending.pop(ref, None)
+        try:
+            await asyncio.wait_for(
+                self.index.withdraw(self.holder_uri, ref.block_key), self.withdraw_timeout_s
+            )
+            self.stats.withdrawn += 1
+        except (KvspError, TimeoutError) as exc:
+            self.stats.errors += 1
+            log.warning("withdrawal of %s queued: %s", ref.block_key, exc)
+            self._pending[ref] = "delete"
+            self._wake.set()
+
+    async def _publish(self, ref: BlockRef) -> None:
+        if ref not in self.store:
+            return  # gone meanwhile; its withdrawal is queued separately
+        record = self.store.replica_record(ref, self.holder_uri, self.ttl_ms)
+        await self.index.publish(record)
+        self.stats.published += 1
+
+    async def flush(self) -> bool:
+        """Send queued work in order; True when the queue is empty."""
+        while self._pending:
+            ref, action = next(iter(self._pending.items()))
+            try:
+                if action == "put":
+                    await self._publish(ref)
+                else:
+                    await self.index.withdraw(self.holder_uri, ref.block_key)
+                    self.stats.withdrawn += 1
+            except KvspError as exc:
+                self.stats.errors += 1
+                log.warning("index unreachable, %d updates queued: %s", len(self._pending), exc)
+                return False
+            if self._pending.get(ref) == action:
+                del self._pending[ref]
+        return True
+
+    async def refresh_all(self) -> None:
+        """Queue a refresh of every held replica (P2: same PUT, about every ttl/3)."""
+        for info in self.store.blocks():
+            self._pending.setdefault(info.ref, "put")
+        await self.flush()
+
+    async def run(self) -> None:
+        interval = self.ttl_ms / 3000
+        next_refresh = self.clock()
+        backoff = 0.5
+        while True:
+            if self.clock() >= next_refresh:
+                await self.refresh_all()
+                next_refresh = self.clock() + interval
+            ok = await self.flush()
+            backoff = 0.5 if ok else min(backoff * 2, interval)
+            timeout = max(0.0, next_refresh - self.clock()) if ok else backoff
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def start(self) -> None:
+        """Start refreshing (the first round republishes recovered replicas)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="kvstore-publisher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

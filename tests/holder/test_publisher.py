@@ -1,0 +1,124 @@
+"""Publishing to an Index Service (P1-P3), against a stand-in IS over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backends.host import HostTier
+from backends.lmdb import LmdbTier
+from kvstore.client import IndexClient
+from kvstore.holder.publisher import IndexPublisher
+from kvstore.storage import TieredStore
+
+from ..storage.helpers import block, ref, size_of
+from .stand_in_index import StandInIndex
+
+HOLDER = "https://holder.test/kvsp/"
+
+
+@pytest.fixture
+async def index() -> AsyncIterator[StandInIndex]:
+    stand_in = StandInIndex()
+    await stand_in.start()
+    yield stand_in
+    await stand_in.stop()
+
+
+@pytest.fixture
+async def client(index: StandInIndex) -> AsyncIterator[IndexClient]:
+    async with IndexClient(index.uri, timeout_s=2) as c:
+        yield c
+
+
+def wire(store: TieredStore, client: IndexClient, ttl_ms: int = 60_000) -> IndexPublisher:
+    publisher = IndexPublisher(client, store, HOLDER, ttl_ms, withdraw_timeout_s=1)
+
+    async def hook(r: object, reason: str) -> None:
+        await publisher.withdrawn(r)  # type: ignore[arg-type]
+
+    store.on_evict = hook
+    return publisher
+
+
+async def test_new_replica_is_published(index: StandInIndex, client: IndexClient) -> None:
+    # P1: PUT replicas/{holder-id}/{block_key} with the store's record.
+    store = TieredStore([(HostTier(), 10 * size_of())])
+    publisher = wire(store, client)
+    await store.put(ref(1), block())
+    await publisher.published(ref(1))
+    assert await publisher.flush()
+    assert index.records[ref(1).block_key] == store.replica_record(ref(1), HOLDER, 60_000)
+
+
+async def test_records_are_refreshed_every_third_of_the_ttl(
+    index: StandInIndex, client: IndexClient
+) -> None:
+    # P2: the same idempotent PUT, about every ttl/3.
+    store = TieredStore([(HostTier(), 10 * size_of())])
+    publisher = wire(store, client, ttl_ms=300)
+    await store.put(ref(1), block())
+    publisher.start()
+    await asyncio.sleep(0.55)
+    await publisher.stop()
+    puts = [k for op, k in index.log if op == "PUT"]
+    assert 4 <= len(puts) <= 8  # at 0, 0.1, 0.2, ... s
+
+
+async def test_withdrawn_before_the_replica_leaves(
+    index: StandInIndex, client: IndexClient
+) -> None:
+    # P3: the DELETE reaches the IS while the holder still has the block.
+    store = TieredStore([(HostTier(), 2 * size_of())])
+    publisher = wire(store, client)
+    held_at_delete: list[bool] = []
+    index.on_delete = lambda key: held_at_delete.append(ref(1) in store)
+    for n in (1, 2):
+        await store.put(ref(n), block())
+        await publisher.published(ref(n))
+    await publisher.flush()
+    await store.put(ref(3), block())  # evicts 1
+    assert held_at_delete == [True]
+    assert ref(1).block_key not in index.records
+    assert ref(1) not in store
+
+
+async def test_index_down_then_caught_up(index: StandInIndex, client: IndexClient) -> None:
+    store = TieredStore([(HostTier(), 2 * size_of())])
+    publisher = wire(store, client)
+    for n in (1, 2):
+        await store.put(ref(n), block())
+        await publisher.published(ref(n))
+    await publisher.flush()
+    await index.stop()
+    await store.put(ref(3), block())  # evicts 1: its withdrawal cannot reach the IS
+    await publisher.published(ref(3))
+    assert ref(1) not in store  # serving goes on
+    assert not await publisher.flush()
+    assert publisher.pending == 2
+    await index.start()
+    assert await publisher.flush()
+    assert sorted(index.records) == sorted([ref(2).block_key, ref(3).block_key])
+    assert publisher.stats.errors >= 2
+
+
+async def test_restart_republishes_recovered_replicas(
+    index: StandInIndex, client: IndexClient, lmdb_path: str
+) -> None:
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * size_of())])
+    for n in (1, 2):
+        await store.put(ref(n), block())
+    await store.close()
+    again = TieredStore([(LmdbTier(lmdb_path), 10 * size_of())])
+    await again.recover()
+    publisher = wire(again, client, ttl_ms=60_000)
+    publisher.start()
+    for _ in range(50):
+        if len(index.records) == 2:
+            break
+        await asyncio.sleep(0.02)
+    await publisher.stop()
+    assert sorted(index.records) == sorted([ref(1).block_key, ref(2).block_key])
+    await again.close()
