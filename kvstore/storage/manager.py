@@ -48,19 +48,15 @@ from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits, LeaseTable
 from .policy import LRU, EvictionPolicy
 from .tier import Tier
+from .tierio import OFFLOAD_OCTETS, TierIO
 from .types import BlockRef
 
 log = logging.getLogger("kvstore.storage")
 
 EvictHook = Callable[[BlockRef, str], Awaitable[None]]
 
-#: Segments at least this large are hashed, sealed and checked in a worker
-#: thread: hashlib, zlib and AES-GCM release the GIL, so the event loop keeps
-#: serving and a second core does the work.
-_OFFLOAD_OCTETS = 256 * 1024
 
-
-class TieredStore:
+class TieredStore(TierIO):
     """Blocks in segments over an ordered list of tiers, fastest first."""
 
     def __init__(
@@ -257,23 +253,6 @@ class TieredStore:
             f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
         )
 
-    async def _stored_form(
-        self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike
-    ) -> tuple[BytesLike, int | None]:
-        """What a tier stores for a segment, and its CRC-32 when no tag protects it."""
-        if not slot.tier.persistent:
-            return plain, None
-
-        def seal() -> tuple[BytesLike, int | None]:
-            stored = self.sealer.seal(ref.segment_name(first, last), plain)
-            crc = None if self.sealer.authenticates else zlib.crc32(stored)
-            return stored, crc
-
-        # Large segments are sealed off the event loop (AES-GCM, zstd, CRC).
-        if len(memoryview(plain)) >= _OFFLOAD_OCTETS:
-            return await asyncio.to_thread(seal)
-        return seal()
-
     def _attach(self, info: BlockInfo, segment: Segment) -> None:
         slot = self.slots[segment.slot]
         slot.used += segment.stored_octets
@@ -450,14 +429,6 @@ class TieredStore:
             info.meta_slots.discard(index)
             await self._quiet_delete(self.slots[index], info.ref.meta_key)
 
-    async def _quiet_delete(self, slot: TierSlot, key: str) -> None:
-        try:
-            await self._tier_call(slot, slot.tier.delete(key))
-        except Exception as exc:
-            # The data is already unaccounted for; an orphan costs space, not
-            # correctness (recover() finds and re-adopts it at the next start).
-            log.warning("could not delete %s from %s (%s); it stays orphaned", key, slot.kind, exc)
-
     async def delete(self, ref: BlockRef) -> None:
         """Remove a block (an operator action); leased blocks are refused (LE2)."""
         async with self._locked():
@@ -529,7 +500,7 @@ class TieredStore:
             return plain
 
         try:
-            if len(memoryview(stored)) >= _OFFLOAD_OCTETS:
+            if len(memoryview(stored)) >= OFFLOAD_OCTETS:
                 return await asyncio.to_thread(check_and_open)
             return check_and_open()
         except CorruptData:
@@ -556,22 +527,6 @@ class TieredStore:
                 yield
             finally:
                 self._owner = None
-
-    async def _tier_call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
-        """Run a tier operation; record failures and successes (one place, STYLE 8)."""
-        try:
-            result = await call
-        except TierUnavailable as exc:
-            slot.failures += 1
-            slot.last_error = exc.detail
-            slot.degraded_until = self.clock() + self.retry_after_s
-            self.stats.tier_errors += 1
-            log.warning("tier %s unavailable: %s", slot.kind, exc.detail)
-            raise
-        if slot.degraded_until:
-            log.info("tier %s recovered", slot.kind)
-            slot.degraded_until = 0.0
-        return result  # type: ignore[return-value]
 
     # --- leases --------------------------------------------------------
 

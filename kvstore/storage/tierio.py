@@ -1,0 +1,74 @@
+"""Tier I/O shared by the manager's paths: health accounting, sealing, quiet deletes.
+
+Every call into a tier goes through :meth:`TierIO._tier_call`, the one place
+that records a tier's failures and recoveries (STYLE 8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Awaitable, Callable
+
+from ..protocol._bytes import BytesLike
+from ..protocol.problems import TierUnavailable
+from .blocks import StoreStats, TierSlot
+from .crypto import SegmentSealer
+from .types import BlockRef
+
+log = logging.getLogger("kvstore.storage")
+
+#: Segments at least this large are hashed, sealed and checked in a worker
+#: thread: hashlib, zlib and AES-GCM release the GIL, so the event loop keeps
+#: serving and a second core does the work.
+OFFLOAD_OCTETS = 256 * 1024
+
+
+class TierIO:
+    slots: list[TierSlot]
+    sealer: SegmentSealer
+    stats: StoreStats
+    retry_after_s: float
+    clock: Callable[[], float]
+
+    async def _tier_call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
+        """Run a tier operation; record failures and successes (one place, STYLE 8)."""
+        try:
+            result = await call
+        except TierUnavailable as exc:
+            slot.failures += 1
+            slot.last_error = exc.detail
+            slot.degraded_until = self.clock() + self.retry_after_s
+            self.stats.tier_errors += 1
+            log.warning("tier %s unavailable: %s", slot.kind, exc.detail)
+            raise
+        if slot.degraded_until:
+            log.info("tier %s recovered", slot.kind)
+            slot.degraded_until = 0.0
+        return result  # type: ignore[return-value]
+
+    async def _quiet_delete(self, slot: TierSlot, key: str) -> None:
+        try:
+            await self._tier_call(slot, slot.tier.delete(key))
+        except Exception as exc:
+            # The data is already unaccounted for; an orphan costs space, not
+            # correctness (recover() finds and re-adopts it at the next start).
+            log.warning("could not delete %s from %s (%s); it stays orphaned", key, slot.kind, exc)
+
+    async def _stored_form(
+        self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike
+    ) -> tuple[BytesLike, int | None]:
+        """What a tier stores for a segment, and its CRC-32 when no tag protects it."""
+        if not slot.tier.persistent:
+            return plain, None
+
+        def seal() -> tuple[BytesLike, int | None]:
+            stored = self.sealer.seal(ref.segment_name(first, last), plain)
+            crc = None if self.sealer.authenticates else zlib.crc32(stored)
+            return stored, crc
+
+        # Large segments are sealed off the event loop (AES-GCM, zstd, CRC).
+        if len(memoryview(plain)) >= OFFLOAD_OCTETS:
+            return await asyncio.to_thread(seal)
+        return seal()
