@@ -139,14 +139,20 @@ class HolderClient(_Http):
         *,
         layers: tuple[int, int] | None = None,
         on_digest_failure: DigestReporter | None = None,
+        producer_digest: str | None = None,
     ) -> tuple[bytes, ReplicaRecord] | None:
         """Try replicas in order; a 404 or a failed digest is a miss (P4, BL8).
 
         Returns the first verified container and its record, or None: the
-        caller recomputes. Digest failures are reported through
+        caller recomputes. With ``producer_digest``, replicas whose record
+        states another digest are skipped (SEC2). Digest failures are reported through
         ``on_digest_failure`` (e.g. to withdraw the replica at the IS).
         """
         for record in records:
+            if producer_digest is not None and record.digest != producer_digest:
+                # SEC2 pinning: only replicas carrying the digest the producing
+                # instance published are accepted.
+                continue
             try:
                 body = await self.get_block(
                     record.holder,

@@ -16,9 +16,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 
 from ..http import (
     EXCEPTION_HANDLERS,
@@ -28,6 +29,8 @@ from ..http import (
     read_body,
     read_json,
 )
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..metrics import Metrics, MetricsMiddleware
 from ..protocol import container as kc
 from ..protocol.codecs import CODECS
 from ..protocol.compat import CompatibilityDescriptor
@@ -194,6 +197,14 @@ def create_app(
         store.release_lease(client, request.path_params["lease_id"])
         return empty_response()
 
+    metrics = Metrics(store, publisher)
+
+    async def get_metrics(request: Request) -> Response:
+        # Behind the same TLS: any principal the policy knows may scrape.
+        policy.grant(who(request))
+        return Response(metrics.render(), headers={"Cache-Control": "no-store"},
+                        media_type=METRICS_CONTENT_TYPE)  # fmt: skip
+
     routes = [
         Route("/blocks/{compat}/{scope}/{block_key}", get_block, methods=["GET", "HEAD"]),
         Route("/blocks/{compat}/{scope}/{block_key}", put_block, methods=["PUT"]),
@@ -202,10 +213,13 @@ def create_app(
         Route("/leases/{lease_id}", release_lease, methods=["DELETE"]),
     ]
     base = settings.base_path.rstrip("/")
+    outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
     app = Starlette(
-        routes=[Mount(base, routes=routes)] if base else routes,
+        routes=outside + ([Mount(base, routes=routes)] if base else list(routes)),
         exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
     )
+    app.state.metrics = metrics
     app.state.store = store
     app.state.settings = settings
     return app

@@ -219,3 +219,22 @@ async def test_repr_digest_is_base64_sha256(client_as: ClientFactory) -> None:
     await put(alice, data)
     header = (await alice.get(path())).headers["repr-digest"]
     assert header == "sha-256=:" + base64.b64encode(hashlib.sha256(data).digest()).decode() + ":"
+
+
+async def test_metrics(client_as: ClientFactory) -> None:
+    # OPS1: requests by route and status, octets, tier occupancy, lease rejections.
+    alice = client_as("alice")
+    data = block()
+    await put(alice, data)
+    await alice.get(path())
+    await alice.get(path(KEY2))
+    await alice.post("leases", json={"block_keys": [KEY], "ttl_ms": 60_000})  # over quota
+    response = await alice.get("https://holder.test/metrics")
+    assert response.status_code == 200
+    text = response.text
+    assert 'kvstore_http_requests_total{method="GET",route="get_block",status="200"} 1.0' in text
+    assert 'kvstore_http_requests_total{method="GET",route="get_block",status="404"} 1.0' in text
+    assert f'kvstore_http_received_bytes_total{{route="put_block"}} {float(len(data))}' in text
+    assert f'kvstore_tier_used_bytes{{tier="host#0"}} {float(len(data))}' in text
+    assert "kvstore_lease_rejections_total 1.0" in text
+    assert_problem(await client_as("mallory").get("https://holder.test/metrics"), 403)

@@ -7,6 +7,7 @@ the client is kvstore.client over real sockets on loopback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -268,3 +269,14 @@ async def test_restart_after_kill_recovers_lmdb_segments(
         assert [bytes(x.k) for x in kc.decode(part)] == [
             bytes(whole.layer(i).k) for i in range(4, 8)
         ]
+
+
+async def test_producer_pinning_skips_other_digests(holder: Holder, alice: HolderClient) -> None:
+    # SEC2: with the producer's digest pinned, a record stating another digest
+    # (a holder publishing something else for the key) is never used.
+    record = await alice.put_block(holder.uri, COMPAT, SCOPE, key(7), block())
+    liar = dataclasses.replace(record, digest="sha-256:" + "0" * 64, layer_digests=None)
+    unpinned = await alice.fetch_first([liar, record])
+    assert unpinned is not None and unpinned[1] is liar
+    pinned = await alice.fetch_first([liar, record], producer_digest=record.digest)
+    assert pinned is not None and pinned[1] is record

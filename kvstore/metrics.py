@@ -1,0 +1,167 @@
+"""Prometheus metrics (OPS1): one registry per app, no process-wide globals.
+
+Request metrics come from an ASGI middleware; store, lease and publisher
+figures are read from their counters at scrape time by a custom collector,
+so the hot path only increments integers it already keeps.
+
+==========================================  =====================================
+metric                                      meaning
+==========================================  =====================================
+kvstore_http_requests_total                 requests by route, method and status
+kvstore_http_request_seconds                request latency histogram by route
+kvstore_http_received_bytes_total           request body octets by route
+kvstore_http_sent_bytes_total               response body octets by route
+kvstore_tier_used_bytes                     octets stored per tier
+kvstore_tier_capacity_bytes                 configured capacity per tier
+kvstore_tier_degraded                       1 while a tier is marked degraded
+kvstore_tier_failures_total                 failed calls per tier
+kvstore_store_hits_total / _misses_total    block reads found / not found
+kvstore_store_evictions_total               blocks evicted, by reason kind
+kvstore_store_moves_total                   demotions and promotions
+kvstore_digest_failures_total               stored data failing its integrity check
+kvstore_lease_rejections_total              lease requests refused by quota (LE3)
+kvstore_leases                              unexpired leases
+kvstore_publish_total                       records published / withdrawn / errors
+==========================================  =====================================
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger("kvstore.access")
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: Any, publisher: Any) -> None:
+        self.store = store
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[Any]:
+        store = self.store
+        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Octets stored", labels=["tier"])
+        capacity = GaugeMetricFamily(
+            "kvstore_tier_capacity_bytes", "Configured capacity", labels=["tier"]
+        )
+        degraded = GaugeMetricFamily("kvstore_tier_degraded", "Tier degraded", labels=["tier"])
+        failures = CounterMetricFamily(
+            "kvstore_tier_failures", "Failed tier calls", labels=["tier"]
+        )
+        for index, health in enumerate(store.health()):
+            tier = f"{health['tier']}#{index}"
+            used.add_metric([tier], health["used"])
+            capacity.add_metric([tier], health["capacity"])
+            degraded.add_metric([tier], 1 if health["degraded"] else 0)
+            failures.add_metric([tier], health["failures"])
+        yield from (used, capacity, degraded, failures)
+        stats = store.stats
+        yield CounterMetricFamily("kvstore_store_hits", "Block reads found", value=stats.hits)
+        yield CounterMetricFamily(
+            "kvstore_store_misses", "Block reads not found", value=stats.misses
+        )
+        evictions = CounterMetricFamily(
+            "kvstore_store_evictions", "Blocks evicted", labels=["kind"]
+        )
+        evictions.add_metric(["capacity"], stats.evictions)
+        evictions.add_metric(["fault"], stats.fault_evictions)
+        yield evictions
+        moves = CounterMetricFamily("kvstore_store_moves", "Segment moves", labels=["direction"])
+        moves.add_metric(["demotion"], stats.demotions)
+        moves.add_metric(["promotion"], stats.promotions)
+        yield moves
+        yield CounterMetricFamily(
+            "kvstore_digest_failures", "Integrity check failures", value=stats.integrity_failures
+        )
+        yield CounterMetricFamily(
+            "kvstore_lease_rejections", "Lease requests refused", value=store.leases.rejections
+        )
+        yield GaugeMetricFamily("kvstore_leases", "Unexpired leases", value=len(store.leases))
+        if self.publisher is not None and hasattr(self.publisher, "stats"):
+            published = CounterMetricFamily("kvstore_publish", "Index updates", labels=["outcome"])
+            published.add_metric(["published"], self.publisher.stats.published)
+            published.add_metric(["withdrawn"], self.publisher.stats.withdrawn)
+            published.add_metric(["error"], self.publisher.stats.errors)
+            yield published
+
+
+class Metrics:
+    """A registry plus the request instruments of one app."""
+
+    def __init__(self, store: Any = None, publisher: Any = None) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["route", "method", "status"]
+        self.requests = Counter(
+            "kvstore_http_requests", "HTTP requests", labels, registry=self.registry
+        )
+        self.latency = Histogram(
+            "kvstore_http_request_seconds",
+            "Request latency",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+        )
+        self.received = Counter(
+            "kvstore_http_received_bytes", "Request body octets", ["route"], registry=self.registry
+        )
+        self.sent = Counter(
+            "kvstore_http_sent_bytes", "Response body octets", ["route"], registry=self.registry
+        )
+        if store is not None:
+            self.registry.register(_StoreCollector(store, publisher))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts requests, latency and body octets by route (the matched endpoint)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+        received = sent = 0
+
+        async def counting_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            return message
+
+        async def counting_send(message: Any) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            endpoint = scope.get("endpoint")
+            route = getattr(endpoint, "__name__", "unmatched")
+            m = self.metrics
+            m.requests.labels(route, scope["method"], str(status)).inc()
+            m.latency.labels(route).observe(time.perf_counter() - start)
+            m.received.labels(route).inc(received)
+            m.sent.labels(route).inc(sent)
+            # One line per request at debug level; paths carry keys and scope
+            # ids, never a scope key, and bodies are never logged.
+            log.debug("%s %s %d in=%d out=%d %.1fms", scope["method"], scope["path"], status,
+                      received, sent, 1000 * (time.perf_counter() - start))  # fmt: skip
