@@ -131,6 +131,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import protocol as bench_protocol
 
         results = bench_protocol.run(quick=args.quick)
+    elif args.suite == "holder":
+        from .bench import holder as bench_holder
+
+        results = bench_holder.run(quick=args.quick)
     else:
         from .bench import store as bench_store
 
@@ -249,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--s3-endpoint", help="S3 endpoint (default: start moto's server)")
     store.add_argument("--no-s3", action="store_true", help="skip the S3 tier")
     store.set_defaults(func=cmd_bench)
+    holder = bsub.add_parser("holder", help="holder GET/PUT against bare uvicorn, plain and mTLS")
+    holder.add_argument("--quick", action="store_true", help="shorter runs, fewer combinations")
+    holder.add_argument("--json", action="store_true", help="print results as JSON")
+    holder.set_defaults(func=cmd_bench)
     return parser
 
 

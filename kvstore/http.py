@@ -108,14 +108,19 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BadRequest("Content-Length is not a number") from None
         if size > limit:
             raise PayloadTooLarge(f"body of {size} octets exceeds the limit of {limit}")
-    buffer = bytearray()
+    # Chunks are kept as they arrive and joined once (a single chunk is not
+    # copied at all): 2 MiB bodies arrive in dozens of pieces.
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        if len(buffer) + len(chunk) > limit:
+        size += len(chunk)
+        if size > limit:
             raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
-        buffer += chunk
-    if declared is not None and len(buffer) != int(declared):
+        if chunk:
+            chunks.append(chunk)
+    if declared is not None and size != int(declared):
         raise ClientDisconnect()
-    return bytes(buffer)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def read_json(request: Request, limit: int = 1 << 20) -> Any:

@@ -95,10 +95,14 @@ def _is_loopback(host: str) -> bool:
 def uvicorn_config(config: Config, app: Any) -> Any:
     import uvicorn
 
-    from .tlsscope import TLSH11Protocol
+    from .tlsscope import TLSHttpToolsProtocol
 
     server = config.server
-    options: dict[str, Any] = {"host": server.host, "port": server.port, "http": TLSH11Protocol}
+    options: dict[str, Any] = {
+        "host": server.host,
+        "port": server.port,
+        "http": TLSHttpToolsProtocol,
+    }
     if server.insecure_http:
         if not _is_loopback(server.host):
             raise ConfigError("server.insecure_http: refused on a non-loopback address")

@@ -207,3 +207,13 @@ def test_serve_refuses_bad_configuration(tmp_path: Path, toml: str, message: str
     out = kvstore("serve", "--config", str(tmp_path / "k.toml"))
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_bench_holder_quick_runs_against_real_servers() -> None:
+    out = kvstore("bench", "holder", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    names = [r["name"] for r in results]
+    assert any(n.startswith("GET whole, host, mTLS") for n in names)
+    assert any(n.startswith("PUT") for n in names)
+    assert all(r["value"] > 0 and r["baseline"] > 0 for r in results)

@@ -275,6 +275,8 @@ class TieredStore(TierIO):
         slot = self.slots[index]
         if need > slot.capacity:
             return False
+        if slot.used + need <= slot.capacity:
+            return True  # the common case: no walk over the eviction order
         for item in slot.policy.candidates():
             if slot.used + need <= slot.capacity:
                 break

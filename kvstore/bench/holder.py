@@ -1,0 +1,267 @@
+"""``kvstore bench holder``: a real holder process against a bare uvicorn baseline.
+
+Both servers run as separate processes on loopback with the same TLS
+settings; the client is aiohttp (kvstore.client's data path), which is not
+the bottleneck at these rates on this kind of machine (httpx would be).
+Bodies are 2 MiB blocks of 32 layers. Rows:
+
+* GET whole block / layer range, host and LMDB tiers, 1 and 8 concurrent
+  clients, plain HTTP and mutual TLS: holder GB/s against bare uvicorn;
+* PUT: holder GB/s against one SHA-256 pass over the same bodies (the
+  holder must digest every layer once);
+* verified fetch (Repr-Digest + layer digests, BL6): against 2 x SHA-256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from ..protocol import container as kc
+from . import Result
+
+COMPAT = hashlib.sha256(b"bench-holder").hexdigest()
+SCOPE = "b" * 32
+LAYERS = 32
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait(port: int, process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("server exited during start")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"server on port {port} did not start")
+
+
+class Servers:
+    """Certificates, a holder and a bare baseline, per (tier, tls) combination."""
+
+    def __init__(self, root: Path) -> None:
+        from ..security import create_dev_certificates
+
+        self.root = root
+        create_dev_certificates(root / "certs", ["bench"])
+        (root / "policy.json").write_text(json.dumps({"principals": {
+            "urn:kvstore:bench": {"read_scopes": ["*"], "write_scopes": ["*"]},
+            "anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]},
+        }}))  # fmt: skip
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def client_ssl(self) -> ssl.SSLContext:
+        from ..security import client_context
+
+        certs = self.root / "certs"
+        return client_context(
+            str(certs / "ca.pem"), str(certs / "client-bench.pem"), str(certs / "client-bench.key")
+        )
+
+    def holder(self, tier: str, tls: bool) -> str:
+        port = _port()
+        scheme = "https" if tls else "http"
+        server = (
+            'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\ncafile = "certs/ca.pem"\n'
+            if tls
+            else "insecure_http = true\n"
+        )
+        tier_cfg = (
+            'backend = "host"\ncapacity = 4294967296\n'
+            if tier == "host"
+            else f'backend = "lmdb"\ncapacity = 4294967296\npath = "lmdb-{port}"\n'
+            "map_size = 4294967296\nsync = false\n"
+        )
+        config = self.root / f"holder-{port}.toml"
+        config.write_text(
+            f'[server]\nhost = "127.0.0.1"\nport = {port}\n{server}\n'
+            f'[holder]\nuri = "{scheme}://127.0.0.1:{port}/kvsp/"\npolicy = "policy.json"\n'
+            f"max_block_octets = 16777216\n\n[storage]\npromote = false\n\n"
+            f"[[storage.tiers]]\n{tier_cfg}"
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes.append(process)
+        _wait(port, process)
+        return f"{scheme}://127.0.0.1:{port}/kvsp/"
+
+    def bare(self, octets: int, tls: bool) -> str:
+        port = _port()
+        command = [sys.executable, "-m", "kvstore.bench.bare", "--port", str(port),
+                   "--octets", str(octets)]  # fmt: skip
+        if tls:
+            command += ["--tls-dir", str(self.root / "certs")]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.processes.append(process)
+        _wait(port, process)
+        return f"{'https' if tls else 'http'}://127.0.0.1:{port}/kvsp/"
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _blocks(count: int, octets: int) -> list[tuple[str, bytes]]:
+    section = octets // (2 * LAYERS)
+    out = []
+    for _ in range(count):
+        secs = [(os.urandom(section), os.urandom(section)) for _ in range(LAYERS)]
+        out.append((os.urandom(32).hex(), bytes(kc.encode(secs, token_count=16))))
+    return out
+
+
+async def _rate(
+    total_octets: int, work: Callable[[int], Awaitable[None]], concurrency: int, seconds: float
+) -> float:
+    """GB/s of ``work(i)`` calls (each moving total_octets / calls) for about ``seconds``."""
+    done = 0
+    moved = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    async def worker() -> None:
+        nonlocal done, moved
+        while time.perf_counter() < deadline:
+            i = done
+            done += 1
+            await work(i)
+            moved += total_octets
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return moved / (time.perf_counter() - start) / 1e9
+
+
+async def _run(quick: bool) -> list[Result]:
+    import aiohttp
+
+    octets = 2 << 20
+    seconds = 0.5 if quick else 2.0
+    blocks = _blocks(4 if quick else 8, octets)
+    results: list[Result] = []
+    root = Path(tempfile.mkdtemp(prefix="kvstore-bench-holder-"))
+    servers = Servers(root)
+    try:
+        combos = [("host", False), ("host", True)] if quick else [
+            ("host", False), ("host", True), ("lmdb", True)]  # fmt: skip
+        bare = {tls: servers.bare(len(blocks[0][1]), tls) for tls in (False, True)}
+        half = len(blocks[0][1]) // 2
+        bare_half = {tls: servers.bare(half, tls) for tls in (False, True)}
+        for tier, tls in combos:
+            context: Any = servers.client_ssl() if tls else False
+            holder = servers.holder(tier, tls)
+            connector = aiohttp.TCPConnector(ssl=context, limit=64)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                records = []
+                for key, data in blocks:
+                    async with session.put(
+                        f"{holder}blocks/{COMPAT}/{SCOPE}/{key}", data=data,
+                        headers={"If-None-Match": "*"},
+                    ) as response:  # fmt: skip
+                        assert response.status == 201, await response.text()
+                        records.append(await response.json())
+
+                def getter(base: str, params: dict[str, str] | None = None) -> Any:
+                    async def get(i: int) -> None:
+                        key = blocks[i % len(blocks)][0]
+                        async with session.get(
+                            f"{base}blocks/{COMPAT}/{SCOPE}/{key}", params=params
+                        ) as response:
+                            await response.read()
+
+                    return get
+
+                label = f"{tier}, {'mTLS' if tls else 'plain'}"
+                for clients in (1, 8):
+                    ours = await _rate(len(blocks[0][1]), getter(holder), clients, seconds)
+                    base = await _rate(len(blocks[0][1]), getter(bare[tls]), clients, seconds)
+                    results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
+                                          "bare uvicorn GET", base, 0.7))  # fmt: skip
+                ours = await _rate(half, getter(holder, {"layers": "0-15"}), 1, seconds)
+                base = await _rate(half, getter(bare_half[tls]), 1, seconds)
+                results.append(Result(f"GET layers 0-15, {label}, c=1", "GB/s", ours,
+                                      "bare uvicorn GET, same size", base, 0.5))  # fmt: skip
+                if tier == "host" and tls:
+                    results += await _put_and_verify(
+                        session, holder, bare[tls], context, records, seconds, label
+                    )
+    finally:
+        servers.close()
+    return results
+
+
+async def _put_and_verify(
+    session: Any,
+    holder: str,
+    bare: str,
+    context: Any,
+    records: list[dict[str, Any]],
+    seconds: float,
+    label: str,
+) -> list[Result]:
+    from ..client import HolderClient
+    from ..protocol.records import ReplicaRecord
+
+    fresh = _blocks(4, 2 << 20)
+    size = len(fresh[0][1])
+
+    def putter(base: str) -> Callable[[int], Awaitable[None]]:
+        async def put(i: int) -> None:
+            url = f"{base}blocks/{COMPAT}/{SCOPE}/{os.urandom(32).hex()}"
+            data = fresh[i % len(fresh)][1]
+            async with session.put(url, data=data, headers={"If-None-Match": "*"}) as response:
+                assert response.status == 201
+
+        return put
+
+    ours = await _rate(size, putter(holder), 1, seconds)
+    base = await _rate(size, putter(bare), 1, seconds)
+    start = time.perf_counter()
+    for _, data in fresh * 4:
+        hashlib.sha256(data).digest()
+    sha = len(fresh) * 4 * size / (time.perf_counter() - start) / 1e9
+    parsed = [ReplicaRecord.from_json(r) for r in records]
+    client = HolderClient(context)
+
+    async def verified(i: int) -> None:
+        record = parsed[i % len(parsed)]
+        await client.get_block(holder, COMPAT, SCOPE, record.block_key, record=record)
+
+    fetched = await _rate(size, verified, 1, seconds)
+    await client.close()
+    return [
+        Result(f"PUT, {label}, c=1", "GB/s", ours, "bare uvicorn PUT", base, 0.7),
+        Result(f"PUT, {label}, c=1", "GB/s", ours, "one sha256 pass", sha, 0.8),
+        Result(f"verified fetch (BL6), {label}, c=1", "GB/s", fetched, "2 x sha256 time",
+               sha / 2, 0.8),
+    ]  # fmt: skip
+
+
+def run(quick: bool = False) -> list[Result]:
+    return asyncio.run(_run(quick))
