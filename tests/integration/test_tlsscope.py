@@ -1,0 +1,58 @@
+"""The ASGI ``tls`` extension our uvicorn protocols add (fails if an upgrade breaks it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import uvicorn
+
+from kvstore.security import client_context, create_dev_certificates
+from kvstore.tlsscope import TLSH11Protocol, TLSHttpToolsProtocol, principal_from_scope
+
+from ..conftest import free_port
+
+
+async def echo(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    tls = (scope.get("extensions") or {}).get("tls") or {}
+    body = json.dumps(
+        {"principal": principal_from_scope(scope), "tls_version": tls.get("tls_version")}
+    ).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("protocol", [TLSH11Protocol, TLSHttpToolsProtocol])
+async def test_principal_reaches_the_app(tmp_path: Path, protocol: type) -> None:
+    create_dev_certificates(tmp_path, ["carol"])
+    port = free_port()
+    config = uvicorn.Config(
+        echo, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning",
+        ssl_certfile=str(tmp_path / "server.pem"), ssl_keyfile=str(tmp_path / "server.key"),
+        ssl_ca_certs=str(tmp_path / "ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        context = client_context(
+            str(tmp_path / "ca.pem"), str(tmp_path / "client-carol.pem"),
+            str(tmp_path / "client-carol.key"),
+        )  # fmt: skip
+        connector = aiohttp.TCPConnector(ssl=context)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for _ in range(2):  # two requests on one connection: both carry it
+                async with session.get(f"https://127.0.0.1:{port}/") as response:
+                    seen = json.loads(await response.read())
+                assert seen == {"principal": "urn:kvstore:carol", "tls_version": 0x0304}
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
