@@ -9,6 +9,7 @@ A holder's file, with every key and its default::
     keyfile = "certs/server.key"
     cafile = "certs/ca.pem"           # CA that signs client certificates
     insecure_http = false             # plain HTTP: loopback only, logged loudly
+    http2 = false                     # offer HTTP/2 by ALPN (uvicorn's experimental zttp)
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -56,6 +57,7 @@ class ServerConfig:
     keyfile: str = ""
     cafile: str = ""
     insecure_http: bool = False
+    http2: bool = False
 
 
 @dataclass(frozen=True, slots=True)

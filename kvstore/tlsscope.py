@@ -112,3 +112,39 @@ def principal_from_scope(scope: Scope) -> str | None:
     if not tls or not tls.get("client_cert_chain"):
         return None
     return principal_of_pem(tls["client_cert_chain"][0])
+
+
+def http2_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's experimental HTTP/2 (zttp) with the ``tls`` extension: ALPN
+    picks h2 or http/1.1 per connection. Needs the ``http2`` extra (zttp)."""
+    from uvicorn.protocols.http.auto_zttp_impl import AutoZttpProtocol
+    from uvicorn.protocols.http.zttp_h2_impl import ZttpH2Protocol
+    from uvicorn.protocols.http.zttp_impl import ZttpProtocol
+
+    class TLSZttpH2Protocol(ZttpH2Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            tls = tls_extension(transport)
+            if tls is not None:
+                self.app = _WithTLS(self.app, tls)
+
+    class TLSZttpProtocol(ZttpProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            tls = tls_extension(transport)
+            if tls is not None:
+                self.app = _WithTLS(self.app, tls)
+
+    class TLSAutoZttpProtocol(AutoZttpProtocol):
+        def _switch(self, http2: bool, initial_data: bytes = b"") -> None:
+            protocol_class = TLSZttpH2Protocol if http2 else TLSZttpProtocol
+            protocol = protocol_class(
+                config=self.config, server_state=self.server_state,
+                app_state=self.app_state, _loop=self.loop,
+            )  # fmt: skip
+            self.transport.set_protocol(protocol)
+            protocol.connection_made(self.transport)
+            if initial_data:
+                protocol.data_received(initial_data)
+
+    return TLSAutoZttpProtocol

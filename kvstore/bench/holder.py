@@ -77,14 +77,14 @@ class Servers:
             str(certs / "ca.pem"), str(certs / "client-bench.pem"), str(certs / "client-bench.key")
         )
 
-    def holder(self, tier: str, tls: bool) -> str:
+    def holder(self, tier: str, tls: bool, http2: bool = False) -> str:
         port = _port()
         scheme = "https" if tls else "http"
         server = (
             'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\ncafile = "certs/ca.pem"\n'
             if tls
             else "insecure_http = true\n"
-        )
+        ) + ("http2 = true\n" if http2 else "")
         tier_cfg = (
             'backend = "host"\ncapacity = 4294967296\n'
             if tier == "host"
@@ -211,9 +211,36 @@ async def _run(quick: bool) -> list[Result]:
                     results += await _put_and_verify(
                         session, holder, bare[tls], context, records, seconds, label
                     )
+        results += await _http2_cost(servers, blocks, seconds)
     finally:
         servers.close()
     return results
+
+
+async def _http2_cost(
+    servers: Servers, blocks: list[tuple[str, bytes]], seconds: float
+) -> list[Result]:
+    """H1's SHOULD: HTTP/2 against HTTP/1.1 on the same holder, one client library (httpx)."""
+    import httpx
+
+    holder = servers.holder("host", True, http2=True)
+    context = servers.client_ssl()
+    size = len(blocks[0][1])
+    rates = {}
+    for http2 in (False, True):
+        async with httpx.AsyncClient(verify=context, http2=http2, timeout=30) as client:
+            for key, data in blocks:
+                await client.put(f"{holder}blocks/{COMPAT}/{SCOPE}/{key}", content=data,
+                                 headers={"If-None-Match": "*"})  # fmt: skip
+
+            async def get(i: int, client: Any = client) -> None:
+                key = blocks[i % len(blocks)][0]
+                response = await client.get(f"{holder}blocks/{COMPAT}/{SCOPE}/{key}")
+                assert response.status_code == 200
+
+            rates[http2] = await _rate(size, get, 1, seconds)
+    return [Result("GET whole, host, mTLS, HTTP/2 (httpx)", "GB/s", rates[True],
+                   "same holder, HTTP/1.1 (httpx)", rates[False], None)]  # fmt: skip
 
 
 async def _put_and_verify(

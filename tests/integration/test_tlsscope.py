@@ -56,3 +56,35 @@ async def test_principal_reaches_the_app(tmp_path: Path, protocol: type) -> None
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+async def test_http2_carries_the_principal_too(tmp_path: Path) -> None:
+    # H1 SHOULD: HTTP/2 by ALPN, with the same client-certificate identity.
+    import httpx
+
+    from kvstore.tlsscope import http2_protocol
+
+    create_dev_certificates(tmp_path, ["carol"])
+    port = free_port()
+    config = uvicorn.Config(
+        echo, host="127.0.0.1", port=port, http=http2_protocol(), lifespan="off",
+        log_level="warning", ssl_certfile=str(tmp_path / "server.pem"),
+        ssl_keyfile=str(tmp_path / "server.key"), ssl_ca_certs=str(tmp_path / "ca.pem"),
+        ssl_cert_reqs=ssl.CERT_REQUIRED,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        context = client_context(
+            str(tmp_path / "ca.pem"), str(tmp_path / "client-carol.pem"),
+            str(tmp_path / "client-carol.key"),
+        )  # fmt: skip
+        async with httpx.AsyncClient(verify=context, http2=True) as client:
+            response = await client.get(f"https://127.0.0.1:{port}/")
+        assert response.http_version == "HTTP/2"
+        assert response.json() == {"principal": "urn:kvstore:carol", "tls_version": 0x0304}
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
