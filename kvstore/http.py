@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -94,7 +94,9 @@ EXCEPTION_HANDLERS = {
 }
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(
+    request: Request, limit: int, on_chunk: Callable[[bytes], object] | None = None
+) -> bytes:
     """The request body, refusing more than ``limit`` octets as they arrive (413).
 
     A body that ends early (the client went away) raises
@@ -112,12 +114,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     # copied at all): 2 MiB bodies arrive in dozens of pieces.
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    receive = request.receive  # straight from the server: no generator per message
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
         if chunk:
             chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)  # e.g. digest while the rest is still arriving
+        if not message.get("more_body", False):
+            break
     if declared is not None and size != int(declared):
         raise ClientDisconnect()
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -135,13 +135,13 @@ class MetricsMiddleware:
             return
         start = time.perf_counter()
         status = 500
-        received = sent = 0
-
-        async def counting_receive() -> Any:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            return message
+        sent = 0
+        # Request octets from Content-Length: wrapping receive() would add a
+        # coroutine hop to each of the ~130 messages of a 2 MiB TLS upload.
+        received = 0
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit():
+                received = int(value)
 
         async def counting_send(message: Any) -> None:
             nonlocal status, sent
@@ -152,7 +152,7 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, counting_send)
+            await self.app(scope, receive, counting_send)
         finally:
             endpoint = scope.get("endpoint")
             route = getattr(endpoint, "__name__", "unmatched")

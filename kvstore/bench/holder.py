@@ -207,7 +207,7 @@ async def _run(quick: bool) -> list[Result]:
                 base = await _rate(half, getter(bare_half[tls]), 1, seconds)
                 results.append(Result(f"GET layers 0-15, {label}, c=1", "GB/s", ours,
                                       "bare uvicorn GET, same size", base, 0.5))  # fmt: skip
-                if tier == "host" and tls:
+                if tier == "host":
                     results += await _put_and_verify(
                         session, holder, bare[tls], context, records, seconds, label
                     )

@@ -19,6 +19,7 @@ layer buffer.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from ._bytes import BytesLike
@@ -53,6 +54,7 @@ class StreamDecoder:
         self._head = bytearray()
         self._layer = bytearray()
         self._position = 0  # index into header.lengths of the layer being read
+        self._filled = 0  # octets of that layer received so far
         self.header: ContainerHeader | None = None
         self.layers_done = 0
 
@@ -73,11 +75,11 @@ class StreamDecoder:
             if self._position == header.layer_count:
                 raise MalformedContainer("octets after the last layer of the container")
             k_len, v_len = header.lengths[self._position]
-            need = k_len + v_len - len(self._layer)
-            take = view[:need]
-            self._layer += take
+            take = view[: k_len + v_len - self._filled]
+            self._absorb(take)
+            self._filled += len(take)
             view = view[len(take) :]
-            if len(self._layer) == k_len + v_len:
+            if self._filled == k_len + v_len:
                 events.append(self._finish_layer(k_len))
         # A layer with empty sections completes without any octets.
         while self._position < header.layer_count and header.lengths[self._position] == (0, 0):
@@ -109,8 +111,12 @@ class StreamDecoder:
         self._head = bytearray()
         return view
 
+    def _absorb(self, octets: memoryview) -> None:
+        self._layer += octets
+
     def _finish_layer(self, k_len: int) -> Layer:
         assert self.header is not None
+        self._filled = 0
         buf = memoryview(self._layer)
         layer = Layer(self.header.first_layer + self._position, buf[:k_len], buf[k_len:])
         if self._digests is not None:
@@ -139,4 +145,31 @@ class StreamDecoder:
             )
 
 
-__all__ = ["Event", "StreamDecoder"]
+class LayerHasher(StreamDecoder):
+    """Layer digests (B3) of a container computed as its octets arrive.
+
+    Nothing is buffered or copied: each chunk is hashed where it lies. A
+    holder feeds the chunks of a PUT body through it while they arrive, so
+    digesting overlaps receiving instead of following it.
+    """
+
+    def __init__(self, *, limits: Limits = DEFAULT_LIMITS) -> None:
+        super().__init__(limits=limits)
+        self._hash = hashlib.sha256()
+        self.digests: list[bytes] = []
+
+    def _absorb(self, octets: memoryview) -> None:
+        self._hash.update(octets)
+
+    def _finish_layer(self, k_len: int) -> Layer:
+        assert self.header is not None
+        self.digests.append(self._hash.digest())
+        self._hash = hashlib.sha256()
+        self._filled = 0
+        self._position += 1
+        self.layers_done += 1
+        empty = memoryview(b"")
+        return Layer(self.header.first_layer + self._position - 1, empty, empty)
+
+
+__all__ = ["Event", "LayerHasher", "StreamDecoder"]

@@ -181,11 +181,14 @@ class TieredStore(TierIO):
         data: BytesLike,
         *,
         descriptor: CompatibilityDescriptor | None = None,
+        layer_digests: Sequence[bytes] | None = None,
     ) -> BlockInfo:
         """Store a block from its container octets (BL7).
 
-        Raises :class:`PreconditionFailed` if the block is held (the old copy
-        stays), :class:`MalformedContainer` for a bad container, and
+        ``layer_digests``: the layer digests when the caller already took them
+        from these very octets (trusted, not re-checked). Raises
+        :class:`PreconditionFailed` if the block is held (the old copy stays),
+        :class:`MalformedContainer` for a bad container, and
         :class:`InsufficientStorage` when no tier can take it.
         """
         container = kc.decode(data, descriptor=descriptor)
@@ -194,7 +197,16 @@ class TieredStore(TierIO):
             raise MalformedContainer("a block must carry its layers from layer 0 on")
         # B3: the layer digests are computed in a worker thread while the
         # segments are written; hashlib releases the GIL, so the two overlap.
-        hashing = asyncio.ensure_future(asyncio.to_thread(layer_table, container))
+        if layer_digests is not None and len(layer_digests) == len(container):
+            # Already taken by the caller as the octets arrived (the holder).
+            table = {
+                layer.index: (len(layer.k), len(layer.v), digest)
+                for layer, digest in zip(container, layer_digests, strict=True)
+            }
+            hashing: asyncio.Future[dict[int, tuple[int, int, bytes]]] = asyncio.Future()
+            hashing.set_result(table)
+        else:
+            hashing = asyncio.ensure_future(asyncio.to_thread(layer_table, container))
         async with self._locked():
             try:
                 if ref in self._blocks:

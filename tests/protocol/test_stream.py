@@ -125,3 +125,18 @@ def test_zero_length_layers_complete_without_data() -> None:
     events = feed_all(StreamDecoder(), blob, 3)
     layers = [e for e in events if isinstance(e, kc.Layer)]
     assert [(bytes(x.k), bytes(x.v)) for x in layers] == [(b"", b""), (b"ab", b"c"), (b"", b"")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(0, 6), size=st.integers(0, 40), step=st.integers(1, 300))
+def test_layer_hasher_matches_the_decoded_digests(layers: int, size: int, step: int) -> None:
+    # B3 computed while the octets arrive, in any chunking, equals the digests
+    # of the decoded container.
+    from kvstore.protocol.stream import LayerHasher
+
+    blob, _ = make(layers, size)
+    hasher = LayerHasher()
+    for i in range(0, len(blob), step):
+        hasher.feed(blob[i : i + step])
+    hasher.close()
+    assert hasher.digests == kc.decode(blob).layer_digests()
