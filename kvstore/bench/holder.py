@@ -118,6 +118,48 @@ class Servers:
         _wait(port, process)
         return f"{'https' if tls else 'http'}://127.0.0.1:{port}/kvsp/"
 
+    def nginx(self, octets: int, tls: bool) -> str | None:
+        """nginx serving the same octets as a static file (None when not installed)."""
+        import shutil
+
+        binary = shutil.which("nginx") or (
+            "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+        )
+        if binary is None:
+            return None
+        port = _port()
+        prefix = self.root / f"nginx-{port}"
+        (prefix / "logs").mkdir(parents=True)
+        (prefix / "www" / "kvsp").mkdir(parents=True)
+        (prefix / "www" / "kvsp" / "block").write_bytes(bytes(octets))
+        certs = self.root / "certs"
+        ssl_lines = (
+            f"ssl_certificate {certs}/server.pem; ssl_certificate_key {certs}/server.key;"
+            f" ssl_client_certificate {certs}/ca.pem; ssl_verify_client on;"
+            " ssl_protocols TLSv1.3;"
+            if tls
+            else ""
+        )
+        (prefix / "nginx.conf").write_text(
+            "user root; worker_processes 1; daemon off; pid nginx.pid; error_log logs/error.log;\n"
+            "events { worker_connections 256; }\n"
+            "http { access_log off; sendfile on; keepalive_requests 100000;\n"
+            f"  server {{ listen 127.0.0.1:{port}{' ssl' if tls else ''}; {ssl_lines}\n"
+            f"    root {prefix}/www;\n"
+            "    location /kvsp/ { default_type application/kvsp-block; } } }\n"
+        )
+        process = subprocess.Popen(
+            [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes.append(process)
+        try:
+            _wait(port, process)
+        except RuntimeError:
+            return None
+        return f"{'https' if tls else 'http'}://127.0.0.1:{port}/kvsp/"
+
     def close(self) -> None:
         for process in self.processes:
             process.terminate()
@@ -173,6 +215,7 @@ async def _run(quick: bool) -> list[Result]:
         bare = {tls: servers.bare(len(blocks[0][1]), tls) for tls in (False, True)}
         half = len(blocks[0][1]) // 2
         bare_half = {tls: servers.bare(half, tls) for tls in (False, True)}
+        nginx = {tls: servers.nginx(len(blocks[0][1]), tls) for tls in (False, True)}
         for tier, tls in combos:
             context: Any = servers.client_ssl() if tls else False
             holder = servers.holder(tier, tls)
@@ -203,6 +246,12 @@ async def _run(quick: bool) -> list[Result]:
                     base = await _rate(len(blocks[0][1]), getter(bare[tls]), clients, seconds)
                     results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
                                           "bare uvicorn GET", base, 0.7))  # fmt: skip
+                    if tier == "host" and nginx[tls] is not None:
+                        static = await _rate(
+                            len(blocks[0][1]), _static_getter(session, nginx[tls]), clients, seconds
+                        )
+                        results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
+                                              "nginx static file", static, None))  # fmt: skip
                 ours = await _rate(half, getter(holder, {"layers": "0-15"}), 1, seconds)
                 base = await _rate(half, getter(bare_half[tls]), 1, seconds)
                 results.append(Result(f"GET layers 0-15, {label}, c=1", "GB/s", ours,
@@ -241,6 +290,15 @@ async def _http2_cost(
             rates[http2] = await _rate(size, get, 1, seconds)
     return [Result("GET whole, host, mTLS, HTTP/2 (httpx)", "GB/s", rates[True],
                    "same holder, HTTP/1.1 (httpx)", rates[False], None)]  # fmt: skip
+
+
+def _static_getter(session: Any, base: str) -> Callable[[int], Awaitable[None]]:
+    async def get(i: int) -> None:
+        async with session.get(f"{base}block") as response:
+            assert response.status == 200
+            await response.read()
+
+    return get
 
 
 async def _put_and_verify(
