@@ -246,9 +246,13 @@ async def _run(quick: bool) -> list[Result]:
                     base = await _rate(len(blocks[0][1]), getter(bare[tls]), clients, seconds)
                     results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
                                           "bare uvicorn GET", base, 0.7))  # fmt: skip
-                    if tier == "host" and nginx[tls] is not None:
+                    static_base = nginx[tls]
+                    if tier == "host" and static_base is not None:
                         static = await _rate(
-                            len(blocks[0][1]), _static_getter(session, nginx[tls]), clients, seconds
+                            len(blocks[0][1]),
+                            _static_getter(session, static_base),
+                            clients,
+                            seconds,
                         )
                         results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
                                               "nginx static file", static, None))  # fmt: skip
