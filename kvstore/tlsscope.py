@@ -72,20 +72,24 @@ class _WithTLS:
         await self.app(scope, receive, send)
 
 
-class TLSH11Protocol(H11Protocol):
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+class _TLSScope:
+    """Mixin for a uvicorn HTTP protocol: wrap the app of each TLS connection."""
+
+    app: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         tls = tls_extension(transport)
         if tls is not None:
             self.app = _WithTLS(self.app, tls)
 
 
-class TLSHttpToolsProtocol(HttpToolsProtocol):
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        tls = tls_extension(transport)
-        if tls is not None:
-            self.app = _WithTLS(self.app, tls)
+class TLSH11Protocol(_TLSScope, H11Protocol):  # type: ignore[misc]
+    pass
+
+
+class TLSHttpToolsProtocol(_TLSScope, HttpToolsProtocol):  # type: ignore[misc]
+    pass
 
 
 @functools.lru_cache(maxsize=4096)
@@ -121,19 +125,11 @@ def http2_protocol() -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.zttp_h2_impl import ZttpH2Protocol
     from uvicorn.protocols.http.zttp_impl import ZttpProtocol
 
-    class TLSZttpH2Protocol(ZttpH2Protocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            tls = tls_extension(transport)
-            if tls is not None:
-                self.app = _WithTLS(self.app, tls)
+    class TLSZttpH2Protocol(_TLSScope, ZttpH2Protocol):  # type: ignore[misc]
+        pass
 
-    class TLSZttpProtocol(ZttpProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            tls = tls_extension(transport)
-            if tls is not None:
-                self.app = _WithTLS(self.app, tls)
+    class TLSZttpProtocol(_TLSScope, ZttpProtocol):  # type: ignore[misc]
+        pass
 
     class TLSAutoZttpProtocol(AutoZttpProtocol):
         def _switch(self, http2: bool, initial_data: bytes = b"") -> None:

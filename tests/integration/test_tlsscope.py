@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,9 @@ async def echo(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-@pytest.mark.parametrize("protocol", [TLSH11Protocol, TLSHttpToolsProtocol])
-async def test_principal_reaches_the_app(tmp_path: Path, protocol: type) -> None:
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, protocol: type) -> AsyncIterator[tuple[int, ssl.SSLContext]]:
+    """``echo`` under uvicorn with ``protocol``, TLS 1.3 and client certificates."""
     create_dev_certificates(tmp_path, ["carol"])
     port = free_port()
     config = uvicorn.Config(
@@ -43,19 +46,24 @@ async def test_principal_reaches_the_app(tmp_path: Path, protocol: type) -> None
     try:
         while not server.started:
             await asyncio.sleep(0.02)
-        context = client_context(
+        yield port, client_context(
             str(tmp_path / "ca.pem"), str(tmp_path / "client-carol.pem"),
             str(tmp_path / "client-carol.key"),
         )  # fmt: skip
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize("protocol", [TLSH11Protocol, TLSHttpToolsProtocol])
+async def test_principal_reaches_the_app(tmp_path: Path, protocol: type) -> None:
+    async with serving(tmp_path, protocol) as (port, context):
         connector = aiohttp.TCPConnector(ssl=context)
         async with aiohttp.ClientSession(connector=connector) as session:
             for _ in range(2):  # two requests on one connection: both carry it
                 async with session.get(f"https://127.0.0.1:{port}/") as response:
                     seen = json.loads(await response.read())
                 assert seen == {"principal": "urn:kvstore:carol", "tls_version": 0x0304}
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 async def test_http2_carries_the_principal_too(tmp_path: Path) -> None:
@@ -64,27 +72,8 @@ async def test_http2_carries_the_principal_too(tmp_path: Path) -> None:
 
     from kvstore.tlsscope import http2_protocol
 
-    create_dev_certificates(tmp_path, ["carol"])
-    port = free_port()
-    config = uvicorn.Config(
-        echo, host="127.0.0.1", port=port, http=http2_protocol(), lifespan="off",
-        log_level="warning", ssl_certfile=str(tmp_path / "server.pem"),
-        ssl_keyfile=str(tmp_path / "server.key"), ssl_ca_certs=str(tmp_path / "ca.pem"),
-        ssl_cert_reqs=ssl.CERT_REQUIRED,
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.02)
-        context = client_context(
-            str(tmp_path / "ca.pem"), str(tmp_path / "client-carol.pem"),
-            str(tmp_path / "client-carol.key"),
-        )  # fmt: skip
+    async with serving(tmp_path, http2_protocol()) as (port, context):
         async with httpx.AsyncClient(verify=context, http2=True) as client:
             response = await client.get(f"https://127.0.0.1:{port}/")
         assert response.http_version == "HTTP/2"
         assert response.json() == {"principal": "urn:kvstore:carol", "tls_version": 0x0304}
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
