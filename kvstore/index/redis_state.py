@@ -114,8 +114,8 @@ class RedisState:
             )
         )
 
-    async def delete(self, holder: str, block_key: str) -> bool:
-        removed = await self._call(self._delete(keys=self._keys(block_key), args=[role_id(holder)]))
+    async def delete(self, holder_id: str, block_key: str) -> bool:
+        removed = await self._call(self._delete(keys=self._keys(block_key), args=[holder_id]))
         return bool(removed)
 
     async def lookup(

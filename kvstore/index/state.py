@@ -21,6 +21,7 @@ from typing import Protocol
 
 from ..protocol.problems import InsufficientStorage
 from ..protocol.records import ReplicaRecord
+from ..protocol.wire import role_id
 
 
 class IndexState(Protocol):
@@ -28,8 +29,9 @@ class IndexState(Protocol):
         """Publish or refresh ``record`` for ``ttl_ms`` (idempotent, P2)."""
         ...
 
-    async def delete(self, holder: str, block_key: str) -> bool:
-        """Withdraw; False when there was no such record."""
+    async def delete(self, holder_id: str, block_key: str) -> bool:
+        """Withdraw the record of the holder whose id (H6) is ``holder_id``;
+        False when there was no such record."""
         ...
 
     async def lookup(
@@ -61,7 +63,7 @@ class MemoryState:
 
     max_records: int = 1_000_000
     clock: Callable[[], float] = time.monotonic
-    #: block key -> holder -> (scope_id, compat_id, record JSON, expiry)
+    #: block key -> holder id (H6) -> (scope_id, compat_id, record JSON, expiry)
     _records: dict[str, dict[str, tuple[str, str, bytes, float]]] = field(default_factory=dict)
     _size: int = 0
 
@@ -84,24 +86,25 @@ class MemoryState:
     async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
         now = self.clock()
         replicas = self._live(record.block_key, now)
-        if record.holder not in replicas:
+        holder_id = role_id(record.holder)
+        if holder_id not in replicas:
             if self._size >= self.max_records:
                 self._sweep(now)
             if self._size >= self.max_records:
                 raise IndexFull(f"the index holds its maximum of {self.max_records} records")
             self._size += 1
-        self._records.setdefault(record.block_key, replicas)[record.holder] = (
+        self._records.setdefault(record.block_key, replicas)[holder_id] = (
             record.scope_id,
             record.compat_id,
             json.dumps(record.to_json(), separators=(",", ":")).encode(),
             now + ttl_ms / 1000,
         )
 
-    async def delete(self, holder: str, block_key: str) -> bool:
+    async def delete(self, holder_id: str, block_key: str) -> bool:
         replicas = self._live(block_key, self.clock())
-        if holder not in replicas:
+        if holder_id not in replicas:
             return False
-        del replicas[holder]
+        del replicas[holder_id]
         self._size -= 1
         if not replicas:
             self._records.pop(block_key, None)

@@ -14,6 +14,7 @@ import pytest
 from kvstore.index.redis_state import RedisState
 from kvstore.index.state import IndexFull, IndexState, MemoryState
 from kvstore.protocol.records import ReplicaRecord, Residency
+from kvstore.protocol.wire import role_id
 
 COMPAT = hashlib.sha256(b"c").hexdigest()
 SCOPE = "a" * 32
@@ -82,8 +83,8 @@ async def test_refresh_is_idempotent_and_withdraw_removes(state: IndexState) -> 
     await state.put(record(0), 60_000)
     assert [len(g) for g in await state.lookup(SCOPE, COMPAT, [key(0)])] == [1]
     assert await state.count() == 1
-    assert await state.delete(H1, key(0)) is True
-    assert await state.delete(H1, key(0)) is False
+    assert await state.delete(role_id(H1), key(0)) is True
+    assert await state.delete(role_id(H1), key(0)) is False
     assert await state.lookup(SCOPE, COMPAT, [key(0)]) == []
 
 
@@ -114,7 +115,7 @@ async def test_memory_state_is_bounded() -> None:
     with pytest.raises(IndexFull) as info:
         await state.put(record(2), 60_000)
     assert info.value.status == 507
-    await state.delete(H1, key(0))
+    await state.delete(role_id(H1), key(0))
     await state.put(record(2), 60_000)
 
 

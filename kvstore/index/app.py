@@ -1,0 +1,205 @@
+"""The Index Service's ASGI app: ``replicas/{holder-id}/{block_key}`` and ``lookup``.
+
+Authorization (P1, L3, SEC1, SEC2):
+
+* PUT and DELETE: the principal must be the holder the path names (its
+  policy grant's ``holder`` base URI hashes to ``{holder-id}``, H6) or hold
+  the ``admin`` role, and for PUT be allowed to write the record's scope;
+* lookup: a principal that may not read the scope gets exactly the answer of
+  an empty index, never a record.
+
+Lookup answers are assembled from the stored record octets (see
+:mod:`.state`); placement estimates per target follow PL1 when the IS knows
+the target's status and the block size of the compatibility ID.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route
+
+from ..http import EXCEPTION_HANDLERS, empty_response, json_response, principal, read_json
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..metrics import Metrics, MetricsMiddleware
+from ..protocol.control import InstanceStatus
+from ..protocol.placement import plan_fetch, recompute_us
+from ..protocol.problems import BadRequest, Forbidden, NotFound
+from ..protocol.records import LookupRequest, ReplicaRecord, TargetEstimate
+from ..protocol.wire import JSON_MEDIA_TYPE, NO_STORE, role_id
+from ..security import Grant, Policy
+from .state import IndexState
+
+
+class StatusSource(Protocol):
+    """Where the IS reads instance status records (the PC it runs with)."""
+
+    async def status(self, instance: str) -> InstanceStatus | None: ...
+
+
+@dataclass(slots=True)
+class StatusBook:
+    """Status records kept in this process (the PC writes, the IS reads)."""
+
+    records: dict[str, InstanceStatus] = field(default_factory=dict)
+
+    def put(self, status: InstanceStatus) -> None:
+        self.records[status.instance] = status
+
+    async def status(self, instance: str) -> InstanceStatus | None:
+        return self.records.get(instance)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSettings:
+    #: Public base URI of the IS (H7).
+    index_uri: str
+    #: Records live at most this long, whatever they ask for (P2).
+    max_ttl_ms: int = 600_000
+    #: Most block keys in one lookup (L4, SEC3).
+    max_lookup_keys: int = 8192
+    #: Most targets in one lookup.
+    max_targets: int = 64
+    #: block_tokens per compat_id, to estimate recompute time (PL1).
+    block_tokens: Mapping[str, int] = field(default_factory=dict)
+    max_json_octets: int = 1 << 20
+    allow_anonymous: bool = False
+
+    @property
+    def base_path(self) -> str:
+        path = urlsplit(self.index_uri).path or "/"
+        return path if path.endswith("/") else path + "/"
+
+
+def _may_act_for(grant: Grant, holder_id: str) -> bool:
+    return "admin" in grant.roles or (
+        "holder" in grant.roles and grant.holder is not None and role_id(grant.holder) == holder_id
+    )
+
+
+async def estimates(
+    targets: Sequence[str],
+    raw: Sequence[Sequence[bytes]],
+    block_tokens: int,
+    statuses: StatusSource,
+) -> list[TargetEstimate]:
+    """fetch_us and recompute_us per target with a known status (L2, PL1)."""
+    if not targets or not raw:
+        return []
+    replicas = [[ReplicaRecord.from_json(json.loads(r)) for r in group] for group in raw]
+    tokens = len(replicas) * block_tokens
+    out = []
+    for target in targets:
+        status = await statuses.status(target)
+        if status is None:
+            continue
+        plan = plan_fetch(replicas, status)
+        if plan is None:
+            continue  # no replica reachable over a link the instance reported
+        out.append(
+            TargetEstimate(target, plan.fetch_us, recompute_us(tokens, status.prefill_tokens_per_s))
+        )
+    return out
+
+
+def create_app(
+    settings: IndexSettings,
+    state: IndexState,
+    policy: Policy,
+    statuses: StatusSource | None = None,
+) -> Starlette:
+    statuses = statuses or StatusBook()
+
+    def who(request: Request) -> str | None:
+        return principal(request, settings.allow_anonymous)
+
+    def path_parts(request: Request) -> tuple[str, str]:
+        holder_id, block_key = request.path_params["holder_id"], request.path_params["block_key"]
+        if len(holder_id) != 43 or len(block_key) != 64:
+            raise NotFound("no such replica resource")
+        return holder_id, block_key
+
+    async def put_replica(request: Request) -> Response:
+        holder_id, block_key = path_parts(request)
+        grant = policy.grant(who(request))
+        if not _may_act_for(grant, holder_id):
+            raise Forbidden("only the holder itself may publish its replicas (P1)")
+        body = await read_json(request, settings.max_json_octets)
+        record = ReplicaRecord.from_json(body)
+        if role_id(record.holder) != holder_id or record.block_key != block_key:
+            raise BadRequest("the record's holder and block_key must match the path")
+        policy.require_write(who(request), record.scope_id)
+        ttl_ms = min(record.ttl_ms, settings.max_ttl_ms)  # P2: capped
+        if ttl_ms != record.ttl_ms:
+            record = dataclasses.replace(record, ttl_ms=ttl_ms)
+        await state.put(record, ttl_ms)
+        return json_response({"ttl_ms": ttl_ms})
+
+    async def delete_replica(request: Request) -> Response:
+        holder_id, block_key = path_parts(request)
+        grant = policy.grant(who(request))
+        if not _may_act_for(grant, holder_id):
+            raise Forbidden("only the holder itself may withdraw its replicas (P1)")
+        if not await state.delete(holder_id, block_key):
+            raise NotFound("no such replica record")
+        return empty_response()
+
+    async def lookup(request: Request) -> Response:
+        grant = policy.grant(who(request))
+        query = LookupRequest.from_json(
+            await read_json(request, settings.max_json_octets),
+            max_keys=settings.max_lookup_keys,
+            max_targets=settings.max_targets,
+        )
+        if not grant.can_read(query.scope_id):
+            # L3: exactly what an empty index answers; nothing tells the scope exists.
+            return _lookup_response([], [])
+        raw = await state.lookup(query.scope_id, query.compat_id, query.block_keys)
+        block_tokens = settings.block_tokens.get(query.compat_id)
+        found = []
+        if query.targets and block_tokens:
+            found = await estimates(query.targets, raw, block_tokens, statuses)
+        return _lookup_response(raw, found)
+
+    metrics = Metrics()
+
+    async def get_metrics(request: Request) -> Response:
+        policy.grant(who(request))
+        return Response(
+            metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
+        )
+
+    routes = [
+        Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
+        Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
+        Route("/lookup", lookup, methods=["POST"]),
+    ]
+    base = settings.base_path.rstrip("/")
+    outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
+    app = Starlette(
+        routes=outside + ([Mount(base, routes=routes)] if base else list(routes)),
+        exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
+    )
+    app.state.state = state
+    app.state.statuses = statuses
+    return app
+
+
+def _lookup_response(raw: Sequence[Sequence[bytes]], found: Sequence[TargetEstimate]) -> Response:
+    """The lookup answer, joined from stored record octets (no re-serialization)."""
+    groups = b",".join(b"[" + b",".join(group) + b"]" for group in raw)
+    body = b'{"matched":%d,"replicas":[%s]' % (len(raw), groups)
+    if found:
+        body += b',"targets":' + json.dumps([t.to_json() for t in found]).encode()
+    body += b"}"
+    return Response(body, headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE)
