@@ -32,7 +32,13 @@ import aiohttp
 
 from .protocol import container as kc
 from .protocol.problems import DigestMismatch, KvspError, NotFound, error_from_problem
-from .protocol.records import LeaseGrant, LeaseRequest, ReplicaRecord
+from .protocol.records import (
+    LeaseGrant,
+    LeaseRequest,
+    LookupRequest,
+    LookupResponse,
+    ReplicaRecord,
+)
 from .protocol.wire import (
     BLOCK_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
@@ -217,6 +223,12 @@ class IndexClient(_Http):
         payload = json.dumps(record.to_json()).encode()
         headers = {"Content-Type": JSON_MEDIA_TYPE}
         await self._request("PUT", url, expect=[200, 201, 204], data=payload, headers=headers)
+
+    async def lookup(self, request: LookupRequest) -> LookupResponse:
+        """``POST lookup`` (L1, L2)."""
+        url = urljoin(self.index_uri, "lookup")
+        _, _, raw = await self._request("POST", url, expect=[200], json=request.to_json())
+        return LookupResponse.from_json(json.loads(raw))
 
     async def withdraw(self, holder: str, block_key: str) -> None:
         """``DELETE replicas/{holder-id}/{block_key}``; an unknown record is already gone."""

@@ -21,6 +21,17 @@ A holder's file, with every key and its default::
     client_certfile = ""                   # the holder's client certificate for the IS
     client_keyfile = ""
 
+    [index]                           # the Index Service role (--roles index)
+    uri = "https://127.0.0.1:8443/is/"
+    policy = "policy.json"
+    state = "memory"                  # memory | redis
+    redis_url = "redis://127.0.0.1:6379/0"
+    redis_prefix = "kvsp-index:"
+    max_records = 1000000             # memory state cap
+    max_ttl_ms = 600000
+    max_lookup_keys = 8192
+    descriptors = []                  # block_tokens per compat_id, for estimates
+
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
     compress = false
@@ -73,6 +84,19 @@ class HolderConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexConfig:
+    uri: str = "https://127.0.0.1:8443/is/"
+    policy: str = ""
+    state: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvsp-index:"
+    max_records: int = 1_000_000
+    max_ttl_ms: int = 600_000
+    max_lookup_keys: int = 8192
+    descriptors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     backend: str
     capacity: int
@@ -94,6 +118,7 @@ class StorageConfig:
 class Config:
     server: ServerConfig = ServerConfig()
     holder: HolderConfig = HolderConfig()
+    index: IndexConfig = IndexConfig()
     storage: StorageConfig = StorageConfig()
     #: Directory relative paths are resolved against.
     root: Path = Path(".")
@@ -137,13 +162,15 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
 
 def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
     """Validate a parsed TOML document."""
-    unknown = set(data) - {"server", "holder", "storage"}
+    unknown = set(data) - {"server", "holder", "index", "storage"}
     if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: holder, server, storage")
+        raise ConfigError(
+            f"{sorted(unknown)[0]}: unknown section; known: holder, index, server, storage"
+        )
     storage_data = dict(data.get("storage", {}))
     tiers_data = storage_data.pop("tiers", [])
     storage = _section(StorageConfig, storage_data, "storage", root)
-    if not isinstance(tiers_data, list) or not tiers_data:
+    if not isinstance(tiers_data, list) or (not tiers_data and "storage" in data):
         raise ConfigError("storage.tiers: at least one [[storage.tiers]] is required")
     tiers = []
     for index, raw in enumerate(tiers_data):
@@ -163,6 +190,7 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
     return Config(
         server=_section(ServerConfig, data.get("server", {}), "server", root),
         holder=_section(HolderConfig, data.get("holder", {}), "holder", root),
+        index=_section(IndexConfig, data.get("index", {}), "index", root),
         storage=StorageConfig(**{**_asdict(storage), "tiers": tuple(tiers)}),
         root=root,
     )

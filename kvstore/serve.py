@@ -24,6 +24,8 @@ def build_store(config: Config) -> TieredStore:
     from backends import create_tier
 
     cfg = config.storage
+    if not cfg.tiers:
+        raise ConfigError("storage.tiers: at least one [[storage.tiers]] is required")
     key = None
     if cfg.encryption_key_file:
         key = Path(cfg.encryption_key_file).read_bytes()
@@ -83,6 +85,54 @@ def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> A
     return create_app(settings, store, Policy.load(cfg.policy), publisher)
 
 
+def build_index(config: Config) -> tuple[Any, Any]:
+    """The Index Service app and its state."""
+    from .index import IndexSettings, MemoryState
+    from .index import create_app as create_index
+
+    cfg = config.index
+    if not cfg.policy:
+        raise ConfigError("index.policy: a policy file is required")
+    state: Any
+    if cfg.state == "memory":
+        state = MemoryState(max_records=cfg.max_records)
+    elif cfg.state == "redis":
+        from .index.redis_state import RedisState
+
+        state = RedisState(cfg.redis_url, cfg.redis_prefix)
+    else:
+        raise ConfigError(f"index.state: {cfg.state!r} is not 'memory' or 'redis'")
+    block_tokens = {}
+    for file in cfg.descriptors:
+        descriptor = parse_descriptor(json.loads(Path(file).read_text()))
+        block_tokens[descriptor.compat_id_hex] = descriptor.block_tokens
+    settings = IndexSettings(
+        cfg.uri,
+        max_ttl_ms=cfg.max_ttl_ms,
+        max_lookup_keys=cfg.max_lookup_keys,
+        block_tokens=block_tokens,
+        allow_anonymous=config.server.insecure_http,
+    )
+    return create_index(settings, state, Policy.load(cfg.policy)), state
+
+
+class Dispatcher:
+    """Several role apps on one listener, chosen by their base paths (longest first);
+    anything else (``/metrics``) goes to the first role."""
+
+    def __init__(self, apps: list[tuple[str, Any]]) -> None:
+        self.apps = sorted(apps, key=lambda item: -len(item[0]))
+        self.default = apps[0][1]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        for base, app in self.apps:
+            if path.startswith(base):
+                await app(scope, receive, send)
+                return
+        await self.default(scope, receive, send)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -126,32 +176,44 @@ def uvicorn_config(config: Config, app: Any) -> Any:
 
 
 async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
-    """Run the configured roles until interrupted."""
+    """Run the configured roles (holder, index) on one listener until interrupted."""
+    from urllib.parse import urlsplit
+
     import uvicorn
 
-    if roles != ("holder",):
-        raise ConfigError(f"roles {roles}: only 'holder' is available in this version")
-    store = build_store(config)
-    publisher = None
+    unknown = set(roles) - {"holder", "index"}
+    if unknown or not roles:
+        raise ConfigError(f"roles: {sorted(unknown) or roles} unknown; available: holder, index")
+    store = publisher = index_state = None
     try:
-        found = await store.recover()
-        await store.measure_read_rates()
-        publisher = build_publisher(config, store)
-        app = build_holder(config, store, publisher)
+        apps: list[tuple[str, Any]] = []
+        if "holder" in roles:
+            store = build_store(config)
+            found = await store.recover()
+            await store.measure_read_rates()
+            publisher = build_publisher(config, store)
+            apps.append((urlsplit(config.holder.uri).path, build_holder(config, store, publisher)))
+            log.warning("holder %s: %d blocks recovered", config.holder.uri, found)
+        if "index" in roles:
+            index_app, index_state = build_index(config)
+            apps.append((urlsplit(config.index.uri).path, index_app))
+            log.warning("index %s (%s state)", config.index.uri, config.index.state)
+        app = apps[0][1] if len(apps) == 1 else Dispatcher(apps)
         server = uvicorn.Server(uvicorn_config(config, app))
         if publisher is not None:
             publisher.start()  # its first round republishes what was recovered
         scheme = "http" if config.server.insecure_http else "https"
-        where = f"{scheme}://{config.server.host}:{config.server.port}"
-        log.warning(
-            "holder %s serving on %s (%d blocks recovered)", config.holder.uri, where, found
-        )
+        log.warning("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
+                    config.server.port)  # fmt: skip
         await server.serve()
     finally:
         if publisher is not None:
             await publisher.stop()
             await publisher.index.close()
-        await store.close()
+        if store is not None:
+            await store.close()
+        if index_state is not None:
+            await index_state.close()
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
