@@ -135,6 +135,11 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import holder as bench_holder
 
         results = bench_holder.run(quick=args.quick)
+    elif args.suite == "index":
+        from .bench import index as bench_index
+
+        redis_url = None if args.redis_url == "none" else args.redis_url
+        results = bench_index.run(quick=args.quick, redis_url=redis_url)
     else:
         from .bench import store as bench_store
 
@@ -257,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     holder.add_argument("--quick", action="store_true", help="shorter runs, fewer combinations")
     holder.add_argument("--json", action="store_true", help="print results as JSON")
     holder.set_defaults(func=cmd_bench)
+    index = bsub.add_parser("index", help="lookup latency/throughput and publish rate")
+    index.add_argument("--quick", action="store_true", help="smaller prompts, fewer rounds")
+    index.add_argument("--json", action="store_true", help="print results as JSON")
+    index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
+    index.set_defaults(func=cmd_bench)
     return parser
 
 

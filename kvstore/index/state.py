@@ -115,14 +115,19 @@ class MemoryState:
     ) -> list[list[bytes]]:
         now = self.clock()
         matched: list[list[bytes]] = []
+        records = self._records
         for block_key in block_keys:
+            replicas = records.get(block_key)
+            if not replicas:
+                break  # L1: the chain is broken here
+            # Read-only: expired entries are skipped here and dropped by writes.
             found = [
                 raw
-                for scope, compat, raw, _ in self._live(block_key, now).values()
-                if scope == scope_id and compat == compat_id
+                for scope, compat, raw, expires in replicas.values()
+                if expires > now and scope == scope_id and compat == compat_id
             ]
             if not found:
-                break  # L1: the chain is broken here
+                break
             matched.append(found)
         return matched
 
