@@ -93,10 +93,25 @@ class _StoreCollector(Collector):
             yield published
 
 
+class CountersCollector(Collector):
+    """Every integer field of a dataclass of counters as ``<prefix>_<field>_total``."""
+
+    def __init__(self, prefix: str, counters: Any) -> None:
+        self.prefix = prefix
+        self.counters = counters
+
+    def collect(self) -> Iterator[Any]:
+        for name in self.counters.__dataclass_fields__:
+            value = getattr(self.counters, name)
+            if isinstance(value, int):
+                yield CounterMetricFamily(f"{self.prefix}_{name}", name.replace("_", " "), value)
+
+
 class Metrics:
     """A registry plus the request instruments of one app."""
 
-    def __init__(self, store: Any = None, publisher: Any = None) -> None:
+    def __init__(self, store: Any = None, publisher: Any = None, counters: Any = None,
+                 counters_prefix: str = "kvstore") -> None:  # fmt: skip
         self.registry = CollectorRegistry()
         labels = ["route", "method", "status"]
         self.requests = Counter(
@@ -117,6 +132,8 @@ class Metrics:
         )
         if store is not None:
             self.registry.register(_StoreCollector(store, publisher))
+        if counters is not None:
+            self.registry.register(CountersCollector(counters_prefix, counters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

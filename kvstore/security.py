@@ -30,7 +30,9 @@ from typing import Any
 
 from .protocol.problems import Forbidden, ScopeDenied, Unauthenticated
 
-ROLES = frozenset({"client", "holder", "pc", "instance", "index", "admin"})
+#: "reporter": may withdraw, at the IS, replicas of scopes it can read that
+#: failed their digest (BL8).
+ROLES = frozenset({"client", "holder", "pc", "instance", "index", "admin", "reporter"})
 
 
 # --- TLS contexts ----------------------------------------------------------

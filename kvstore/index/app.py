@@ -59,6 +59,19 @@ class StatusBook:
         return self.records.get(instance)
 
 
+@dataclass(slots=True)
+class IndexCounters:
+    """OPS1 figures of the IS; ``lookup_matched_keys / lookup_keys`` is the hit ratio."""
+
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_matched_keys: int = 0
+    lookups_denied_scope: int = 0
+    published: int = 0
+    withdrawn: int = 0
+    reported: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class IndexSettings:
     #: Public base URI of the IS (H7).
@@ -118,6 +131,7 @@ def create_app(
     statuses: StatusSource | None = None,
 ) -> Starlette:
     statuses = statuses or StatusBook()
+    counters = IndexCounters()
 
     def who(request: Request) -> str | None:
         return principal(request, settings.allow_anonymous)
@@ -142,15 +156,22 @@ def create_app(
         if ttl_ms != record.ttl_ms:
             record = dataclasses.replace(record, ttl_ms=ttl_ms)
         await state.put(record, ttl_ms)
+        counters.published += 1
         return json_response({"ttl_ms": ttl_ms})
 
     async def delete_replica(request: Request) -> Response:
         holder_id, block_key = path_parts(request)
         grant = policy.grant(who(request))
         if not _may_act_for(grant, holder_id):
-            raise Forbidden("only the holder itself may withdraw its replicas (P1)")
+            # BL8: a client that found a replica failing its digest may withdraw
+            # it on the holder's behalf, when the policy makes it a reporter.
+            scope = await state.scope_of(holder_id, block_key)
+            if "reporter" not in grant.roles or scope is None or not grant.can_read(scope):
+                raise Forbidden("only the holder itself may withdraw its replicas (P1)")
+            counters.reported += 1
         if not await state.delete(holder_id, block_key):
             raise NotFound("no such replica record")
+        counters.withdrawn += 1
         return empty_response()
 
     async def lookup(request: Request) -> Response:
@@ -160,17 +181,21 @@ def create_app(
             max_keys=settings.max_lookup_keys,
             max_targets=settings.max_targets,
         )
+        counters.lookups += 1
+        counters.lookup_keys += len(query.block_keys)
         if not grant.can_read(query.scope_id):
             # L3: exactly what an empty index answers; nothing tells the scope exists.
+            counters.lookups_denied_scope += 1
             return _lookup_response([], [])
         raw = await state.lookup(query.scope_id, query.compat_id, query.block_keys)
+        counters.lookup_matched_keys += len(raw)
         block_tokens = settings.block_tokens.get(query.compat_id)
         found = []
         if query.targets and block_tokens:
             found = await estimates(query.targets, raw, block_tokens, statuses)
         return _lookup_response(raw, found)
 
-    metrics = Metrics()
+    metrics = Metrics(counters=counters, counters_prefix="kvstore_index")
 
     async def get_metrics(request: Request) -> Response:
         policy.grant(who(request))
@@ -191,6 +216,7 @@ def create_app(
         middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
     )
     app.state.state = state
+    app.state.counters = counters
     app.state.statuses = statuses
     return app
 

@@ -66,6 +66,17 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return removed
 """
 
+_SCOPE = (
+    _NOW
+    + """
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) <= now then return false end
+local v = redis.call('HGET', KEYS[2], ARGV[1])
+if not v then return false end
+return string.sub(v, 1, 32)
+"""
+)
+
 _COUNT = _NOW + "return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')"
 
 
@@ -89,6 +100,7 @@ class RedisState:
         self._lookup = self._client.register_script(_LOOKUP)
         self._delete = self._client.register_script(_DELETE)
         self._count = self._client.register_script(_COUNT)
+        self._scope = self._client.register_script(_SCOPE)
 
     def _keys(self, block_key: str) -> list[str]:
         base = f"{self.prefix}{{{block_key}}}"
@@ -113,6 +125,10 @@ class RedisState:
                 keys=self._keys(record.block_key), args=[role_id(record.holder), ttl_ms, value]
             )
         )
+
+    async def scope_of(self, holder_id: str, block_key: str) -> str | None:
+        found = await self._call(self._scope(keys=self._keys(block_key), args=[holder_id]))
+        return None if found is None else bytes(found).decode()
 
     async def delete(self, holder_id: str, block_key: str) -> bool:
         removed = await self._call(self._delete(keys=self._keys(block_key), args=[holder_id]))

@@ -34,6 +34,10 @@ class IndexState(Protocol):
         False when there was no such record."""
         ...
 
+    async def scope_of(self, holder_id: str, block_key: str) -> str | None:
+        """The scope of an unexpired record, or None."""
+        ...
+
     async def lookup(
         self, scope_id: str, compat_id: str, block_keys: Sequence[str]
     ) -> list[list[bytes]]:
@@ -99,6 +103,10 @@ class MemoryState:
             json.dumps(record.to_json(), separators=(",", ":")).encode(),
             now + ttl_ms / 1000,
         )
+
+    async def scope_of(self, holder_id: str, block_key: str) -> str | None:
+        entry = self._live(block_key, self.clock()).get(holder_id)
+        return None if entry is None else entry[0]
 
     async def delete(self, holder_id: str, block_key: str) -> bool:
         replicas = self._live(block_key, self.clock())

@@ -44,13 +44,15 @@ POLICY = Policy.from_json({"principals": {
     "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [SCOPE]},
     "urn:kvstore:alice": {"read_scopes": [SCOPE]},
     "urn:kvstore:bob": {"read_scopes": [OTHER]},
+    "urn:kvstore:carol": {"roles": ["reporter"], "read_scopes": [SCOPE]},
+    "urn:kvstore:dave": {"roles": ["reporter"], "read_scopes": [OTHER]},
 }})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("is-certs")
-    create_dev_certificates(directory, ["holder1", "holder2", "alice", "bob"])
+    create_dev_certificates(directory, ["holder1", "holder2", "alice", "bob", "carol", "dave"])
     return directory
 
 
@@ -180,3 +182,30 @@ async def test_placement_estimates_by_the_drafts_formulas(
     assert target["fetch_us"] == pytest.approx(12 + 2 * 8 * 2097152 / 200000)
     # Two blocks of 16 tokens at 42000 tokens/s.
     assert target["recompute_us"] == pytest.approx(1e6 * 32 / 42000)
+
+
+async def test_a_reporter_may_withdraw_a_bad_replica(
+    as_: Callable[[str], httpx.AsyncClient],
+) -> None:
+    # BL8: a client that found a digest failure withdraws on the holder's
+    # behalf when the policy makes it a reporter for the scope.
+    h1, alice, carol, dave = as_("holder1"), as_("alice"), as_("carol"), as_("dave")
+    await publish(h1, record(0))
+    assert (await alice.delete(replica_path(H1, key(0)))).status_code == 403  # not a reporter
+    assert (await dave.delete(replica_path(H1, key(0)))).status_code == 403  # other scope
+    assert (await carol.delete(replica_path(H1, key(0)))).status_code == 204
+    assert (await lookup(alice, [key(0)])).json()["matched"] == 0
+    assert (await carol.delete(replica_path(H1, key(0)))).status_code == 403  # gone: no scope
+
+
+async def test_index_metrics(as_: Callable[[str], httpx.AsyncClient]) -> None:
+    # OPS1: lookup hit ratio = matched keys / looked-up keys.
+    h1, alice = as_("holder1"), as_("alice")
+    await publish(h1, record(0))
+    await lookup(alice, [key(0), key(1)])
+    await lookup(as_("bob"), [key(0)])
+    text = (await alice.get("https://index.test/metrics")).text
+    assert "kvstore_index_lookup_keys_total 3.0" in text
+    assert "kvstore_index_lookup_matched_keys_total 1.0" in text
+    assert "kvstore_index_lookups_denied_scope_total 1.0" in text
+    assert "kvstore_index_published_total 1.0" in text

@@ -88,6 +88,13 @@ async def test_refresh_is_idempotent_and_withdraw_removes(state: IndexState) -> 
     assert await state.lookup(SCOPE, COMPAT, [key(0)]) == []
 
 
+async def test_scope_of_a_record(state: IndexState) -> None:
+    await state.put(record(0, scope=OTHER_SCOPE), 60_000)
+    assert await state.scope_of(role_id(H1), key(0)) == OTHER_SCOPE
+    assert await state.scope_of(role_id(H2), key(0)) is None
+    assert await state.scope_of(role_id(H1), key(1)) is None
+
+
 async def test_records_expire(state: IndexState) -> None:
     # P2: a record is gone after its TTL (a dead holder's records vanish).
     await state.put(record(0), 150)
