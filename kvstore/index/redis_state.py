@@ -8,8 +8,9 @@ hash tag, so the index partitions by block key:
 
 Small Lua scripts keep each operation atomic on its slot. Both keys expire
 with their last record (PEXPIREAT), so abandoned entries need no sweeper.
-A lookup is one pipelined round trip per batch of keys, and stops at the
-batch holding the first miss (L1).
+A lookup is one round trip per batch of keys and stops at the first miss
+(L1): on a single node one script walks the batch; with ``cluster=True``
+(scripts may not span slots) one script per key is pipelined.
 """
 
 from __future__ import annotations
@@ -60,6 +61,28 @@ return out
 """
 )
 
+# Single-node Redis: a whole batch in one script, stopping at the first miss
+# inside Redis. (Redis Cluster refuses scripts over keys of several slots,
+# so cluster mode pipelines _LOOKUP per key instead.)
+_LOOKUP_BATCH = (
+    _NOW
+    + """
+local out = {}
+for i = 1, #KEYS, 2 do
+  local live = redis.call('ZRANGEBYSCORE', KEYS[i], '(' .. now, '+inf')
+  if #live == 0 then return out end
+  local values = redis.call('HMGET', KEYS[i + 1], unpack(live))
+  local group = {}
+  for _, v in ipairs(values) do
+    if v and string.sub(v, 1, 96) == ARGV[1] then group[#group + 1] = string.sub(v, 97) end
+  end
+  if #group == 0 then return out end
+  out[#out + 1] = group
+end
+return out
+"""
+)
+
 _DELETE = """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
@@ -89,8 +112,10 @@ class RedisState:
         prefix: str = "kvsp-index:",
         batch: int = 512,
         timeout_s: float = 5.0,
+        cluster: bool = False,
     ) -> None:
         self.url = url
+        self.cluster = cluster
         self.prefix = prefix
         self.batch = batch
         self._client: Any = aioredis.Redis.from_url(
@@ -98,6 +123,7 @@ class RedisState:
         )
         self._put = self._client.register_script(_PUT)
         self._lookup = self._client.register_script(_LOOKUP)
+        self._lookup_batch = self._client.register_script(_LOOKUP_BATCH)
         self._delete = self._client.register_script(_DELETE)
         self._count = self._client.register_script(_COUNT)
         self._scope = self._client.register_script(_SCOPE)
@@ -139,6 +165,15 @@ class RedisState:
     ) -> list[list[bytes]]:
         matched: list[list[bytes]] = []
         wanted = scope_id + compat_id
+        if not self.cluster:
+            for start in range(0, len(block_keys), self.batch):
+                chunk = block_keys[start : start + self.batch]
+                keys = [k for block_key in chunk for k in self._keys(block_key)]
+                found = await self._call(self._lookup_batch(keys=keys, args=[wanted]))
+                matched.extend(list(group) for group in found)
+                if len(found) < len(chunk):
+                    break  # L1: the script stopped at the first miss
+            return matched
         for start in range(0, len(block_keys), self.batch):
             async with self._client.pipeline(transaction=False) as pipe:
                 for block_key in block_keys[start : start + self.batch]:

@@ -38,13 +38,17 @@ def parsed(found: list[list[bytes]]) -> list[list[ReplicaRecord]]:
     return [[ReplicaRecord.from_json(json.loads(raw)) for raw in group] for group in found]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster-mode"])
 async def state(request: pytest.FixtureRequest) -> AsyncIterator[IndexState]:
     if request.param == "memory":
         yield MemoryState()
         return
     server: Any = request.getfixturevalue("redis_server")
-    s = RedisState(url=server.url, prefix=f"t{uuid.uuid4().hex[:8]}:")
+    s = RedisState(
+        url=server.url,
+        prefix=f"t{uuid.uuid4().hex[:8]}:",
+        cluster=request.param == "redis-cluster-mode",
+    )
     yield s
     await s.close()
 
