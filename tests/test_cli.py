@@ -217,3 +217,11 @@ def test_bench_holder_quick_runs_against_real_servers() -> None:
     assert any(n.startswith("GET whole, host, mTLS") for n in names)
     assert any(n.startswith("PUT") for n in names)
     assert all(r["value"] > 0 and r["baseline"] > 0 for r in results)
+
+
+def test_bench_index_quick(redis_server: Any) -> None:
+    out = kvstore("bench", "index", "--quick", "--json", "--redis-url", redis_server.url)
+    assert out.returncode == 0, out.stderr
+    names = [r["name"] for r in json.loads(out.stdout)]
+    assert "lookup 8k keys x3, memory, p99" in names
+    assert "lookup 8k keys x3, redis, p50" in names
