@@ -217,12 +217,24 @@ class IndexClient(_Http):
         super().__init__(ssl_context, **kw)
         self.index_uri = _base(index_uri)
 
-    async def publish(self, record: ReplicaRecord) -> None:
-        """``PUT replicas/{holder-id}/{block_key}``: publish or refresh (idempotent, P2)."""
+    async def publish(self, record: ReplicaRecord) -> int:
+        """``PUT replicas/{holder-id}/{block_key}``: publish or refresh (idempotent, P2).
+
+        Returns the TTL the IS granted (it may cap the one asked for).
+        """
         url = urljoin(self.index_uri, replica_path(record.holder, record.block_key))
         payload = json.dumps(record.to_json()).encode()
         headers = {"Content-Type": JSON_MEDIA_TYPE}
-        await self._request("PUT", url, expect=[200, 201, 204], data=payload, headers=headers)
+        _, _, raw = await self._request(
+            "PUT", url, expect=[200, 201, 204], data=payload, headers=headers
+        )
+        try:
+            granted = json.loads(raw).get("ttl_ms") if raw else None
+        except (ValueError, AttributeError):
+            granted = None
+        if isinstance(granted, int) and not isinstance(granted, bool) and granted > 0:
+            return min(granted, record.ttl_ms)
+        return record.ttl_ms
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:
         """``POST lookup`` (L1, L2)."""

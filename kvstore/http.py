@@ -138,8 +138,10 @@ async def read_json(request: Request, limit: int = 1 << 20) -> Any:
     body = await read_body(request, limit)
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers malformed JSON, bad UTF-8 and integers beyond
+        # Python's digit limit; RecursionError, absurd nesting.
+        raise BadRequest(f"body is not usable JSON: {str(exc)[:200]}") from None
 
 
 def principal(request: Request, allow_anonymous: bool = False) -> str | None:

@@ -40,6 +40,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 log = logging.getLogger("kvstore.access")
 
+# Label values come from a fixed set: a client-chosen method name must not
+# create a new time series per request (unbounded memory).
+_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"})
+
 
 class _StoreCollector(Collector):
     def __init__(self, store: Any, publisher: Any) -> None:
@@ -174,7 +178,8 @@ class MetricsMiddleware:
             endpoint = scope.get("endpoint")
             route = getattr(endpoint, "__name__", "unmatched")
             m = self.metrics
-            m.requests.labels(route, scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            m.requests.labels(route, method, str(status)).inc()
             m.latency.labels(route).observe(time.perf_counter() - start)
             m.received.labels(route).inc(received)
             m.sent.labels(route).inc(sent)

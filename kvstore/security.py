@@ -32,7 +32,8 @@ from .protocol.problems import Forbidden, ScopeDenied, Unauthenticated
 
 #: "reporter": may withdraw, at the IS, replicas of scopes it can read that
 #: failed their digest (BL8).
-ROLES = frozenset({"client", "holder", "pc", "instance", "index", "admin", "reporter"})
+#: "metrics": may scrape /metrics (store-wide figures are not for tenants).
+ROLES = frozenset({"client", "holder", "pc", "instance", "index", "admin", "reporter", "metrics"})
 
 
 # --- TLS contexts ----------------------------------------------------------
@@ -144,6 +145,12 @@ class Policy:
         grant = self.grant(principal)
         if role not in grant.roles:
             raise Forbidden(f"principal lacks the {role!r} role")
+        return grant
+
+    def require_any_role(self, principal: str | None, roles: tuple[str, ...]) -> Grant:
+        grant = self.grant(principal)
+        if not grant.roles.intersection(roles):
+            raise Forbidden(f"principal lacks one of the roles {list(roles)}")
         return grant
 
     def require_read(self, principal: str | None, scope_id: str) -> Grant:

@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, Router
 
 from ..http import (
     EXCEPTION_HANDLERS,
@@ -32,6 +32,7 @@ from ..http import (
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..metrics import Metrics, MetricsMiddleware
 from ..protocol import container as kc
+from ..protocol._json import UINT32_MAX, check_int
 from ..protocol.codecs import CODECS
 from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.problems import BadRequest, NotFound, PreconditionRequired
@@ -188,10 +189,11 @@ def create_app(
         client = who(request)
         policy.grant(client)
         body = await read_json(request, settings.max_json_octets)
-        if not isinstance(body, dict) or not isinstance(body.get("ttl_ms"), int):
+        if not isinstance(body, dict):
             raise BadRequest('renewal body must be {"ttl_ms": <integer>}')
+        ttl_ms = check_int(body.get("ttl_ms"), "renewal.ttl_ms", lo=1, hi=UINT32_MAX)
         assert client is not None
-        lease = store.renew_lease(client, request.path_params["lease_id"], body["ttl_ms"])
+        lease = store.renew_lease(client, request.path_params["lease_id"], ttl_ms)
         return json_response(_lease_json(lease, store.clock))
 
     async def release_lease(request: Request) -> Response:
@@ -204,8 +206,9 @@ def create_app(
     metrics = Metrics(store, publisher)
 
     async def get_metrics(request: Request) -> Response:
-        # Behind the same TLS: any principal the policy knows may scrape.
-        policy.grant(who(request))
+        # Store-wide figures would be a cross-tenant side channel: only
+        # principals with the metrics (or admin) role may scrape.
+        policy.require_any_role(who(request), ("metrics", "admin"))
         return Response(metrics.render(), headers={"Cache-Control": "no-store"},
                         media_type=METRICS_CONTENT_TYPE)  # fmt: skip
 
@@ -218,12 +221,16 @@ def create_app(
     ]
     base = settings.base_path.rstrip("/")
     outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
+    # No trailing-slash redirects: a 307 would skip authentication and carry
+    # no Cache-Control (H5); an unknown path is a 404 problem instead.
+    inner = Router(routes, redirect_slashes=False)
     app = Starlette(
-        routes=outside + ([Mount(base, routes=routes)] if base else list(routes)),
+        routes=outside + ([Mount(base, app=inner)] if base else list(routes)),
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
     )
     app.state.metrics = metrics
+    app.router.redirect_slashes = False
     app.state.store = store
     app.state.settings = settings
     return app

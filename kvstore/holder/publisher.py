@@ -33,6 +33,14 @@ class PublisherStats:
     published: int = 0
     withdrawn: int = 0
     errors: int = 0
+    #: Updates the IS refused for good (4xx): dropped, not retried.
+    rejected: int = 0
+
+
+def _permanent(error: KvspError) -> bool:
+    """A refusal retrying cannot fix (4xx other than 429); transport errors and
+    5xx are worth retrying."""
+    return 400 <= error.status < 500 and error.status != 429
 
 
 class IndexPublisher(Publisher):
@@ -55,6 +63,8 @@ class IndexPublisher(Publisher):
         self.withdraw_timeout_s = withdraw_timeout_s
         self.clock = clock
         self.stats = PublisherStats()
+        #: The smallest TTL the IS has granted (it may cap ours, P2).
+        self.granted_ttl_ms = ttl_ms
         # Work the IS has not acknowledged yet: ref -> "put" | "delete"; the
         # latest intent per block wins, in the order blocks were touched.
         self._pending: OrderedDict[BlockRef, str] = OrderedDict()
@@ -84,13 +94,24 @@ class IndexPublisher(Publisher):
             log.warning("withdrawal of %s queued: %s", ref.block_key, exc)
             self._pending[ref] = "delete"
             self._wake.set()
+        # The IS keeps one record per holder and block key: a copy of the same
+        # key held under another scope must be advertised again.
+        for other in self.store.refs_for_key(ref.block_key) - {ref}:
+            self._pending[other] = "put"
+            self._wake.set()
 
     async def _publish(self, ref: BlockRef) -> None:
         if ref not in self.store:
             return  # gone meanwhile; its withdrawal is queued separately
         record = self.store.replica_record(ref, self.holder_uri, self.ttl_ms)
-        await self.index.publish(record)
+        granted = await self.index.publish(record)
+        if isinstance(granted, int) and granted > 0:
+            self.granted_ttl_ms = min(self.granted_ttl_ms, granted)
         self.stats.published += 1
+        if ref not in self.store:
+            # Evicted while the PUT was in flight: its DELETE may have reached
+            # the IS first, so withdraw again now that the PUT has landed.
+            self._pending[ref] = "delete"
 
     async def flush(self) -> bool:
         """Send queued work in order; True when the queue is empty."""
@@ -104,6 +125,14 @@ class IndexPublisher(Publisher):
                     self.stats.withdrawn += 1
             except KvspError as exc:
                 self.stats.errors += 1
+                if _permanent(exc):
+                    # Refused for good (e.g. not trusted for that scope): drop
+                    # it rather than stall every later update behind it.
+                    self.stats.rejected += 1
+                    log.error("index refused %s of %s: %s", action, ref.block_key, exc.detail)
+                    if self._pending.get(ref) == action:
+                        del self._pending[ref]
+                    continue
                 log.warning("index unreachable, %d updates queued: %s", len(self._pending), exc)
                 return False
             if self._pending.get(ref) == action:
@@ -117,15 +146,20 @@ class IndexPublisher(Publisher):
         await self.flush()
 
     async def run(self) -> None:
-        interval = self.ttl_ms / 3000
         next_refresh = self.clock()
         backoff = 0.5
         while True:
-            if self.clock() >= next_refresh:
-                await self.refresh_all()
-                next_refresh = self.clock() + interval
-            ok = await self.flush()
-            backoff = 0.5 if ok else min(backoff * 2, interval)
+            try:
+                if self.clock() >= next_refresh:
+                    await self.refresh_all()
+                    # P2: a third of the TTL the IS actually grants (it may cap ours).
+                    next_refresh = self.clock() + self.granted_ttl_ms / 3000
+                ok = await self.flush()
+            except Exception:
+                # Never let the refresher die: records would silently expire.
+                log.exception("publisher round failed; retrying")
+                ok = False
+            backoff = 0.5 if ok else min(backoff * 2, self.granted_ttl_ms / 3000)
             timeout = max(0.0, next_refresh - self.clock()) if ok else backoff
             self._wake.clear()
             with contextlib.suppress(TimeoutError):

@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, Router
 
 from ..http import EXCEPTION_HANDLERS, empty_response, json_response, principal, read_json
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -198,7 +198,7 @@ def create_app(
     metrics = Metrics(counters=counters, counters_prefix="kvstore_index")
 
     async def get_metrics(request: Request) -> Response:
-        policy.grant(who(request))
+        policy.require_any_role(who(request), ("metrics", "admin"))
         return Response(
             metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
         )
@@ -210,11 +210,13 @@ def create_app(
     ]
     base = settings.base_path.rstrip("/")
     outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
+    inner = Router(routes, redirect_slashes=False)  # see the holder: no 307s
     app = Starlette(
-        routes=outside + ([Mount(base, routes=routes)] if base else list(routes)),
+        routes=outside + ([Mount(base, app=inner)] if base else list(routes)),
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
     )
+    app.router.redirect_slashes = False
     app.state.state = state
     app.state.counters = counters
     app.state.statuses = statuses

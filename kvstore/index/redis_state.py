@@ -41,8 +41,10 @@ if #dead > 0 then
   redis.call('HDEL', KEYS[2], unpack(dead))
 end
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2]
-redis.call('PEXPIREAT', KEYS[1], last)
-redis.call('PEXPIREAT', KEYS[2], last)
+if last then
+  redis.call('PEXPIREAT', KEYS[1], last)
+  redis.call('PEXPIREAT', KEYS[2], last)
+end
 return 1
 """
 )
@@ -83,11 +85,16 @@ return out
 """
 )
 
-_DELETE = """
-local removed = redis.call('ZREM', KEYS[1], ARGV[1])
+_DELETE = (
+    _NOW
+    + """
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-return removed
+if expiry and tonumber(expiry) > now then return 1 end
+return 0
 """
+)
 
 _SCOPE = (
     _NOW

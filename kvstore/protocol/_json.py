@@ -191,7 +191,8 @@ def hex32_list(obj: Obj, name: str, max_items: int = 1 << 20) -> tuple[str, ...]
     # the joined keys; the slow path below names the first offender.
     if all(isinstance(v, str) for v in values):
         joined = "\n".join(values) + "\n" if values else ""
-        if _HEX32_LINES.fullmatch(joined):
+        # A key holding a newline would shift the lines: count them too.
+        if joined.count("\n") == len(values) and _HEX32_LINES.fullmatch(joined):
             return tuple(values)
     return tuple(
         check_hex(item if isinstance(item, str) else "", path, _HEX32, "64")

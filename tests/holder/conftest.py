@@ -44,7 +44,7 @@ POLICY = Policy.from_json(
         "principals": {
             "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
             "urn:kvstore:bob": {"read_scopes": [OTHER_SCOPE], "write_scopes": [OTHER_SCOPE]},
-            "urn:kvstore:holder1": {"roles": ["holder"], "read_scopes": ["*"]},
+            "urn:kvstore:holder1": {"roles": ["holder", "metrics"], "read_scopes": ["*"]},
         }
     }
 )

@@ -229,7 +229,8 @@ async def test_metrics(client_as: ClientFactory) -> None:
     await alice.get(path())
     await alice.get(path(KEY2))
     await alice.post("leases", json={"block_keys": [KEY], "ttl_ms": 60_000})  # over quota
-    response = await alice.get("https://holder.test/metrics")
+    assert_problem(await alice.get("https://holder.test/metrics"), 403)  # a tenant: no
+    response = await client_as("holder1").get("https://holder.test/metrics")
     assert response.status_code == 200
     text = response.text
     assert 'kvstore_http_requests_total{method="GET",route="get_block",status="200"} 1.0' in text

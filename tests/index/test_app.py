@@ -44,7 +44,7 @@ POLICY = Policy.from_json({"principals": {
     "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [SCOPE]},
     "urn:kvstore:alice": {"read_scopes": [SCOPE]},
     "urn:kvstore:bob": {"read_scopes": [OTHER]},
-    "urn:kvstore:carol": {"roles": ["reporter"], "read_scopes": [SCOPE]},
+    "urn:kvstore:carol": {"roles": ["reporter", "metrics"], "read_scopes": [SCOPE]},
     "urn:kvstore:dave": {"roles": ["reporter"], "read_scopes": [OTHER]},
 }})  # fmt: skip
 
@@ -204,7 +204,8 @@ async def test_index_metrics(as_: Callable[[str], httpx.AsyncClient]) -> None:
     await publish(h1, record(0))
     await lookup(alice, [key(0), key(1)])
     await lookup(as_("bob"), [key(0)])
-    text = (await alice.get("https://index.test/metrics")).text
+    assert (await alice.get("https://index.test/metrics")).status_code == 403
+    text = (await as_("carol").get("https://index.test/metrics")).text
     assert "kvstore_index_lookup_keys_total 3.0" in text
     assert "kvstore_index_lookup_matched_keys_total 1.0" in text
     assert "kvstore_index_lookups_denied_scope_total 1.0" in text
