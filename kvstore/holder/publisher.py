@@ -54,6 +54,7 @@ class IndexPublisher(Publisher):
         ttl_ms: int,
         *,
         withdraw_timeout_s: float = 2.0,
+        down_backoff_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
@@ -61,6 +62,8 @@ class IndexPublisher(Publisher):
         self.holder_uri = holder_uri
         self.ttl_ms = ttl_ms
         self.withdraw_timeout_s = withdraw_timeout_s
+        self.down_backoff_s = down_backoff_s
+        self._index_down_until = 0.0
         self.clock = clock
         self.stats = PublisherStats()
         #: The smallest TTL the IS has granted (it may cap ours, P2).
@@ -84,16 +87,23 @@ class IndexPublisher(Publisher):
         # P3: withdraw before the replica leaves; a slow or absent IS delays
         # the eviction by at most withdraw_timeout_s, then it is queued.
         self._pending.pop(ref, None)
-        try:
-            await asyncio.wait_for(
-                self.index.withdraw(self.holder_uri, ref.block_key), self.withdraw_timeout_s
-            )
-            self.stats.withdrawn += 1
-        except (KvspError, TimeoutError) as exc:
-            self.stats.errors += 1
-            log.warning("withdrawal of %s queued: %s", ref.block_key, exc)
+        if self.clock() < self._index_down_until:
+            # The IS failed us a moment ago: queue at once rather than make
+            # every eviction (which holds the store) wait out the timeout.
             self._pending[ref] = "delete"
             self._wake.set()
+        else:
+            try:
+                await asyncio.wait_for(
+                    self.index.withdraw(self.holder_uri, ref.block_key), self.withdraw_timeout_s
+                )
+                self.stats.withdrawn += 1
+            except (KvspError, TimeoutError) as exc:
+                self.stats.errors += 1
+                self._index_down_until = self.clock() + self.down_backoff_s
+                log.warning("withdrawal of %s queued: %s", ref.block_key, exc)
+                self._pending[ref] = "delete"
+                self._wake.set()
         # The IS keeps one record per holder and block key: a copy of the same
         # key held under another scope must be advertised again.
         for other in self.store.refs_for_key(ref.block_key) - {ref}:
@@ -115,6 +125,12 @@ class IndexPublisher(Publisher):
 
     async def flush(self) -> bool:
         """Send queued work in order; True when the queue is empty."""
+        ok = await self._flush()
+        if ok:
+            self._index_down_until = 0.0
+        return ok
+
+    async def _flush(self) -> bool:
         while self._pending:
             ref, action = next(iter(self._pending.items()))
             try:

@@ -122,3 +122,35 @@ async def test_restart_republishes_recovered_replicas(
     await publisher.stop()
     assert sorted(index.records) == sorted([ref(1).block_key, ref(2).block_key])
     await again.close()
+
+
+async def test_a_hanging_index_delays_evictions_once(index: StandInIndex) -> None:
+    # An IS that accepts connections but never answers: the first withdrawal
+    # waits out the timeout, later ones are queued at once (the store is not
+    # held for seconds per eviction).
+    hang = asyncio.Event()
+
+    async def never(key: str) -> None:
+        await hang.wait()
+
+    class Hanging(IndexClient):
+        async def withdraw(self, holder: str, block_key: str) -> None:
+            await never(block_key)
+
+    store = TieredStore([(HostTier(), 2 * size_of())])
+    async with Hanging(index.uri, timeout_s=2) as client:
+        publisher = IndexPublisher(client, store, HOLDER, 60_000, withdraw_timeout_s=0.3)
+
+        async def hook(r: object, reason: str) -> None:
+            await publisher.withdrawn(r)  # type: ignore[arg-type]
+
+        store.on_evict = hook
+        for n in (1, 2):
+            await store.put(ref(n), block())
+        started = asyncio.get_running_loop().time()
+        for n in (3, 4, 5):
+            await store.put(ref(n), block())  # each evicts one
+        elapsed = asyncio.get_running_loop().time() - started
+        assert 0.3 <= elapsed < 0.6  # one timeout, not three
+        assert publisher.pending == 3
+        hang.set()
