@@ -1,0 +1,2 @@
+"""The KVSP Placement Controller: instance status and lifecycle, sessions and
+checkpoints, reshard plans (placement, prefetch and resume build on these)."""
