@@ -86,6 +86,8 @@ class Grant:
     write_scopes: frozenset[str] = frozenset()
     #: For holders: the base URI they publish and serve as.
     holder: str | None = None
+    #: For inference instances: the base URI they report status as.
+    instance: str | None = None
 
     def can_read(self, scope_id: str) -> bool:
         return "*" in self.read_scopes or scope_id in self.read_scopes
@@ -120,11 +122,15 @@ class Policy:
             holder = raw.get("holder")
             if holder is not None and not isinstance(holder, str):
                 raise ValueError(f"{where}.holder: must be a base URI")
+            instance = raw.get("instance")
+            if instance is not None and not isinstance(instance, str):
+                raise ValueError(f"{where}.instance: must be a base URI")
             grants[str(name)] = Grant(
                 roles=roles,
                 read_scopes=frozenset(raw.get("read_scopes", [])),
                 write_scopes=frozenset(raw.get("write_scopes", [])),
                 holder=holder,
+                instance=instance,
             )
         return cls(grants)
 

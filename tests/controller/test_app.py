@@ -1,0 +1,113 @@
+"""The PC's resources in-process: status reports and checkpoints, with identities."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvstore.controller.app import ControllerSettings, create_app
+from kvstore.controller.state import ControllerState, SleepPolicy
+from kvstore.protocol.wire import role_id
+from kvstore.security import Policy, create_dev_certificates
+
+from ..holder.conftest import AsPrincipal
+from .test_state import checkpoint, status
+
+PC = "https://pc.test/pc/"
+II1, II2 = "https://ii1.test/kvsp/", "https://ii2.test/kvsp/"
+
+POLICY = Policy.from_json({"principals": {
+    "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1},
+    "urn:kvstore:ii2": {"roles": ["instance"], "instance": II2},
+    "urn:kvstore:alice": {"read_scopes": ["*"]},
+}})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("pc-certs")
+    create_dev_certificates(directory, ["ii1", "ii2", "alice"])
+    return directory
+
+
+@pytest.fixture
+def pc() -> ControllerState:
+    return ControllerState(SleepPolicy(idle_for_s=0))
+
+
+@pytest.fixture
+async def as_(
+    certs: Path, pc: ControllerState
+) -> AsyncIterator[Callable[[str], httpx.AsyncClient]]:
+    app = create_app(ControllerSettings(PC), pc, POLICY)
+    clients: list[httpx.AsyncClient] = []
+
+    def make(name: str) -> httpx.AsyncClient:
+        wrapped = AsPrincipal(app, (certs / f"client-{name}.pem").read_text())
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(wrapped), base_url=PC)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+
+def status_path(instance: str) -> str:
+    return f"instances/{role_id(instance)}/status"
+
+
+async def test_status_report_and_sleeping_answer(as_: Callable[[str], httpx.AsyncClient]) -> None:
+    # S1-S3: reports are recorded; a sleep request is answered with the state.
+    ii1 = as_("ii1")
+    ok = await ii1.put(status_path(II1), json=status(II1).to_json())
+    assert ok.status_code == 200 and ok.json() == {"state": "active"}
+    assert ok.headers["content-type"] == "application/kvsp+json"
+    idle = status(II1, running=0, queued=0, requested_state="sleeping")
+    assert (await ii1.put(status_path(II1), json=idle.to_json())).json() == {"state": "draining"}
+
+
+async def test_stale_epoch_is_409(as_: Callable[[str], httpx.AsyncClient]) -> None:
+    ii1 = as_("ii1")
+    await ii1.put(status_path(II1), json=status(II1, epoch=5).to_json())
+    stale = await ii1.put(status_path(II1), json=status(II1, epoch=4).to_json())
+    assert stale.status_code == 409
+    assert stale.json()["type"].endswith("#kvsp-stale-epoch")
+
+
+async def test_instances_report_only_for_themselves(
+    as_: Callable[[str], httpx.AsyncClient],
+) -> None:
+    # SEC1
+    ii1, alice = as_("ii1"), as_("alice")
+    assert (await ii1.put(status_path(II2), json=status(II2).to_json())).status_code == 403
+    assert (await ii1.put(status_path(II1), json=status(II2).to_json())).status_code == 400
+    assert (await alice.put(status_path(II1), json=status(II1).to_json())).status_code == 403
+    bad = await ii1.put(status_path(II1), json={"instance": II1})
+    assert bad.status_code == 400
+
+
+async def test_checkpoints_and_fencing(
+    as_: Callable[[str], httpx.AsyncClient], pc: ControllerState
+) -> None:
+    # CK2, CK7: the owner checkpoints; after a move the old owner is refused.
+    ii1, ii2 = as_("ii1"), as_("ii2")
+    session = str(uuid.uuid4())
+    path = f"sessions/{session}/checkpoint"
+    ack = await ii1.put(path, json=checkpoint(session, 1, 8).to_json())
+    assert ack.status_code == 200 and ack.json() == {"epoch": 1, "output_offset": 8}
+    pc.assign(session, II2, epoch=2)
+    old = await ii1.put(path, json=checkpoint(session, 1, 16).to_json())
+    assert old.status_code == 409 and old.json()["type"].endswith("#kvsp-stale-epoch")
+    assert (await ii1.put(path, json=checkpoint(session, 2, 16).to_json())).status_code == 403
+    assert (await ii2.put(path, json=checkpoint(session, 2, 10).to_json())).json() == {
+        "epoch": 2,
+        "output_offset": 10,
+    }
+    other = await ii2.put(f"sessions/{uuid.uuid4()}/checkpoint",
+                          json=checkpoint(session, 2, 10).to_json())  # fmt: skip
+    assert other.status_code == 400
