@@ -32,6 +32,13 @@ A holder's file, with every key and its default::
     max_lookup_keys = 8192
     descriptors = []                  # block_tokens per compat_id, for estimates
 
+    [controller]                      # the Placement Controller role (--roles pc)
+    uri = "https://127.0.0.1:8443/pc/"
+    policy = "policy.json"
+    sleep_idle_s = 60.0               # idle this long before a sleep request is accepted
+    sleep_max_running = 0
+    sleep_max_queued = 0
+
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
     compress = false
@@ -97,6 +104,15 @@ class IndexConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    uri: str = "https://127.0.0.1:8443/pc/"
+    policy: str = ""
+    sleep_idle_s: float = 60.0
+    sleep_max_running: int = 0
+    sleep_max_queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     backend: str
     capacity: int
@@ -119,6 +135,7 @@ class Config:
     server: ServerConfig = ServerConfig()
     holder: HolderConfig = HolderConfig()
     index: IndexConfig = IndexConfig()
+    controller: ControllerConfig = ControllerConfig()
     storage: StorageConfig = StorageConfig()
     #: Directory relative paths are resolved against.
     root: Path = Path(".")
@@ -162,10 +179,11 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
 
 def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
     """Validate a parsed TOML document."""
-    unknown = set(data) - {"server", "holder", "index", "storage"}
+    unknown = set(data) - {"server", "holder", "index", "controller", "storage"}
     if unknown:
         raise ConfigError(
-            f"{sorted(unknown)[0]}: unknown section; known: holder, index, server, storage"
+            f"{sorted(unknown)[0]}: unknown section; known: controller, holder, index, server, "
+            "storage"
         )
     storage_data = dict(data.get("storage", {}))
     tiers_data = storage_data.pop("tiers", [])
@@ -191,6 +209,7 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         server=_section(ServerConfig, data.get("server", {}), "server", root),
         holder=_section(HolderConfig, data.get("holder", {}), "holder", root),
         index=_section(IndexConfig, data.get("index", {}), "index", root),
+        controller=_section(ControllerConfig, data.get("controller", {}), "controller", root),
         storage=StorageConfig(**{**_asdict(storage), "tiers": tuple(tiers)}),
         root=root,
     )

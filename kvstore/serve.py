@@ -85,7 +85,23 @@ def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> A
     return create_app(settings, store, Policy.load(cfg.policy), publisher)
 
 
-def build_index(config: Config) -> tuple[Any, Any]:
+def build_controller(config: Config) -> tuple[Any, Any]:
+    """The Placement Controller app and its state."""
+    from .controller.app import ControllerSettings
+    from .controller.app import create_app as create_controller
+    from .controller.state import ControllerState, SleepPolicy
+
+    cfg = config.controller
+    if not cfg.policy:
+        raise ConfigError("controller.policy: a policy file is required")
+    state = ControllerState(
+        SleepPolicy(cfg.sleep_max_running, cfg.sleep_max_queued, cfg.sleep_idle_s)
+    )
+    settings = ControllerSettings(cfg.uri, allow_anonymous=config.server.insecure_http)
+    return create_controller(settings, state, Policy.load(cfg.policy)), state
+
+
+def build_index(config: Config, statuses: Any = None) -> tuple[Any, Any]:
     """The Index Service app and its state."""
     from .index import IndexSettings, MemoryState
     from .index import create_app as create_index
@@ -113,7 +129,7 @@ def build_index(config: Config) -> tuple[Any, Any]:
         block_tokens=block_tokens,
         allow_anonymous=config.server.insecure_http,
     )
-    return create_index(settings, state, Policy.load(cfg.policy)), state
+    return create_index(settings, state, Policy.load(cfg.policy), statuses), state
 
 
 class Dispatcher:
@@ -181,9 +197,11 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
 
     import uvicorn
 
-    unknown = set(roles) - {"holder", "index"}
+    unknown = set(roles) - {"holder", "index", "pc"}
     if unknown or not roles:
-        raise ConfigError(f"roles: {sorted(unknown) or roles} unknown; available: holder, index")
+        raise ConfigError(
+            f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc"
+        )
     store = publisher = index_state = None
     try:
         apps: list[tuple[str, Any]] = []
@@ -194,8 +212,14 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             publisher = build_publisher(config, store)
             apps.append((urlsplit(config.holder.uri).path, build_holder(config, store, publisher)))
             log.warning("holder %s: %d blocks recovered", config.holder.uri, found)
+        controller_state = None
+        if "pc" in roles:
+            controller_app, controller_state = build_controller(config)
+            apps.append((urlsplit(config.controller.uri).path, controller_app))
+            log.warning("controller %s", config.controller.uri)
         if "index" in roles:
-            index_app, index_state = build_index(config)
+            # In one process the IS reads instance status from the PC (L2).
+            index_app, index_state = build_index(config, controller_state)
             apps.append((urlsplit(config.index.uri).path, index_app))
             log.warning("index %s (%s state)", config.index.uri, config.index.state)
         app = apps[0][1] if len(apps) == 1 else Dispatcher(apps)
