@@ -38,6 +38,11 @@ A holder's file, with every key and its default::
     sleep_idle_s = 60.0               # idle this long before a sleep request is accepted
     sleep_max_running = 0
     sleep_max_queued = 0
+    index_uri = ""                    # the IS to look prompts up in (POST place)
+    client_certfile = ""              # the PC's client certificate for the IS
+    client_keyfile = ""
+    descriptors = []                  # block_tokens per compat_id
+    mean_service_ms = 0.0             # wait_us = queued x this (PL1)
 
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
@@ -110,6 +115,11 @@ class ControllerConfig:
     sleep_idle_s: float = 60.0
     sleep_max_running: int = 0
     sleep_max_queued: int = 0
+    index_uri: str = ""
+    client_certfile: str = ""
+    client_keyfile: str = ""
+    descriptors: tuple[str, ...] = ()
+    mean_service_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

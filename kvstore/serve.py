@@ -97,8 +97,32 @@ def build_controller(config: Config) -> tuple[Any, Any]:
     state = ControllerState(
         SleepPolicy(cfg.sleep_max_running, cfg.sleep_max_queued, cfg.sleep_idle_s)
     )
-    settings = ControllerSettings(cfg.uri, allow_anonymous=config.server.insecure_http)
-    return create_controller(settings, state, Policy.load(cfg.policy)), state
+    index = None
+    if cfg.index_uri:
+        from .client import IndexClient
+        from .security import client_context
+
+        context = None
+        if cfg.index_uri.startswith("https:"):
+            if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
+                raise ConfigError("controller.client_certfile: required for an https index")
+            context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+        index = IndexClient(cfg.index_uri, context)
+    settings = ControllerSettings(
+        cfg.uri,
+        allow_anonymous=config.server.insecure_http,
+        block_tokens=_block_tokens(cfg.descriptors),
+        mean_service_ms=cfg.mean_service_ms,
+    )
+    return create_controller(settings, state, Policy.load(cfg.policy), index), state
+
+
+def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for file in files:
+        descriptor = parse_descriptor(json.loads(Path(file).read_text()))
+        out[descriptor.compat_id_hex] = descriptor.block_tokens
+    return out
 
 
 def build_index(config: Config, statuses: Any = None) -> tuple[Any, Any]:
@@ -118,10 +142,7 @@ def build_index(config: Config, statuses: Any = None) -> tuple[Any, Any]:
         state = RedisState(cfg.redis_url, cfg.redis_prefix)
     else:
         raise ConfigError(f"index.state: {cfg.state!r} is not 'memory' or 'redis'")
-    block_tokens = {}
-    for file in cfg.descriptors:
-        descriptor = parse_descriptor(json.loads(Path(file).read_text()))
-        block_tokens[descriptor.compat_id_hex] = descriptor.block_tokens
+    block_tokens = _block_tokens(cfg.descriptors)
     settings = IndexSettings(
         cfg.uri,
         max_ttl_ms=cfg.max_ttl_ms,

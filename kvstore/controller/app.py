@@ -1,14 +1,18 @@
 """The Placement Controller's ASGI app: instance status and session checkpoints.
 
-``PUT instances/{instance-id}/status`` (S1-S3) and
-``PUT sessions/{session}/checkpoint`` (CK1, CK2). Only an instance may report,
+``PUT instances/{instance-id}/status`` (S1-S3),
+``PUT sessions/{session}/checkpoint`` (CK1, CK2), and our ``POST place``
+(not KVSP): the cheapest active instance for a prompt, with the estimates
+that made the choice (PL1, PL2). Only an instance may report,
 and only for itself: its policy grant's ``instance`` base URI must hash to
 ``{instance-id}`` (H6) and equal the record's ``instance`` (SEC1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
@@ -20,10 +24,13 @@ from starlette.routing import BaseRoute, Mount, Route, Router
 from ..http import EXCEPTION_HANDLERS, json_response, principal, read_json
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..metrics import Metrics, MetricsMiddleware
+from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
 from ..protocol.problems import BadRequest, Forbidden
+from ..protocol.records import LookupRequest, ReplicaRecord
 from ..protocol.wire import NO_STORE, role_id
 from ..security import Grant, Policy
+from .placement import choose, rank
 from .state import ControllerState
 
 
@@ -33,6 +40,12 @@ class ControllerSettings:
     controller_uri: str
     max_json_octets: int = 1 << 20
     allow_anonymous: bool = False
+    #: block_tokens per compat_id (from descriptors), for recompute estimates.
+    block_tokens: Mapping[str, int] = field(default_factory=dict)
+    #: Mean service time of a queued request, for wait_us (PL1).
+    mean_service_ms: float = 0.0
+    #: Most block keys in one placement request.
+    max_place_keys: int = 8192
 
     @property
     def base_path(self) -> str:
@@ -46,7 +59,14 @@ def _instance_of(grant: Grant) -> str:
     return grant.instance
 
 
-def create_app(settings: ControllerSettings, state: ControllerState, policy: Policy) -> Starlette:
+def create_app(
+    settings: ControllerSettings,
+    state: ControllerState,
+    policy: Policy,
+    index: Any = None,
+) -> Starlette:
+    """``index``: a :class:`kvstore.client.IndexClient` for placement lookups."""
+
     def who(request: Request) -> str | None:
         return principal(request, settings.allow_anonymous)
 
@@ -71,6 +91,36 @@ def create_app(settings: ControllerSettings, state: ControllerState, policy: Pol
         # The acknowledgement a non-deterministic sampler waits for (CK3).
         return json_response({"epoch": entry.epoch, "output_offset": kept})
 
+    async def place(request: Request) -> Response:
+        # Ours, not KVSP: where should this request go, and why (PL1, PL2).
+        body = await read_json(request, settings.max_json_octets)
+        query = LookupRequest.from_json(body, max_keys=settings.max_place_keys)
+        policy.require_read(who(request), query.scope_id)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        block_tokens = settings.block_tokens.get(query.compat_id)
+        if block_tokens is None:
+            raise BadRequest("unknown compat_id: the PC needs its descriptor (block_tokens)")
+        total = (
+            check_int(tokens, "place.tokens", lo=0)
+            if tokens is not None
+            else (len(query.block_keys) * block_tokens)
+        )
+        replicas: tuple[tuple[ReplicaRecord, ...], ...] = ()
+        if index is not None and query.block_keys:
+            answer = await index.lookup(LookupRequest(query.scope_id, query.compat_id,
+                                                      query.block_keys))  # fmt: skip
+            replicas = answer.replicas
+        candidates = rank(
+            state.active(), replicas, total_tokens=total, block_tokens=block_tokens,
+            mean_service_us=settings.mean_service_ms * 1000,
+        )  # fmt: skip
+        chosen = choose(candidates)
+        return json_response({
+            "instance": chosen.instance,
+            "matched": len(replicas),
+            "candidates": [c.to_json() for c in candidates],
+        })  # fmt: skip
+
     metrics = Metrics()
 
     async def get_metrics(request: Request) -> Response:
@@ -82,6 +132,7 @@ def create_app(settings: ControllerSettings, state: ControllerState, policy: Pol
     routes = [
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
+        Route("/place", place, methods=["POST"]),
     ]
     base = settings.base_path.rstrip("/")
     outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]

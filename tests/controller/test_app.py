@@ -43,7 +43,7 @@ def pc() -> ControllerState:
 async def as_(
     certs: Path, pc: ControllerState
 ) -> AsyncIterator[Callable[[str], httpx.AsyncClient]]:
-    app = create_app(ControllerSettings(PC), pc, POLICY)
+    app = create_app(ControllerSettings(PC, block_tokens={"b" * 64: 4}), pc, POLICY)
     clients: list[httpx.AsyncClient] = []
 
     def make(name: str) -> httpx.AsyncClient:
@@ -111,3 +111,26 @@ async def test_checkpoints_and_fencing(
     other = await ii2.put(f"sessions/{uuid.uuid4()}/checkpoint",
                           json=checkpoint(session, 2, 10).to_json())  # fmt: skip
     assert other.status_code == 400
+
+
+async def test_place_errors(as_: Callable[[str], httpx.AsyncClient]) -> None:
+    # POST place: the caller must read the scope; the compat must be known;
+    # with no active instance there is no choice (S4).
+    alice, ii1 = as_("alice"), as_("ii1")
+    body = {"scope_id": "a" * 32, "compat_id": "c" * 64, "block_keys": [], "tokens": 8}
+    assert (await alice.post("place", json=body)).status_code == 400  # compat unknown
+    assert (await ii1.post("place", json=body)).status_code == 403  # no read scope
+
+
+async def test_place_without_index_ranks_active_instances(
+    as_: Callable[[str], httpx.AsyncClient],
+) -> None:
+    alice, ii1 = as_("alice"), as_("ii1")
+    body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": [], "tokens": 8}
+    nobody = await alice.post("place", json=body)
+    assert nobody.status_code == 409 and nobody.json()["type"].endswith("#kvsp-invalid-state")
+    await ii1.put(status_path(II1), json=status(II1).to_json())
+    choice = await alice.post("place", json=body)
+    assert choice.status_code == 200
+    assert choice.json()["instance"] == II1
+    assert choice.json()["candidates"][0]["recompute_us"] == 1e6 * 8 / 40000

@@ -28,12 +28,13 @@ async def test_lookup_estimates_come_from_reported_status(tmp_path: Path) -> Non
     port = free_port()
     base = f"https://127.0.0.1:{port}"
     holder, instance = "https://h1.test/kvsp/", "https://ii1.test/kvsp/"
-    create_dev_certificates(tmp_path / "certs", ["holder1", "ii1", "alice"])
+    create_dev_certificates(tmp_path / "certs", ["holder1", "ii1", "alice", "pc"])
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR))
     (tmp_path / "policy.json").write_text(json.dumps({"principals": {
         "urn:kvstore:holder1": {"roles": ["holder"], "holder": holder, "write_scopes": ["*"]},
         "urn:kvstore:ii1": {"roles": ["instance"], "instance": instance},
         "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+        "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
     }}))  # fmt: skip
     (tmp_path / "k.toml").write_text(f"""
 [server]
@@ -48,6 +49,10 @@ descriptors = ["descriptor.json"]
 [controller]
 uri = "{base}/pc/"
 policy = "policy.json"
+index_uri = "{base}/is/"
+client_certfile = "certs/client-pc.pem"
+client_keyfile = "certs/client-pc.key"
+descriptors = ["descriptor.json"]
 """)
     log = (tmp_path / "serve.log").open("ab")
     process = subprocess.Popen(
@@ -89,6 +94,17 @@ policy = "policy.json"
             [estimate] = answer.targets
             assert estimate.fetch_us == 20 + 2 * 8 * (1 << 20) / 100000
             assert estimate.recompute_us == 1e6 * 2 * 4 / 40000  # B = 4 (the descriptor)
+            # PL2: the PC looks the prompt up in the IS and picks the instance.
+            connector = aiohttp.TCPConnector(ssl=context("alice"))
+            async with aiohttp.ClientSession(connector=connector) as session:
+                body = {"scope_id": SCOPE, "compat_id": COMPAT_ID, "block_keys": [K0, K1],
+                        "tokens": 10}  # fmt: skip
+                async with session.post(f"{base}/pc/place", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    choice = await response.json()
+            assert choice["instance"] == instance and choice["matched"] == 2
+            [candidate] = choice["candidates"]
+            assert candidate["fetch_us"] == estimate.fetch_us
             # S1: the instance stops reporting; once expired it gets no estimate.
             deadline = time.monotonic() + 10
             while (await alice.lookup(query)).targets:

@@ -1,0 +1,80 @@
+"""Choosing an instance for a request (PL1, PL2): the draft's cost, per candidate.
+
+    cost(i) = wait_us(i) + min( fetch_us(i) + recompute_us(unmatched, i),
+                                recompute_us(all, i) )
+
+``fetch_us`` comes from :func:`kvstore.protocol.placement.plan_fetch` over
+the replica records a lookup returned and the instance's reported links;
+``wait_us`` is the instance's queue times a mean service time. Only active
+instances are candidates (S4); the cheapest wins, ties to the least loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol.control import InstanceStatus
+from ..protocol.placement import placement_cost, plan_fetch, recompute_us, wait_us
+from ..protocol.problems import InvalidState
+from ..protocol.records import ReplicaRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    instance: str
+    wait_us: float
+    fetch_us: float | None
+    recompute_us: float
+    cost_us: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "instance": self.instance,
+            "wait_us": self.wait_us,
+            "fetch_us": self.fetch_us,
+            "recompute_us": self.recompute_us,
+            "cost_us": self.cost_us,
+        }
+
+
+def rank(
+    instances: Sequence[InstanceStatus],
+    replicas: Sequence[Sequence[ReplicaRecord]],
+    *,
+    total_tokens: int,
+    block_tokens: int,
+    mean_service_us: float,
+) -> list[Candidate]:
+    """Every active instance with its estimates, cheapest first (PL2)."""
+    matched_tokens = min(len(replicas) * block_tokens, total_tokens)
+    out = []
+    for status in instances:
+        plan = plan_fetch(replicas, status) if replicas else None
+        fetch = plan.fetch_us if plan is not None else (0.0 if not replicas else None)
+        cost = placement_cost(
+            fetch_us=fetch,
+            matched_tokens=matched_tokens,
+            total_tokens=total_tokens,
+            prefill_tokens_per_s=status.prefill_tokens_per_s,
+            queued=status.queued,
+            mean_service_us=mean_service_us,
+        )
+        out.append(
+            Candidate(
+                instance=status.instance,
+                wait_us=wait_us(status.queued, mean_service_us),
+                fetch_us=fetch,
+                recompute_us=recompute_us(total_tokens, status.prefill_tokens_per_s),
+                cost_us=cost,
+            )
+        )
+    by_load = {s.instance: (s.queued, s.running) for s in instances}
+    return sorted(out, key=lambda c: (c.cost_us, by_load[c.instance], c.instance))
+
+
+def choose(candidates: Sequence[Candidate]) -> Candidate:
+    if not candidates:
+        raise InvalidState("no active instance can take the request (S4)")
+    return candidates[0]
