@@ -13,11 +13,17 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route, Router
 
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics, MetricsMiddleware
 from .protocol.problems import (
     PROBLEM_MEDIA_TYPE,
     BadRequest,
@@ -150,3 +156,43 @@ def principal(request: Request, allow_anonymous: bool = False) -> str | None:
     if found is None and allow_anonymous:
         return ANONYMOUS
     return found
+
+
+def base_path(uri: str) -> str:
+    """The path of a role's base URI, with a trailing slash (H7)."""
+    path = urlsplit(uri).path or "/"
+    return path if path.endswith("/") else path + "/"
+
+
+def role_app(
+    base: str,
+    routes: list[Route],
+    metrics: Metrics,
+    can_scrape: Callable[[Request], object],
+) -> Starlette:
+    """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them
+    (``can_scrape`` raises for principals that may not read it), problem+json
+    for every error, and request metrics.
+
+    Trailing-slash redirects are off: a 307 would skip authentication and
+    carry no Cache-Control (H5); an unknown path is a 404 problem instead.
+    """
+
+    async def get_metrics(request: Request) -> Response:
+        can_scrape(request)
+        return Response(
+            metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
+        )
+
+    prefix = base.rstrip("/")
+    inner: list[BaseRoute] = (
+        [Mount(prefix, app=Router(routes, redirect_slashes=False))] if prefix else list(routes)
+    )
+    app = Starlette(
+        routes=[Route("/metrics", get_metrics, methods=["GET"]), *inner],
+        exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
+    )
+    app.router.redirect_slashes = False
+    app.state.metrics = metrics
+    return app

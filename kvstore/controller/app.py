@@ -13,22 +13,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Mount, Route, Router
+from starlette.routing import Route
 
-from ..http import EXCEPTION_HANDLERS, json_response, principal, read_json
-from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..metrics import Metrics, MetricsMiddleware
+from ..http import base_path, json_response, principal, read_json, role_app
+from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
 from ..protocol.problems import BadRequest, Forbidden
 from ..protocol.records import LookupRequest, ReplicaRecord
-from ..protocol.wire import NO_STORE, role_id
+from ..protocol.wire import role_id
 from ..security import Grant, Policy
 from .placement import choose, rank
 from .state import ControllerState
@@ -49,8 +46,7 @@ class ControllerSettings:
 
     @property
     def base_path(self) -> str:
-        path = urlsplit(self.controller_uri).path or "/"
-        return path if path.endswith("/") else path + "/"
+        return base_path(self.controller_uri)
 
 
 def _instance_of(grant: Grant) -> str:
@@ -123,25 +119,14 @@ def create_app(
 
     metrics = Metrics()
 
-    async def get_metrics(request: Request) -> Response:
-        policy.require_any_role(who(request), ("metrics", "admin"))
-        return Response(
-            metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
-        )
-
     routes = [
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
         Route("/place", place, methods=["POST"]),
     ]
-    base = settings.base_path.rstrip("/")
-    outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
-    inner = Router(routes, redirect_slashes=False)
-    app = Starlette(
-        routes=outside + ([Mount(base, app=inner)] if base else list(routes)),
-        exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
-    )
-    app.router.redirect_slashes = False
+    app = role_app(
+        settings.base_path, routes, metrics,
+        lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
+    )  # fmt: skip
     app.state.controller = state
     return app

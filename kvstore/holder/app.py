@@ -13,24 +13,22 @@ import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import BaseRoute, Mount, Route, Router
+from starlette.routing import Route
 
 from ..http import (
-    EXCEPTION_HANDLERS,
+    base_path,
     empty_response,
     json_response,
     principal,
     read_body,
     read_json,
+    role_app,
 )
-from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..metrics import Metrics, MetricsMiddleware
+from ..metrics import Metrics
 from ..protocol import container as kc
 from ..protocol._json import UINT32_MAX, check_int
 from ..protocol.codecs import CODECS
@@ -76,8 +74,7 @@ class HolderSettings:
 
     @property
     def base_path(self) -> str:
-        path = urlsplit(self.holder_uri).path or "/"
-        return path if path.endswith("/") else path + "/"
+        return base_path(self.holder_uri)
 
 
 class Publisher:
@@ -205,13 +202,6 @@ def create_app(
 
     metrics = Metrics(store, publisher)
 
-    async def get_metrics(request: Request) -> Response:
-        # Store-wide figures would be a cross-tenant side channel: only
-        # principals with the metrics (or admin) role may scrape.
-        policy.require_any_role(who(request), ("metrics", "admin"))
-        return Response(metrics.render(), headers={"Cache-Control": "no-store"},
-                        media_type=METRICS_CONTENT_TYPE)  # fmt: skip
-
     routes = [
         Route("/blocks/{compat}/{scope}/{block_key}", get_block, methods=["GET", "HEAD"]),
         Route("/blocks/{compat}/{scope}/{block_key}", put_block, methods=["PUT"]),
@@ -219,18 +209,12 @@ def create_app(
         Route("/leases/{lease_id}", renew_lease, methods=["PUT"]),
         Route("/leases/{lease_id}", release_lease, methods=["DELETE"]),
     ]
-    base = settings.base_path.rstrip("/")
-    outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
-    # No trailing-slash redirects: a 307 would skip authentication and carry
-    # no Cache-Control (H5); an unknown path is a 404 problem instead.
-    inner = Router(routes, redirect_slashes=False)
-    app = Starlette(
-        routes=outside + ([Mount(base, app=inner)] if base else list(routes)),
-        exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
-    )
-    app.state.metrics = metrics
-    app.router.redirect_slashes = False
+    # Store-wide figures would be a cross-tenant side channel: only principals
+    # with the metrics (or admin) role may scrape them.
+    app = role_app(
+        settings.base_path, routes, metrics,
+        lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
+    )  # fmt: skip
     app.state.store = store
     app.state.settings = settings
     return app

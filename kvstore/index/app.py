@@ -20,17 +20,21 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Mount, Route, Router
+from starlette.routing import Route
 
-from ..http import EXCEPTION_HANDLERS, empty_response, json_response, principal, read_json
-from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..metrics import Metrics, MetricsMiddleware
+from ..http import (
+    base_path,
+    empty_response,
+    json_response,
+    principal,
+    read_json,
+    role_app,
+)
+from ..metrics import Metrics
 from ..protocol.control import InstanceStatus
 from ..protocol.placement import plan_fetch, recompute_us
 from ..protocol.problems import BadRequest, Forbidden, NotFound
@@ -89,8 +93,7 @@ class IndexSettings:
 
     @property
     def base_path(self) -> str:
-        path = urlsplit(self.index_uri).path or "/"
-        return path if path.endswith("/") else path + "/"
+        return base_path(self.index_uri)
 
 
 def _may_act_for(grant: Grant, holder_id: str) -> bool:
@@ -197,26 +200,15 @@ def create_app(
 
     metrics = Metrics(counters=counters, counters_prefix="kvstore_index")
 
-    async def get_metrics(request: Request) -> Response:
-        policy.require_any_role(who(request), ("metrics", "admin"))
-        return Response(
-            metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
-        )
-
     routes = [
         Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
         Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
         Route("/lookup", lookup, methods=["POST"]),
     ]
-    base = settings.base_path.rstrip("/")
-    outside: list[BaseRoute] = [Route("/metrics", get_metrics, methods=["GET"])]
-    inner = Router(routes, redirect_slashes=False)  # see the holder: no 307s
-    app = Starlette(
-        routes=outside + ([Mount(base, app=inner)] if base else list(routes)),
-        exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
-    )
-    app.router.redirect_slashes = False
+    app = role_app(
+        settings.base_path, routes, metrics,
+        lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
+    )  # fmt: skip
     app.state.state = state
     app.state.counters = counters
     app.state.statuses = statuses
