@@ -135,6 +135,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import holder as bench_holder
 
         results = bench_holder.run(quick=args.quick)
+    elif args.suite == "controller":
+        from .bench import controller as bench_controller
+
+        results = bench_controller.run(quick=args.quick)
     elif args.suite == "index":
         from .bench import index as bench_index
 
@@ -267,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--json", action="store_true", help="print results as JSON")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     index.set_defaults(func=cmd_bench)
+    controller = bsub.add_parser("controller", help="placements/s and status updates/s")
+    controller.add_argument("--quick", action="store_true", help="shorter runs")
+    controller.add_argument("--json", action="store_true", help="print results as JSON")
+    controller.set_defaults(func=cmd_bench)
     return parser
 
 

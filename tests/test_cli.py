@@ -225,3 +225,11 @@ def test_bench_index_quick(redis_server: Any) -> None:
     names = [r["name"] for r in json.loads(out.stdout)]
     assert "lookup 8k keys x3, memory, p99" in names
     assert "lookup 8k keys x3, redis, p50" in names
+
+
+def test_bench_controller_quick() -> None:
+    out = kvstore("bench", "controller", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    names = [r["name"] for r in json.loads(out.stdout)]
+    assert "status updates" in names
+    assert "placements, 512-key prompts, 64 instances" in names

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol.control import InstanceStatus
-from ..protocol.placement import placement_cost, plan_fetch, recompute_us, wait_us
+from ..protocol.placement import (
+    placement_cost,
+    plan_fetch,
+    recompute_us,
+    replica_shapes,
+    wait_us,
+)
 from ..protocol.problems import InvalidState
 from ..protocol.records import ReplicaRecord
 
@@ -49,9 +55,10 @@ def rank(
 ) -> list[Candidate]:
     """Every active instance with its estimates, cheapest first (PL2)."""
     matched_tokens = min(len(replicas) * block_tokens, total_tokens)
+    shapes = replica_shapes(replicas)
     out = []
     for status in instances:
-        plan = plan_fetch(replicas, status) if replicas else None
+        plan = plan_fetch(replicas, status, shapes=shapes) if replicas else None
         fetch = plan.fetch_us if plan is not None else (0.0 if not replicas else None)
         cost = placement_cost(
             fetch_us=fetch,

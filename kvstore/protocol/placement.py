@@ -71,10 +71,31 @@ class FetchPlan:
     chosen: tuple[ReplicaRecord, ...]
 
 
+def replica_shapes(replicas: Sequence[Sequence[ReplicaRecord]]) -> list[list[int]]:
+    """A small integer per replica for its holder, size, residency and layer
+    count: replicas of one shape read equally fast from one instance. Compute
+    it once per lookup and pass it to :func:`plan_fetch` for every instance."""
+    ids: dict[tuple[object, ...], int] = {}
+    out = []
+    for records in replicas:
+        row = []
+        for record in records:
+            shape = (
+                record.holder,
+                record.size,
+                record.residency,
+                None if record.layer_digests is None else len(record.layer_digests),
+            )
+            row.append(ids.setdefault(shape, len(ids)))
+        out.append(row)
+    return out
+
+
 def plan_fetch(
     replicas: Sequence[Sequence[ReplicaRecord]],
     status: InstanceStatus,
     resident: Collection[str] = (),
+    shapes: Sequence[Sequence[int]] | None = None,
 ) -> FetchPlan | None:
     """Estimate fetch_us for instance ``status`` to load the matched blocks.
 
@@ -88,27 +109,39 @@ def plan_fetch(
     """
     per_source_us: dict[str, float] = {}
     chosen: list[ReplicaRecord] = []
-    for records in replicas:
+    links = {link.holder: link for link in status.links}
+    # Replicas of a prompt mostly share holder, size and residency: their read
+    # time is computed once per such shape (a placement ranks every instance
+    # over thousands of replicas).
+    if shapes is None:
+        shapes = replica_shapes(replicas)
+    read_us: dict[int, float | None] = {}
+    for records, row in zip(replicas, shapes, strict=True):
         if not records or records[0].block_key in resident:
             continue
-        best: tuple[float, ReplicaRecord, Link] | None = None
-        for record in records:
+        best: tuple[float, float, ReplicaRecord] | None = None
+        for record, shape in zip(records, row, strict=True):
             if record.holder == status.instance:
                 best = None
                 break
-            link = status.link_to(record.holder)
-            if link is None or not _whole(record):
+            if shape not in read_us:
+                link = links.get(record.holder)
+                read_us[shape] = (
+                    replica_read_us(record, link) if link is not None and _whole(record) else None
+                )
+            read = read_us[shape]
+            if read is None:
                 continue
-            cost = link.rtt_us + replica_read_us(record, link)
+            cost = links[record.holder].rtt_us + read
             if best is None or cost < best[0]:
-                best = (cost, record, link)
+                best = (cost, read, record)
         else:
             if best is None:
                 return None
-            _, record, link = best
+            _, read, record = best
             if record.holder not in per_source_us:
-                per_source_us[record.holder] = link.rtt_us
-            per_source_us[record.holder] += replica_read_us(record, link)
+                per_source_us[record.holder] = links[record.holder].rtt_us
+            per_source_us[record.holder] += read
             chosen.append(record)
     fetch = max(per_source_us.values(), default=0.0)
     return FetchPlan(fetch, per_source_us, tuple(chosen))

@@ -365,3 +365,14 @@ def test_placement_cost_property(
         mean_service_us=service,
     )
     assert full == pytest.approx(wait)
+
+
+def test_shapes_do_not_change_the_plan() -> None:
+    # The per-shape memo gives the same plan as computing every replica.
+    from kvstore.protocol.placement import replica_shapes
+
+    rows = [[record(K0, H1), record(K0, H2)], [record(K1, H1, size=SIZE // 2)]]
+    with_shapes = plan_fetch(rows, STATUS, shapes=replica_shapes(rows))
+    without = plan_fetch(rows, STATUS)
+    assert with_shapes == without and with_shapes is not None
+    assert replica_shapes(rows) == [[0, 1], [2]]
