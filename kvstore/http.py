@@ -45,7 +45,8 @@ def json_response(
     body: Any, status: int = 200, headers: Mapping[str, str] | None = None
 ) -> Response:
     """A KVSP JSON response (H2, H5)."""
-    payload = json.dumps(body, separators=(",", ":")).encode()
+    # allow_nan=False: Infinity/NaN are not JSON; producing one is a bug here.
+    payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     merged = {"Cache-Control": NO_STORE, **(headers or {})}
     return Response(payload, status, headers=merged, media_type=JSON_MEDIA_TYPE)
 

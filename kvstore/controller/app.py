@@ -43,6 +43,8 @@ class ControllerSettings:
     mean_service_ms: float = 0.0
     #: Most block keys in one placement request.
     max_place_keys: int = 8192
+    #: Largest checkpoint accepted (it is kept per session).
+    max_checkpoint_octets: int = 256 << 10
 
     @property
     def base_path(self) -> str:
@@ -79,7 +81,11 @@ def create_app(
 
     async def put_checkpoint(request: Request) -> Response:
         instance = _instance_of(policy.grant(who(request)))
-        checkpoint = SessionCheckpoint.from_json(await read_json(request, settings.max_json_octets))
+        checkpoint = SessionCheckpoint.from_json(
+            await read_json(request, settings.max_checkpoint_octets)
+        )
+        # SEC1: the instance must be allowed to write the session's scope.
+        policy.require_write(who(request), checkpoint.scope_id)
         if checkpoint.session != request.path_params["session"].lower():
             raise BadRequest("the checkpoint's session is not the path's session")
         entry = state.put_checkpoint(checkpoint, instance)  # CK2, CK7

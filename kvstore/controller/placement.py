@@ -11,6 +11,7 @@ instances are candidates (S4); the cheapest wins, ties to the least loaded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +37,16 @@ class Candidate:
     cost_us: float
 
     def to_json(self) -> dict[str, Any]:
+        # JSON has no infinity: an estimate that cannot be made is null.
+        def finite(value: float | None) -> float | None:
+            return value if value is not None and math.isfinite(value) else None
+
         return {
             "instance": self.instance,
-            "wait_us": self.wait_us,
-            "fetch_us": self.fetch_us,
-            "recompute_us": self.recompute_us,
-            "cost_us": self.cost_us,
+            "wait_us": finite(self.wait_us),
+            "fetch_us": finite(self.fetch_us),
+            "recompute_us": finite(self.recompute_us),
+            "cost_us": finite(self.cost_us),
         }
 
 

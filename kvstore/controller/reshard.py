@@ -12,6 +12,8 @@ Pure computation over two Shard Maps of one context:
 
 from __future__ import annotations
 
+import itertools
+
 from ..protocol.control import RangeFetch, ReshardPlan, ShardMap
 from ..protocol.problems import PlanConflict
 
@@ -33,8 +35,23 @@ def _merge(ranges: list[Range]) -> list[Range]:
     return out
 
 
+def _check(shard_map: ShardMap) -> None:
+    """RS1: half-open, contiguous, non-overlapping, non-empty (a map built in
+    code is not validated the way ``ShardMap.from_json`` validates one)."""
+    if not shard_map.shards:
+        raise PlanConflict(f"map {shard_map.map} v{shard_map.version} has no shards")
+    for shard in shard_map.shards:
+        if shard.start >= shard.end:
+            raise PlanConflict(f"shard [{shard.start}, {shard.end}) is empty or reversed")
+    for prev, nxt in itertools.pairwise(shard_map.shards):
+        if nxt.start != prev.end:
+            raise PlanConflict(f"map {shard_map.map} v{shard_map.version} is not contiguous")
+
+
 def plan_reshard(current: ShardMap, target: ShardMap, deadline_ms: int) -> dict[str, ReshardPlan]:
     """The plan for every instance of either version, keyed by instance URI."""
+    _check(current)
+    _check(target)
     if target.map != current.map:
         raise PlanConflict(f"maps differ: {current.map} vs {target.map}")
     if target.version != current.version + 1:

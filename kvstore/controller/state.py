@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint
-from ..protocol.problems import Forbidden, InvalidState, NotFound, StaleEpoch
+from ..protocol.problems import (
+    BadRequest,
+    Forbidden,
+    InsufficientStorage,
+    InvalidState,
+    NotFound,
+    StaleEpoch,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,10 @@ class ControllerState:
 
     sleep_policy: SleepPolicy = field(default_factory=SleepPolicy)
     clock: Callable[[], float] = time.monotonic
+    #: Bounds on what instances can make the PC remember (hostile input).
+    max_sessions: int = 100_000
+    max_sessions_per_owner: int = 10_000
+    _per_owner: dict[str, int] = field(default_factory=dict)
     instances: dict[str, InstanceEntry] = field(default_factory=dict)
     sessions: dict[str, SessionEntry] = field(default_factory=dict)
 
@@ -74,6 +85,10 @@ class ControllerState:
             )
         restarted = entry is None or status.epoch > entry.highest_epoch
         state = status.state if restarted or entry is None else entry.state
+        if restarted and entry is not None and entry.state in ("draining", "sleeping"):
+            # S6: a restart does not wake an instance the PC put to sleep (a
+            # draining one comes back with no sessions: it is asleep).
+            state = "sleeping"
         if entry is not None and not restarted and entry.state == "sleeping":
             state = "sleeping"  # S6: only the PC wakes it
         if entry is not None and not restarted and entry.state == "draining":
@@ -145,6 +160,15 @@ class ControllerState:
         entry = self.sessions.get(session)
         if entry is not None and epoch <= entry.epoch:
             raise StaleEpoch(f"session is at epoch {entry.epoch}")
+        if entry is None and len(self.sessions) >= self.max_sessions:
+            raise InsufficientStorage(f"the PC tracks its maximum of {self.max_sessions} sessions")
+        if (entry is None or entry.owner != owner) and (
+            self._per_owner.get(owner, 0) >= self.max_sessions_per_owner
+        ):
+            raise InsufficientStorage("this instance has its maximum of open sessions")
+        if entry is not None:
+            self._per_owner[entry.owner] -= 1
+        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         checkpoint = entry.checkpoint if entry is not None else None
         self.sessions[session] = SessionEntry(session, epoch, owner, checkpoint)
         return self.sessions[session]
@@ -153,8 +177,16 @@ class ControllerState:
         """CK2, CK7: keep the highest output_offset of the current epoch."""
         entry = self.sessions.get(checkpoint.session)
         if entry is None:
-            # A session the PC has not placed: its first checkpoint registers it.
-            entry = self.assign(checkpoint.session, instance, checkpoint.epoch)
+            # A session the PC has not placed: its first checkpoint registers
+            # it, at epoch 1 only (a later epoch is the PC's to hand out).
+            if checkpoint.epoch != 1:
+                raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned")
+            entry = self.assign(checkpoint.session, instance, 1)
+        elif entry.checkpoint is not None and (
+            (checkpoint.scope_id, checkpoint.compat_id)
+            != (entry.checkpoint.scope_id, entry.checkpoint.compat_id)
+        ):
+            raise BadRequest("a session keeps its scope and compatibility")
         if checkpoint.epoch < entry.epoch:
             raise StaleEpoch(f"epoch {checkpoint.epoch} is older than {entry.epoch} (CK2)")
         if checkpoint.epoch > entry.epoch:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -121,9 +122,10 @@ async def estimates(
         plan = plan_fetch(replicas, status)
         if plan is None:
             continue  # no replica reachable over a link the instance reported
-        out.append(
-            TargetEstimate(target, plan.fetch_us, recompute_us(tokens, status.prefill_tokens_per_s))
-        )
+        recompute = recompute_us(tokens, status.prefill_tokens_per_s)
+        if not (math.isfinite(plan.fetch_us) and math.isfinite(recompute)):
+            continue  # no estimate JSON can carry (e.g. a prefill rate of 0)
+        out.append(TargetEstimate(target, plan.fetch_us, recompute))
     return out
 
 

@@ -21,16 +21,17 @@ PC = "https://pc.test/pc/"
 II1, II2 = "https://ii1.test/kvsp/", "https://ii2.test/kvsp/"
 
 POLICY = Policy.from_json({"principals": {
-    "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1},
-    "urn:kvstore:ii2": {"roles": ["instance"], "instance": II2},
+    "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": ["*"]},
+    "urn:kvstore:ii2": {"roles": ["instance"], "instance": II2, "write_scopes": ["*"]},
     "urn:kvstore:alice": {"read_scopes": ["*"]},
+    "urn:kvstore:ii3": {"roles": ["instance"], "instance": "https://ii3.test/kvsp/"},
 }})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("pc-certs")
-    create_dev_certificates(directory, ["ii1", "ii2", "alice"])
+    create_dev_certificates(directory, ["ii1", "ii2", "ii3", "alice"])
     return directory
 
 
@@ -134,3 +135,20 @@ async def test_place_without_index_ranks_active_instances(
     assert choice.status_code == 200
     assert choice.json()["instance"] == II1
     assert choice.json()["candidates"][0]["recompute_us"] == 1e6 * 8 / 40000
+
+
+async def test_checkpoint_needs_the_scope(as_: Callable[[str], httpx.AsyncClient]) -> None:
+    # SEC1: ii3 may not write any scope; its checkpoint is refused, not stored.
+    session = str(uuid.uuid4())
+    response = await as_("ii3").put(f"sessions/{session}/checkpoint",
+                                    json=checkpoint(session, 1, 1).to_json())  # fmt: skip
+    assert response.status_code == 403
+
+
+async def test_place_never_answers_infinity(as_: Callable[[str], httpx.AsyncClient]) -> None:
+    # An instance reporting a prefill rate of 0 has no finite estimate: null.
+    await as_("ii1").put(status_path(II1), json=status(II1, prefill_tokens_per_s=0).to_json())
+    body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": [], "tokens": 8}
+    response = await as_("alice").post("place", json=body)
+    assert response.status_code == 200 and b"Infinity" not in response.content
+    assert response.json()["candidates"][0]["recompute_us"] is None

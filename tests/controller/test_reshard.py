@@ -57,6 +57,8 @@ def test_growing_the_group_fetches_only_what_moves() -> None:
         shard_map(4, (0, 98304, II1)),  # same version
         shard_map(5, (0, 90000, II1)),  # covers other tokens
         ShardMap("other", 5, (Shard(0, 98304, II1),)),
+        shard_map(5, (0, 10000, II1), (20000, 98304, II2)),  # a gap: tokens owned by nobody
+        shard_map(5, (0, 50000, II1), (40000, 98304, II2)),  # an overlap
     ],
 )
 def test_plans_that_do_not_match_the_current_version(target: ShardMap) -> None:

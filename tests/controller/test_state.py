@@ -94,10 +94,15 @@ def test_draining_then_sleeping_until_the_pc_wakes_it() -> None:
     assert pc.state_of(II1) == "active"
 
 
-def test_restart_resets_the_lifecycle() -> None:
+def test_restart_does_not_wake_a_sleeping_instance() -> None:
+    # S6: a restart (higher epoch) of an instance the PC put to sleep or was
+    # draining keeps it asleep; only the PC wakes it. Others start afresh.
     pc = state(idle_for_s=0)
     pc.put_status(status(running=0, queued=0, requested_state="sleeping"))
-    assert pc.put_status(status(epoch=11)) == "active"  # a new epoch: a new process
+    assert pc.put_status(status(epoch=11)) == "sleeping"
+    assert pc.active() == []
+    pc.set_state(II1, "active")
+    assert pc.put_status(status(epoch=12)) == "active"
 
 
 def checkpoint(session: str, epoch: int, offset: int) -> SessionCheckpoint:
@@ -149,3 +154,29 @@ async def test_status_source_for_the_index_sees_active_instances_only() -> None:
     assert await pc.status(II2) is None  # draining
     clock.now += 10
     assert await pc.status(II1) is None  # expired
+
+
+def test_first_checkpoint_registers_at_epoch_one_only() -> None:
+    # An instance cannot claim an unknown session at an epoch the PC never
+    # handed out (it would block every later resume).
+    pc = state()
+    session = str(uuid.uuid4())
+    with pytest.raises(StaleEpoch):
+        pc.put_checkpoint(checkpoint(session, 2**53 - 1, 1), II2)
+    pc.put_checkpoint(checkpoint(session, 1, 1), II1)
+    pc.assign(session, II2, epoch=2)  # the PC can still move it
+
+
+def test_sessions_are_bounded() -> None:
+    from kvstore.protocol.problems import InsufficientStorage
+
+    pc = ControllerState(max_sessions=5, max_sessions_per_owner=3)
+    for _ in range(3):
+        pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II1)
+    with pytest.raises(InsufficientStorage):
+        pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II1)
+    for _ in range(2):
+        pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II2)
+    with pytest.raises(InsufficientStorage) as info:
+        pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II2)
+    assert info.value.status == 507
