@@ -10,6 +10,7 @@ and only for itself: its policy grant's ``instance`` base URI must hash to
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from ..http import base_path, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
-from ..protocol.problems import BadRequest, Forbidden
+from ..protocol.problems import BadRequest, Forbidden, KvspError
 from ..protocol.records import LookupRequest, ReplicaRecord
 from ..protocol.wire import role_id
 from ..security import Grant, Policy
@@ -49,6 +50,9 @@ class ControllerSettings:
     @property
     def base_path(self) -> str:
         return base_path(self.controller_uri)
+
+
+log = logging.getLogger("kvstore.controller")
 
 
 def _instance_of(grant: Grant) -> str:
@@ -108,10 +112,17 @@ def create_app(
             else (len(query.block_keys) * block_tokens)
         )
         replicas: tuple[tuple[ReplicaRecord, ...], ...] = ()
+        index_state = "unused"
         if index is not None and query.block_keys:
-            answer = await index.lookup(LookupRequest(query.scope_id, query.compat_id,
-                                                      query.block_keys))  # fmt: skip
-            replicas = answer.replicas
+            try:
+                answer = await index.lookup(LookupRequest(query.scope_id, query.compat_id,
+                                                          query.block_keys))  # fmt: skip
+                replicas, index_state = answer.replicas, "ok"
+            except KvspError as exc:
+                # The index is advisory (P4): without it, every instance
+                # recomputes, and the placement still happens.
+                log.warning("index lookup failed, placing without cache: %s", exc.detail)
+                index_state = "unavailable"
         candidates = rank(
             state.active(), replicas, total_tokens=total, block_tokens=block_tokens,
             mean_service_us=settings.mean_service_ms * 1000,
@@ -120,6 +131,7 @@ def create_app(
         return json_response({
             "instance": chosen.instance,
             "matched": len(replicas),
+            "index": index_state,
             "candidates": [c.to_json() for c in candidates],
         })  # fmt: skip
 

@@ -152,3 +152,22 @@ async def test_place_never_answers_infinity(as_: Callable[[str], httpx.AsyncClie
     response = await as_("alice").post("place", json=body)
     assert response.status_code == 200 and b"Infinity" not in response.content
     assert response.json()["candidates"][0]["recompute_us"] is None
+
+
+async def test_place_without_a_reachable_index(certs: Path, pc: ControllerState) -> None:
+    # P4: the index is advisory; an unreachable IS means recompute, not an error.
+    from kvstore.client import IndexClient
+
+    from ..conftest import free_port
+
+    async with IndexClient(f"http://127.0.0.1:{free_port()}/is/", timeout_s=2) as index:
+        app = create_app(ControllerSettings(PC, block_tokens={"b" * 64: 4}), pc, POLICY, index)
+        wrapped = AsPrincipal(app, (certs / "client-alice.pem").read_text())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped), base_url=PC) as c:
+            pc.put_status(status(II1))
+            body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": ["c" * 64],
+                    "tokens": 8}  # fmt: skip
+            response = await c.post("place", json=body)
+    assert response.status_code == 200
+    assert response.json()["index"] == "unavailable" and response.json()["matched"] == 0
+    assert response.json()["instance"] == II1
