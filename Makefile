@@ -33,8 +33,15 @@ unit: $(VENV)/.installed-test
 
 test: lint typecheck unit
 
-bench: $(VENV)/.installed
+# Every benchmark, each against its same-run baseline (several minutes; the
+# store, index and holder suites use the Redis on 127.0.0.1:6379 and start
+# moto, nginx when installed, and their own server processes).
+bench: $(VENV)/.installed-test
 	$(BIN)/kvstore bench protocol
+	$(BIN)/kvstore bench store
+	$(BIN)/kvstore bench holder
+	$(BIN)/kvstore bench index
+	$(BIN)/kvstore bench controller
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
