@@ -1,0 +1,1 @@
+"""Regression tests written by review helpers: each failed before its fix."""
