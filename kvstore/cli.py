@@ -249,32 +249,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, each against a same-run baseline")
     bsub = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
-    proto = bsub.add_parser("protocol", help="block keys and container encode/decode")
-    proto.add_argument("--quick", action="store_true", help="smaller inputs, fewer repeats")
-    proto.add_argument("--json", action="store_true", help="print results as JSON")
-    proto.set_defaults(func=cmd_bench)
-    store = bsub.add_parser("store", help="put/get GB/s per tier against raw client baselines")
-    store.add_argument("--quick", action="store_true", help="fewer blocks, one round")
-    store.add_argument("--json", action="store_true", help="print results as JSON")
+
+    def suite(name: str, help_text: str, quick: str) -> argparse.ArgumentParser:
+        parser = bsub.add_parser(name, help=help_text)
+        parser.add_argument("--quick", action="store_true", help=quick)
+        parser.add_argument("--json", action="store_true", help="print results as JSON")
+        parser.set_defaults(func=cmd_bench)
+        return parser
+
+    suite("protocol", "block keys and container encode/decode", "smaller inputs, fewer repeats")
+    store = suite("store", "put/get GB/s per tier against raw clients", "fewer blocks, one round")
     store.add_argument(
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use, or 'none'"
     )
     store.add_argument("--s3-endpoint", help="S3 endpoint (default: start moto's server)")
     store.add_argument("--no-s3", action="store_true", help="skip the S3 tier")
-    store.set_defaults(func=cmd_bench)
-    holder = bsub.add_parser("holder", help="holder GET/PUT against bare uvicorn, plain and mTLS")
-    holder.add_argument("--quick", action="store_true", help="shorter runs, fewer combinations")
-    holder.add_argument("--json", action="store_true", help="print results as JSON")
-    holder.set_defaults(func=cmd_bench)
-    index = bsub.add_parser("index", help="lookup latency/throughput and publish rate")
-    index.add_argument("--quick", action="store_true", help="smaller prompts, fewer rounds")
-    index.add_argument("--json", action="store_true", help="print results as JSON")
+    suite("holder", "holder GET/PUT against bare uvicorn, plain and mTLS",
+          "shorter runs, fewer combinations")  # fmt: skip
+    index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
-    index.set_defaults(func=cmd_bench)
-    controller = bsub.add_parser("controller", help="placements/s and status updates/s")
-    controller.add_argument("--quick", action="store_true", help="shorter runs")
-    controller.add_argument("--json", action="store_true", help="print results as JSON")
-    controller.set_defaults(func=cmd_bench)
+    suite("controller", "placements/s and status updates/s", "shorter runs")
     return parser
 
 

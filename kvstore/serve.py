@@ -49,22 +49,31 @@ def build_store(config: Config) -> TieredStore:
     )
 
 
-def build_publisher(config: Config, store: TieredStore) -> Any:
-    """An IndexPublisher when ``holder.index_uri`` is set, else None."""
+def index_client(config: Config, section: str) -> Any:
+    """An IndexClient for ``<section>.index_uri``, authenticating with the
+    section's client certificate when the index is https; None when unset."""
     from .client import IndexClient
-    from .holder.publisher import IndexPublisher
     from .security import client_context
 
-    cfg = config.holder
+    cfg = getattr(config, section)
     if not cfg.index_uri:
         return None
     context = None
     if cfg.index_uri.startswith("https:"):
         if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
-            raise ConfigError("holder.client_certfile: required to publish to an https index")
+            raise ConfigError(f"{section}.client_certfile: required for an https index")
         context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
-    index = IndexClient(cfg.index_uri, context)
-    return IndexPublisher(index, store, cfg.uri, cfg.replica_ttl_ms)
+    return IndexClient(cfg.index_uri, context)
+
+
+def build_publisher(config: Config, store: TieredStore) -> Any:
+    """An IndexPublisher when ``holder.index_uri`` is set, else None."""
+    from .holder.publisher import IndexPublisher
+
+    index = index_client(config, "holder")
+    if index is None:
+        return None
+    return IndexPublisher(index, store, config.holder.uri, config.holder.replica_ttl_ms)
 
 
 def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> Any:
@@ -97,17 +106,7 @@ def build_controller(config: Config) -> tuple[Any, Any]:
     state = ControllerState(
         SleepPolicy(cfg.sleep_max_running, cfg.sleep_max_queued, cfg.sleep_idle_s)
     )
-    index = None
-    if cfg.index_uri:
-        from .client import IndexClient
-        from .security import client_context
-
-        context = None
-        if cfg.index_uri.startswith("https:"):
-            if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
-                raise ConfigError("controller.client_certfile: required for an https index")
-            context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
-        index = IndexClient(cfg.index_uri, context)
+    index = index_client(config, "controller")
     settings = ControllerSettings(
         cfg.uri,
         allow_anonymous=config.server.insecure_http,
