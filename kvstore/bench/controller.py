@@ -9,7 +9,6 @@ cost (``rank``). Status updates go through ``ControllerState.put_status``.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from ..controller.placement import choose, rank
@@ -53,8 +52,8 @@ async def _run(quick: bool) -> list[Result]:
         started = time.perf_counter()
         deadline = started + (1.0 if quick else 3.0)
         while time.perf_counter() < deadline:
-            raw = await index.lookup(SCOPE, COMPAT, keys[:size])
-            replicas = [[ReplicaRecord.from_json(json.loads(r)) for r in g] for g in raw]
+            hits = await index.lookup(SCOPE, COMPAT, keys[:size])
+            replicas = [[ReplicaRecord.from_json(r) for r in g] for g in hits.records()]
             choose(rank(pc.active(), replicas, total_tokens=size * 16, block_tokens=16,
                         mean_service_us=2000))  # fmt: skip
             count += 1

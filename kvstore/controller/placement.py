@@ -3,7 +3,7 @@
     cost(i) = wait_us(i) + min( fetch_us(i) + recompute_us(unmatched, i),
                                 recompute_us(all, i) )
 
-``fetch_us`` comes from :func:`kvstore.protocol.placement.plan_fetch` over
+``fetch_us`` comes from :func:`kvstore.protocol.placement.plan_groups` over
 the replica records a lookup returned and the instance's reported links;
 ``wait_us`` is the instance's queue times a mean service time. Only active
 instances are candidates (S4); the cheapest wins, ties to the least loaded.
@@ -19,9 +19,9 @@ from typing import Any
 from ..protocol.control import InstanceStatus
 from ..protocol.placement import (
     placement_cost,
-    plan_fetch,
+    plan_groups,
     recompute_us,
-    replica_shapes,
+    shape_groups,
     wait_us,
 )
 from ..protocol.problems import InvalidState
@@ -60,10 +60,10 @@ def rank(
 ) -> list[Candidate]:
     """Every active instance with its estimates, cheapest first (PL2)."""
     matched_tokens = min(len(replicas) * block_tokens, total_tokens)
-    shapes = replica_shapes(replicas)
+    groups = shape_groups(replicas)
     out = []
     for status in instances:
-        plan = plan_fetch(replicas, status, shapes=shapes) if replicas else None
+        plan = plan_groups(groups, status) if replicas else None
         fetch = plan.fetch_us if plan is not None else (0.0 if not replicas else None)
         cost = placement_cost(
             fetch_us=fetch,

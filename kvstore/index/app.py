@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from ..http import (
     base_path,
@@ -37,12 +39,12 @@ from ..http import (
 )
 from ..metrics import Metrics
 from ..protocol.control import InstanceStatus
-from ..protocol.placement import plan_fetch, recompute_us
+from ..protocol.placement import decode_shapes, plan_groups, recompute_us
 from ..protocol.problems import BadRequest, Forbidden, NotFound
 from ..protocol.records import LookupRequest, ReplicaRecord, TargetEstimate
 from ..protocol.wire import JSON_MEDIA_TYPE, NO_STORE, role_id
 from ..security import Grant, Policy
-from .state import IndexState
+from .state import Hits, IndexState
 
 
 class StatusSource(Protocol):
@@ -104,22 +106,20 @@ def _may_act_for(grant: Grant, holder_id: str) -> bool:
 
 
 async def estimates(
-    targets: Sequence[str],
-    raw: Sequence[Sequence[bytes]],
-    block_tokens: int,
-    statuses: StatusSource,
+    targets: Sequence[str], hits: Hits, block_tokens: int, statuses: StatusSource
 ) -> list[TargetEstimate]:
-    """fetch_us and recompute_us per target with a known status (L2, PL1)."""
-    if not targets or not raw:
+    """fetch_us and recompute_us per target with a known status (L2, PL1),
+    from the shapes of the matched replicas, grouped (see protocol.placement)."""
+    if not targets or not hits.matched or hits.shapes is None:
         return []
-    replicas = [[ReplicaRecord.from_json(json.loads(r)) for r in group] for group in raw]
-    tokens = len(replicas) * block_tokens
+    groups = [(decode_shapes(octets), n) for octets, n in Counter(hits.shapes).items()]
+    tokens = hits.matched * block_tokens
     out = []
     for target in targets:
         status = await statuses.status(target)
         if status is None:
             continue
-        plan = plan_fetch(replicas, status)
+        plan = plan_groups(groups, status)
         if plan is None:
             continue  # no replica reachable over a link the instance reported
         recompute = recompute_us(tokens, status.prefill_tokens_per_s)
@@ -191,14 +191,17 @@ def create_app(
         if not grant.can_read(query.scope_id):
             # L3: exactly what an empty index answers; nothing tells the scope exists.
             counters.lookups_denied_scope += 1
-            return _lookup_response([], [])
-        raw = await state.lookup(query.scope_id, query.compat_id, query.block_keys)
-        counters.lookup_matched_keys += len(raw)
+            return LookupAnswer(Hits())
         block_tokens = settings.block_tokens.get(query.compat_id)
+        with_targets = bool(query.targets and block_tokens)
+        hits = await state.lookup(
+            query.scope_id, query.compat_id, query.block_keys, shapes=with_targets
+        )
+        counters.lookup_matched_keys += hits.matched
         found = []
         if query.targets and block_tokens:
-            found = await estimates(query.targets, raw, block_tokens, statuses)
-        return _lookup_response(raw, found)
+            found = await estimates(query.targets, hits, block_tokens, statuses)
+        return LookupAnswer(hits, found)
 
     metrics = Metrics(counters=counters, counters_prefix="kvstore_index")
 
@@ -217,22 +220,45 @@ def create_app(
     return app
 
 
-def _lookup_response(raw: Sequence[Sequence[bytes]], found: Sequence[TargetEstimate]) -> Response:
-    """The lookup answer, joined once from stored record octets (an 8k-key answer
-    with three full records per key is ~60 MB: every extra copy shows)."""
-    parts: list[bytes] = [b'{"matched":%d,"replicas":[' % len(raw)]
-    append = parts.append
-    for index, group in enumerate(raw):
-        append(b"[" if index == 0 else b",[")
-        for position, record in enumerate(group):
-            if position:
-                append(b",")
-            append(record)
-        append(b"]")
-    append(b"]")
-    if found:
-        append(b',"targets":' + json.dumps([t.to_json() for t in found]).encode())
-    append(b"}")
-    return Response(
-        b"".join(parts), headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE
-    )
+class LookupAnswer(Response):
+    """The lookup answer, sent from the state's octets (:class:`Hits`).
+
+    An 8k-key answer with three full records per key is ~60 MB. Joining it
+    into one body costs more in fresh memory (page faults) than in copying;
+    it is sent instead as messages of about ``message_octets``, each joined
+    from the stored per-key octets into memory the allocator reuses as soon
+    as the server has written it.
+    """
+
+    message_octets = 256 << 10
+
+    def __init__(self, hits: Hits, targets: Sequence[TargetEstimate] = ()) -> None:
+        super().__init__(None, headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE)
+        self.hits = hits
+        self.head = b'{"matched":%d,"replicas":[' % hits.matched
+        self.tail = b"]}"
+        if targets:
+            encoded = json.dumps([t.to_json() for t in targets], allow_nan=False)
+            self.tail = b'],"targets":' + encoded.encode() + b"}"
+        chunks = hits.chunks
+        self.octets = sum(map(len, chunks)) + max(len(chunks) - 1, 0)
+        self.headers["content-length"] = str(len(self.head) + self.octets + len(self.tail))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})  # fmt: skip
+        chunks = self.hits.chunks
+        # Per-key chunks are of similar size: a fixed count of them per message.
+        step = max(1, self.message_octets * len(chunks) // max(1, self.octets))
+        body = self.head
+        for start in range(0, max(1, len(chunks)), step):
+            batch = chunks[start : start + step]
+            if start:
+                batch.insert(0, b"")  # the "," between this message and the last
+                body = b""
+            if start + step < len(chunks):
+                await send({"type": "http.response.body", "body": body + b",".join(batch),
+                            "more_body": True})  # fmt: skip
+            else:
+                await send({"type": "http.response.body",
+                            "body": body + b",".join(batch) + self.tail})  # fmt: skip

@@ -9,16 +9,26 @@
 tier with a ``read_mbit_per_s``, the rate is the lower of the link and the
 tier (the draft names storage tiers; taking the minimum for every tier that
 states a rate is the same rule and never overestimates speed).
+
+Only a few members of a Replica Record matter here (holder, size, residency,
+layer count): a :class:`ReplicaShape`. The blocks of one prompt mostly have
+replicas of identical shapes, so a plan is computed over *groups* of blocks
+with the same shapes, each counted once: ranking 64 instances over an 8k-key
+lookup costs a few groups per instance, not 24k records.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from ._json import Obj
 from .control import InstanceStatus, Link
-from .records import ReplicaRecord
+from .records import ReplicaRecord, Residency
 
 
 def transfer_us(octets: float, mbit_per_s: float) -> float:
@@ -39,112 +49,151 @@ def wait_us(queued: int, mean_service_us: float) -> float:
     return queued * mean_service_us
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    """What placement reads of a Replica Record: where it is and how fast it reads."""
+
+    holder: str
+    size: int
+    residency: tuple[Residency, ...]
+    #: len(layer_digests), when the record lists them.
+    layer_count: int | None = None
+
+    @classmethod
+    def of(cls, record: ReplicaRecord) -> ReplicaShape:
+        digests = record.layer_digests
+        return cls(record.holder, record.size, record.residency,
+                   None if digests is None else len(digests))  # fmt: skip
+
+    @property
+    def whole(self) -> bool:
+        """False for a replica known to hold only some layers of its block."""
+        if self.layer_count is None:
+            return True
+        return sum(r.layer_count for r in self.residency) == self.layer_count
+
+    def read_us(self, link: Link) -> float:
+        """Time to read the replica over ``link``, tier by tier, without the RTT."""
+        if not self.residency:
+            return transfer_us(self.size, link.mbit_per_s)
+        total_layers = sum(r.layer_count for r in self.residency)
+        us = 0.0
+        for segment in self.residency:
+            rate = link.mbit_per_s
+            if segment.read_mbit_per_s is not None:
+                rate = min(rate, segment.read_mbit_per_s)
+            # Layers of one block have equal size, so a segment's share of the
+            # octets is its share of the layers.
+            us += transfer_us(self.size * segment.layer_count / total_layers, rate)
+        return us
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "holder": self.holder,
+            "size": self.size,
+            "layer_count": self.layer_count,
+            "residency": [r.to_json() for r in self.residency],
+        }
+
+    def encode(self) -> bytes:
+        """Compact JSON octets (what an index state keeps beside each record)."""
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, value: Any, path: str = "shape") -> ReplicaShape:
+        obj = Obj(value, path)
+        return cls(
+            holder=obj.uri("holder"),
+            size=obj.integer("size"),
+            residency=tuple(Residency.from_json(v, p) for v, p in obj.items("residency")),
+            layer_count=obj.integer("layer_count", None),
+        )
+
+
+def decode_shapes(octets: bytes) -> tuple[ReplicaShape, ...]:
+    """A JSON array of shapes (one matched block's replicas) back to shapes."""
+    value = json.loads(octets)
+    if not isinstance(value, list):
+        value = [value]
+    return tuple(ReplicaShape.from_json(v, f"shapes[{i}]") for i, v in enumerate(value))
+
+
 def replica_read_us(record: ReplicaRecord, link: Link) -> float:
     """Time to read one replica over ``link``, tier by tier, without the RTT."""
-    if not record.residency:
-        return transfer_us(record.size, link.mbit_per_s)
-    total_layers = sum(r.layer_count for r in record.residency)
-    us = 0.0
-    for segment in record.residency:
-        rate = link.mbit_per_s
-        if segment.read_mbit_per_s is not None:
-            rate = min(rate, segment.read_mbit_per_s)
-        # Layers of one block have equal size, so a segment's share of the
-        # octets is its share of the layers.
-        us += transfer_us(record.size * segment.layer_count / total_layers, rate)
-    return us
-
-
-def _whole(record: ReplicaRecord) -> bool:
-    """False for a replica known to hold only some layers of its block."""
-    if record.layer_digests is None:
-        return True
-    return sum(r.layer_count for r in record.residency) == len(record.layer_digests)
+    return ReplicaShape.of(record).read_us(link)
 
 
 @dataclass(frozen=True, slots=True)
 class FetchPlan:
-    """Which holder each block would come from, and the estimate (PL1)."""
+    """The estimate, and each source's share of it (PL1)."""
 
     fetch_us: float
     sources: Mapping[str, float]  # holder -> microseconds of its transfers incl. RTT
-    chosen: tuple[ReplicaRecord, ...]
 
 
-def replica_shapes(replicas: Sequence[Sequence[ReplicaRecord]]) -> list[list[int]]:
-    """A small integer per replica for its holder, size, residency and layer
-    count: replicas of one shape read equally fast from one instance. Compute
-    it once per lookup and pass it to :func:`plan_fetch` for every instance."""
-    ids: dict[tuple[object, ...], int] = {}
-    out = []
+#: Blocks whose replicas have these shapes, and how many such blocks.
+ShapeGroups = Iterable[tuple[Sequence[ReplicaShape], int]]
+
+
+def shape_groups(
+    replicas: Sequence[Sequence[ReplicaRecord]], resident: Collection[str] = ()
+) -> list[tuple[tuple[ReplicaShape, ...], int]]:
+    """Matched blocks grouped by the shapes of their replicas, blocks in
+    ``resident`` (keys already at the instance) left out. Compute it once per
+    lookup and pass it to :func:`plan_groups` for every instance."""
+    counts: Counter[tuple[ReplicaShape, ...]] = Counter()
     for records in replicas:
-        row = []
-        for record in records:
-            shape = (
-                record.holder,
-                record.size,
-                record.residency,
-                None if record.layer_digests is None else len(record.layer_digests),
-            )
-            row.append(ids.setdefault(shape, len(ids)))
-        out.append(row)
-    return out
+        if records and records[0].block_key not in resident:
+            counts[tuple(ReplicaShape.of(r) for r in records)] += 1
+    return list(counts.items())
+
+
+def plan_groups(groups: ShapeGroups, status: InstanceStatus) -> FetchPlan | None:
+    """Estimate fetch_us for instance ``status`` to load the grouped blocks.
+
+    For each block the replica with the cheapest RTT + read over a known link
+    is chosen, among replicas that hold every layer (a record whose residency
+    covers fewer layers than its layer_digests list is partial); a replica
+    held by the instance itself makes the block resident (free). Transfers
+    from one source add up, sources proceed in parallel (the max). Returns
+    None when some block has no whole replica reachable over a reported link.
+    """
+    links = {link.holder: link for link in status.links}
+    per_source_us: dict[str, float] = {}
+    read: dict[ReplicaShape, float | None] = {}
+    for shapes, count in groups:
+        best: tuple[float, float, str] | None = None
+        for shape in shapes:
+            if shape.holder == status.instance:
+                best = None
+                break
+            if shape not in read:
+                link = links.get(shape.holder)
+                read[shape] = shape.read_us(link) if link is not None and shape.whole else None
+            us = read[shape]
+            if us is None:
+                continue
+            cost = links[shape.holder].rtt_us + us
+            if best is None or cost < best[0]:
+                best = (cost, us, shape.holder)
+        else:
+            if best is None:
+                return None
+            _, us, holder = best
+            if holder not in per_source_us:
+                per_source_us[holder] = links[holder].rtt_us
+            per_source_us[holder] += count * us
+    return FetchPlan(max(per_source_us.values(), default=0.0), per_source_us)
 
 
 def plan_fetch(
     replicas: Sequence[Sequence[ReplicaRecord]],
     status: InstanceStatus,
     resident: Collection[str] = (),
-    shapes: Sequence[Sequence[int]] | None = None,
 ) -> FetchPlan | None:
-    """Estimate fetch_us for instance ``status`` to load the matched blocks.
-
-    ``replicas[i]`` lists the records of matched block i. Blocks in ``resident``
-    (block keys already at the instance) cost nothing. For each other block
-    the replica with the cheapest RTT + read over a known link is chosen,
-    among replicas that hold every layer (a record whose residency covers
-    fewer layers than its layer_digests list is partial); transfers from one
-    source add up, sources proceed in parallel (the max). Returns None when
-    some block has no whole replica reachable over a reported link.
-    """
-    per_source_us: dict[str, float] = {}
-    chosen: list[ReplicaRecord] = []
-    links = {link.holder: link for link in status.links}
-    # Replicas of a prompt mostly share holder, size and residency: their read
-    # time is computed once per such shape (a placement ranks every instance
-    # over thousands of replicas).
-    if shapes is None:
-        shapes = replica_shapes(replicas)
-    read_us: dict[int, float | None] = {}
-    for records, row in zip(replicas, shapes, strict=True):
-        if not records or records[0].block_key in resident:
-            continue
-        best: tuple[float, float, ReplicaRecord] | None = None
-        for record, shape in zip(records, row, strict=True):
-            if record.holder == status.instance:
-                best = None
-                break
-            if shape not in read_us:
-                link = links.get(record.holder)
-                read_us[shape] = (
-                    replica_read_us(record, link) if link is not None and _whole(record) else None
-                )
-            read = read_us[shape]
-            if read is None:
-                continue
-            cost = links[record.holder].rtt_us + read
-            if best is None or cost < best[0]:
-                best = (cost, read, record)
-        else:
-            if best is None:
-                return None
-            _, read, record = best
-            if record.holder not in per_source_us:
-                per_source_us[record.holder] = links[record.holder].rtt_us
-            per_source_us[record.holder] += read
-            chosen.append(record)
-    fetch = max(per_source_us.values(), default=0.0)
-    return FetchPlan(fetch, per_source_us, tuple(chosen))
+    """:func:`plan_groups` over the records of a lookup answer: ``replicas[i]``
+    lists the records of matched block i."""
+    return plan_groups(shape_groups(replicas, resident), status)
 
 
 def placement_cost(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from kvstore.index.redis_state import RedisState
-from kvstore.index.state import IndexFull, IndexState, MemoryState
+from kvstore.index.state import Hits, IndexFull, IndexState, MemoryState
+from kvstore.protocol.placement import ReplicaShape, decode_shapes
 from kvstore.protocol.records import ReplicaRecord, Residency
 from kvstore.protocol.wire import role_id
 
@@ -34,8 +35,10 @@ def record(n: int, holder: str = H1, scope: str = SCOPE, ttl_ms: int = 60_000) -
     )  # fmt: skip
 
 
-def parsed(found: list[list[bytes]]) -> list[list[ReplicaRecord]]:
-    return [[ReplicaRecord.from_json(json.loads(raw)) for raw in group] for group in found]
+def parsed(found: Hits) -> list[list[ReplicaRecord]]:
+    groups = found.records()
+    assert len(groups) == found.matched
+    return [[ReplicaRecord.from_json(r) for r in group] for group in groups]
 
 
 @pytest.fixture(params=["memory", "redis", "redis-cluster-mode"])
@@ -69,27 +72,29 @@ async def test_lookup_stops_at_the_first_miss(state: IndexState) -> None:
     for n in (0, 1, 3, 4):
         await state.put(record(n), 60_000)
     found = await state.lookup(SCOPE, COMPAT, [key(n) for n in range(5)])
-    assert len(found) == 2
-    assert await state.lookup(SCOPE, COMPAT, [key(2), key(3)]) == []
+    assert found.matched == 2 and len(parsed(found)) == 2
+    assert (await state.lookup(SCOPE, COMPAT, [key(2), key(3)])).matched == 0
 
 
 async def test_other_scopes_and_compat_ids_are_not_returned(state: IndexState) -> None:
     # L3 at the state level: records of another scope never match.
     await state.put(record(0, scope=OTHER_SCOPE), 60_000)
-    assert await state.lookup(SCOPE, COMPAT, [key(0)]) == []
-    assert await state.lookup(OTHER_SCOPE, "0" * 64, [key(0)]) == []
-    assert len(await state.lookup(OTHER_SCOPE, COMPAT, [key(0)])) == 1
+    assert (await state.lookup(SCOPE, COMPAT, [key(0)])).matched == 0
+    assert (await state.lookup(OTHER_SCOPE, "0" * 64, [key(0)])).matched == 0
+    assert (await state.lookup(OTHER_SCOPE, COMPAT, [key(0)])).matched == 1
+    # Asked again for the first scope after the other was answered (and cached).
+    assert (await state.lookup(SCOPE, COMPAT, [key(0)])).chunks == []
 
 
 async def test_refresh_is_idempotent_and_withdraw_removes(state: IndexState) -> None:
     # P2: the same PUT refreshes; DELETE withdraws.
     await state.put(record(0), 60_000)
     await state.put(record(0), 60_000)
-    assert [len(g) for g in await state.lookup(SCOPE, COMPAT, [key(0)])] == [1]
+    assert [len(g) for g in parsed(await state.lookup(SCOPE, COMPAT, [key(0)]))] == [1]
     assert await state.count() == 1
     assert await state.delete(role_id(H1), key(0)) is True
     assert await state.delete(role_id(H1), key(0)) is False
-    assert await state.lookup(SCOPE, COMPAT, [key(0)]) == []
+    assert (await state.lookup(SCOPE, COMPAT, [key(0)])).matched == 0
 
 
 async def test_scope_of_a_record(state: IndexState) -> None:
@@ -108,14 +113,15 @@ async def test_records_expire(state: IndexState) -> None:
     assert [r.holder for r in found[0]] == [H2]
     await state.put(record(1), 100)
     await asyncio.sleep(0.25)
-    assert await state.lookup(SCOPE, COMPAT, [key(1)]) == []
+    assert (await state.lookup(SCOPE, COMPAT, [key(1)])).matched == 0
 
 
 async def test_long_lookup_crosses_batches(state: IndexState) -> None:
     for n in range(1200):
         await state.put(record(n), 60_000)
     found = await state.lookup(SCOPE, COMPAT, [key(n) for n in range(1300)])
-    assert len(found) == 1200
+    assert found.matched == 1200
+    assert [r[0].block_key for r in parsed(found)] == [key(n) for n in range(1200)]
 
 
 async def test_memory_state_is_bounded() -> None:
@@ -137,3 +143,70 @@ async def test_memory_cap_sweeps_expired_records_first() -> None:
     now[0] = 2.0
     await state.put(record(1), 1000)  # the expired record made room
     assert await state.count() == 1
+
+
+async def test_answers_follow_changes_after_a_lookup(state: IndexState) -> None:
+    # L1, P2: what a lookup answered (and a state may keep joined) changes
+    # with every later publish, refresh, withdrawal and expiry.
+    await state.put(record(0), 60_000)
+    assert [r.holder for r in parsed(await state.lookup(SCOPE, COMPAT, [key(0)]))[0]] == [H1]
+    await state.put(record(0, holder=H2, ttl_ms=200), 200)
+    found = parsed(await state.lookup(SCOPE, COMPAT, [key(0)]))[0]
+    assert sorted(r.holder for r in found) == [H1, H2]
+    bigger = dataclasses.replace(record(0), size=4 << 20)
+    await state.put(bigger, 60_000)
+    found = parsed(await state.lookup(SCOPE, COMPAT, [key(0)]))[0]
+    assert bigger in found and record(0) not in found
+    await asyncio.sleep(0.3)  # H2's record expires
+    assert parsed(await state.lookup(SCOPE, COMPAT, [key(0)])) == [[bigger]]
+    await state.delete(role_id(H1), key(0))
+    assert (await state.lookup(SCOPE, COMPAT, [key(0)])).matched == 0
+
+
+async def test_lookup_with_shapes(state: IndexState) -> None:
+    # PL1: beside the records, the shapes placement needs, one array per key.
+    for n in range(3):
+        await state.put(record(n), 60_000)
+    await state.put(record(1, holder=H2), 60_000)
+    plain = await state.lookup(SCOPE, COMPAT, [key(n) for n in range(4)])
+    assert plain.shapes is None
+    found = await state.lookup(SCOPE, COMPAT, [key(n) for n in range(4)], shapes=True)
+    assert found.shapes is not None and len(found.shapes) == found.matched == 3
+    for shapes, records in zip(found.shapes, parsed(found), strict=True):
+        assert decode_shapes(shapes) == tuple(ReplicaShape.of(r) for r in records)
+    assert (await state.lookup(SCOPE, COMPAT, [key(9)], shapes=True)).shapes == []
+
+
+async def test_one_key_under_two_scopes(state: IndexState) -> None:
+    # L3: records of one block key under two scopes (a misbehaving holder, or
+    # a collision) are answered each to its own scope, also after changes.
+    await state.put(record(0, holder=H1), 60_000)
+    await state.put(record(0, holder=H2, scope=OTHER_SCOPE), 60_000)
+    assert parsed(await state.lookup(SCOPE, COMPAT, [key(0)])) == [[record(0, holder=H1)]]
+    other = parsed(await state.lookup(OTHER_SCOPE, COMPAT, [key(0)]))
+    assert other == [[record(0, holder=H2, scope=OTHER_SCOPE)]]
+    # H1 republishes under the other scope: nothing is left under the first.
+    await state.put(record(0, holder=H1, scope=OTHER_SCOPE), 60_000)
+    assert (await state.lookup(SCOPE, COMPAT, [key(0)])).matched == 0
+    other = parsed(await state.lookup(OTHER_SCOPE, COMPAT, [key(0)]))
+    assert sorted(r.holder for r in other[0]) == [H1, H2]
+    await state.delete(role_id(H2), key(0))
+    assert parsed(await state.lookup(OTHER_SCOPE, COMPAT, [key(0)])) == [
+        [record(0, holder=H1, scope=OTHER_SCOPE)]
+    ]
+
+
+async def test_expired_record_inside_a_long_lookup(state: IndexState) -> None:
+    # L1, P2: a record expiring among many keys leaves its key to the
+    # surviving replica, and a key with none left ends the match there.
+    for n in range(700):
+        await state.put(record(n), 60_000)
+    await state.put(record(600, holder=H2), 60_000)
+    await state.put(record(600, ttl_ms=150), 150)  # H1's copy of key 600 expires
+    await state.put(record(650, ttl_ms=150), 150)  # the only copy of key 650 expires
+    await asyncio.sleep(0.3)
+    found = await state.lookup(SCOPE, COMPAT, [key(n) for n in range(700)], shapes=True)
+    assert found.matched == 650 and found.shapes is not None and len(found.shapes) == 650
+    groups = parsed(found)
+    assert [r.holder for r in groups[600]] == [H2]
+    assert [r.block_key for r in groups[649]] == [key(649)]

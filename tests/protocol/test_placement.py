@@ -13,13 +13,18 @@ from hypothesis import strategies as st
 from kvstore.protocol.control import InstanceStatus, Link
 from kvstore.protocol.placement import (
     FetchPlan,
+    ReplicaShape,
+    decode_shapes,
     placement_cost,
     plan_fetch,
+    plan_groups,
     recompute_us,
     replica_read_us,
+    shape_groups,
     transfer_us,
     wait_us,
 )
+from kvstore.protocol.problems import InvalidRecord
 from kvstore.protocol.records import LookupResponse, ReplicaRecord, Residency
 
 from .vectors import COMPAT_ID, K0, K1, SCOPE_ID
@@ -164,7 +169,6 @@ def test_plan_fetch_single_source() -> None:
     assert plan is not None
     assert plan.fetch_us == pytest.approx(12 + READ_H1)  # 95.88608
     assert dict(plan.sources) == pytest.approx({H1: 12 + READ_H1})
-    assert [r.holder for r in plan.chosen] == [H1]
 
 
 def test_plan_fetch_same_source_adds_bytes_rtt_once() -> None:
@@ -172,7 +176,7 @@ def test_plan_fetch_same_source_adds_bytes_rtt_once() -> None:
     plan = plan_fetch([[record(K0)], [record(K1)], [record(K2)]], STATUS)
     assert plan is not None
     assert plan.fetch_us == pytest.approx(12 + 3 * READ_H1)
-    assert len(plan.chosen) == 3
+    assert dict(plan.sources) == pytest.approx({H1: 12 + 3 * READ_H1})
 
 
 def test_plan_fetch_max_over_sources() -> None:
@@ -188,13 +192,13 @@ def test_plan_fetch_chooses_cheapest_source() -> None:
     # PL1: of several replicas of a block, the one with the cheapest read is used.
     plan = plan_fetch([[record(K0, H2), record(K0, H1)]], STATUS)
     assert plan is not None
-    assert [r.holder for r in plan.chosen] == [H1]
+    assert list(plan.sources) == [H1]
     assert plan.fetch_us == pytest.approx(12 + READ_H1)
     # A slow storage tier at H1 makes H2 the better source.
     slow = (Residency("remote-storage", 0, 31, read_mbit_per_s=1000.0),)
     plan = plan_fetch([[record(K0, H1, residency=slow), record(K0, H2)]], STATUS)
     assert plan is not None
-    assert [r.holder for r in plan.chosen] == [H2]
+    assert list(plan.sources) == [H2]
     assert plan.fetch_us == pytest.approx(50 + READ_H2)
 
 
@@ -208,7 +212,7 @@ def test_plan_fetch_skips_partial_replicas() -> None:
     whole = dataclasses.replace(whole, layer_digests=digests)
     plan = plan_fetch([[partial, whole]], STATUS)
     assert plan is not None
-    assert [r.holder for r in plan.chosen] == [H2]
+    assert list(plan.sources) == [H2]
     assert plan_fetch([[partial]], STATUS) is None
 
 
@@ -221,15 +225,14 @@ def test_plan_fetch_counts_rtt_when_choosing() -> None:
         [[record(holder=H1, size=small), record(holder=H2, size=small)]], status(far, near)
     )
     assert plan is not None
-    assert [r.holder for r in plan.chosen] == [H2]
+    assert list(plan.sources) == [H2]
 
 
 def test_plan_fetch_skips_replica_without_link() -> None:
     # PL1: a replica at a holder the instance reports no link to is not a source.
     plan = plan_fetch([[record(K0, H3), record(K0, H2)]], STATUS)
     assert plan is not None
-    assert [r.holder for r in plan.chosen] == [H2]
-    assert H3 not in plan.sources
+    assert list(plan.sources) == [H2]
 
 
 def test_plan_fetch_unreachable_is_none() -> None:
@@ -245,7 +248,7 @@ def test_plan_fetch_resident_blocks_cost_nothing() -> None:
     assert plan.fetch_us == pytest.approx(12 + READ_H1)
     assert H2 not in plan.sources
     # A resident block needs no reachable replica either.
-    assert plan_fetch([[record(K0, H3)]], STATUS, resident={K0}) == FetchPlan(0.0, {}, ())
+    assert plan_fetch([[record(K0, H3)]], STATUS, resident={K0}) == FetchPlan(0.0, {})
 
 
 def test_plan_fetch_replica_at_instance_itself_is_resident() -> None:
@@ -255,12 +258,12 @@ def test_plan_fetch_replica_at_instance_itself_is_resident() -> None:
         plan = plan_fetch([[record(K0, H1)], replicas], STATUS)
         assert plan is not None
         assert plan.fetch_us == pytest.approx(12 + READ_H1)
-        assert [r.block_key for r in plan.chosen] == [K0]
+        assert dict(plan.sources) == pytest.approx({H1: 12 + READ_H1})
 
 
 def test_plan_fetch_nothing_to_fetch() -> None:
     # PL1: no matched blocks -> fetch_us 0.
-    assert plan_fetch([], STATUS) == FetchPlan(0.0, {}, ())
+    assert plan_fetch([], STATUS) == FetchPlan(0.0, {})
 
 
 def test_plan_fetch_from_lookup_response() -> None:
@@ -367,12 +370,27 @@ def test_placement_cost_property(
     assert full == pytest.approx(wait)
 
 
-def test_shapes_do_not_change_the_plan() -> None:
-    # The per-shape memo gives the same plan as computing every replica.
-    from kvstore.protocol.placement import replica_shapes
+def test_groups_do_not_change_the_plan() -> None:
+    # Blocks with replicas of equal shapes, counted once, plan as if each
+    # were computed on its own: n blocks of one shape read n times as long.
+    rows = [[record(K0, H1), record(K0, H2)], [record(K1, H1, size=SIZE // 2)],
+            [record(K2, H1), record(K2, H2)]]  # fmt: skip
+    groups = shape_groups(rows)
+    assert sorted(n for _, n in groups) == [1, 2]
+    plan = plan_groups(groups, STATUS)
+    assert plan == plan_fetch(rows, STATUS) and plan is not None
+    assert plan.fetch_us == pytest.approx(12 + 2 * READ_H1 + READ_H1 / 2)
+    assert shape_groups(rows, resident={K0, K2}) == [((ReplicaShape.of(rows[1][0]),), 1)]
 
-    rows = [[record(K0, H1), record(K0, H2)], [record(K1, H1, size=SIZE // 2)]]
-    with_shapes = plan_fetch(rows, STATUS, shapes=replica_shapes(rows))
-    without = plan_fetch(rows, STATUS)
-    assert with_shapes == without and with_shapes is not None
-    assert replica_shapes(rows) == [[0, 1], [2]]
+
+def test_shapes_round_trip_and_partial_replicas() -> None:
+    # PL1: a shape carries what placement reads of a record, as compact JSON.
+    digests = tuple("ab" * 32 for _ in range(32))
+    full = dataclasses.replace(record(), layer_digests=digests)
+    part = dataclasses.replace(full, residency=(Residency("device", 0, 15),))
+    shapes = (ReplicaShape.of(full), ReplicaShape.of(part), ReplicaShape.of(record()))
+    assert [s.whole for s in shapes] == [True, False, True]
+    assert decode_shapes(b"[" + b",".join(s.encode() for s in shapes) + b"]") == shapes
+    assert decode_shapes(shapes[0].encode()) == shapes[:1]
+    with pytest.raises(InvalidRecord):
+        decode_shapes(b'[{"holder":"not a uri","size":1,"residency":[]}]')

@@ -54,7 +54,7 @@ async def test_is_ttl_cap_ignored_by_publisher():
             seen = []
             for _ in range(8):
                 await asyncio.sleep(0.1)
-                seen.append(len(await state.lookup(SCOPE, COMPAT, [ref(1).block_key])))
+                seen.append((await state.lookup(SCOPE, COMPAT, [ref(1).block_key])).matched)
             await p.stop()
             assert all(seen), f"record visible at IS per 100 ms sample: {seen}"
     finally:
