@@ -43,6 +43,12 @@ A holder's file, with every key and its default::
     client_keyfile = ""
     descriptors = []                  # block_tokens per compat_id
     mean_service_ms = 0.0             # wait_us = queued x this (PL1)
+    state = "memory"                  # memory | redis: shared by PC processes, and
+                                      # read by an IS in another process (L2)
+    redis_url = "redis://127.0.0.1:6379/0"
+    redis_prefix = "kvsp-pc:"
+    max_sessions = 100000
+    max_sessions_per_instance = 10000
 
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
@@ -120,6 +126,11 @@ class ControllerConfig:
     client_keyfile: str = ""
     descriptors: tuple[str, ...] = ()
     mean_service_ms: float = 0.0
+    state: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvsp-pc:"
+    max_sessions: int = 100_000
+    max_sessions_per_instance: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,18 +94,33 @@ def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> A
     return create_app(settings, store, Policy.load(cfg.policy), publisher)
 
 
-def build_controller(config: Config) -> tuple[Any, Any]:
-    """The Placement Controller app and its state."""
+def controller_state(config: Config) -> Any:
+    """The PC's state a configuration describes ([controller] state)."""
+    from .controller.state import MemoryControllerState, SleepPolicy
+
+    cfg = config.controller
+    rules: dict[str, Any] = {
+        "sleep_policy": SleepPolicy(cfg.sleep_max_running, cfg.sleep_max_queued, cfg.sleep_idle_s),
+        "max_sessions": cfg.max_sessions,
+        "max_sessions_per_owner": cfg.max_sessions_per_instance,
+    }
+    if cfg.state == "memory":
+        return MemoryControllerState(**rules)
+    if cfg.state == "redis":
+        from .controller.redis_state import RedisControllerState
+
+        return RedisControllerState(cfg.redis_url, cfg.redis_prefix, **rules)
+    raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
+
+
+def build_controller(config: Config, state: Any) -> Any:
+    """The Placement Controller app over ``state``."""
     from .controller.app import ControllerSettings
     from .controller.app import create_app as create_controller
-    from .controller.state import ControllerState, SleepPolicy
 
     cfg = config.controller
     if not cfg.policy:
         raise ConfigError("controller.policy: a policy file is required")
-    state = ControllerState(
-        SleepPolicy(cfg.sleep_max_running, cfg.sleep_max_queued, cfg.sleep_idle_s)
-    )
     index = index_client(config, "controller")
     settings = ControllerSettings(
         cfg.uri,
@@ -113,7 +128,7 @@ def build_controller(config: Config) -> tuple[Any, Any]:
         block_tokens=_block_tokens(cfg.descriptors),
         mean_service_ms=cfg.mean_service_ms,
     )
-    return create_controller(settings, state, Policy.load(cfg.policy), index), state
+    return create_controller(settings, state, Policy.load(cfg.policy), index)
 
 
 def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:
@@ -222,7 +237,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         raise ConfigError(
             f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc"
         )
-    store = publisher = index_state = None
+    store = publisher = index_state = pc_state = None
     try:
         apps: list[tuple[str, Any]] = []
         if "holder" in roles:
@@ -232,14 +247,16 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             publisher = build_publisher(config, store)
             apps.append((urlsplit(config.holder.uri).path, build_holder(config, store, publisher)))
             log.warning("holder %s: %d blocks recovered", config.holder.uri, found)
-        controller_state = None
+        if "pc" in roles or ("index" in roles and config.controller.state == "redis"):
+            # The IS estimates from the PC's instance status (L2): the PC's
+            # state in this process, or the Redis PC processes share.
+            pc_state = controller_state(config)
         if "pc" in roles:
-            controller_app, controller_state = build_controller(config)
-            apps.append((urlsplit(config.controller.uri).path, controller_app))
-            log.warning("controller %s", config.controller.uri)
+            apps.append((urlsplit(config.controller.uri).path, build_controller(config, pc_state)))
+            log.warning("controller %s (%s state)", config.controller.uri,
+                        config.controller.state)  # fmt: skip
         if "index" in roles:
-            # In one process the IS reads instance status from the PC (L2).
-            index_app, index_state = build_index(config, controller_state)
+            index_app, index_state = build_index(config, pc_state)
             apps.append((urlsplit(config.index.uri).path, index_app))
             log.warning("index %s (%s state)", config.index.uri, config.index.state)
         app = apps[0][1] if len(apps) == 1 else Dispatcher(apps)
@@ -258,6 +275,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             await store.close()
         if index_state is not None:
             await index_state.close()
+        if pc_state is not None:
+            await pc_state.close()
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:

@@ -3,7 +3,7 @@
 64 active instances with links to 4 holders; prompts of 512 and 8k block
 keys with 3 replicas each, looked up in an in-memory Index Service state
 (the records parsed as the PC receives them), then ranked by the draft's
-cost (``rank``). Status updates go through ``ControllerState.put_status``.
+cost (``rank``). Status updates go through ``MemoryControllerState.put_status``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from ..controller.placement import choose, rank
-from ..controller.state import ControllerState
+from ..controller.state import MemoryControllerState
 from ..index.state import MemoryState
 from ..protocol.control import InstanceStatus, Link
 from ..protocol.records import ReplicaRecord
@@ -32,13 +32,13 @@ def _status(n: int, epoch: int = 1) -> InstanceStatus:
 
 
 async def _run(quick: bool) -> list[Result]:
-    pc = ControllerState()
+    pc = MemoryControllerState()
     statuses = [_status(n) for n in range(64)]
     start = time.perf_counter()
     rounds = 20 if quick else 200
     for _ in range(rounds):
         for status in statuses:
-            pc.put_status(status)
+            await pc.put_status(status)
     updates = rounds * len(statuses) / (time.perf_counter() - start)
     results = [Result("status updates", "updates/s", updates, "(none)", 0.0)]
     index = MemoryState()
@@ -54,7 +54,7 @@ async def _run(quick: bool) -> list[Result]:
         while time.perf_counter() < deadline:
             hits = await index.lookup(SCOPE, COMPAT, keys[:size])
             replicas = [[ReplicaRecord.from_json(r) for r in g] for g in hits.records()]
-            choose(rank(pc.active(), replicas, total_tokens=size * 16, block_tokens=16,
+            choose(rank(await pc.active(), replicas, total_tokens=size * 16, block_tokens=16,
                         mean_service_us=2000))  # fmt: skip
             count += 1
         rate = count / (time.perf_counter() - started)

@@ -79,7 +79,7 @@ def create_app(
         status = InstanceStatus.from_json(await read_json(request, settings.max_json_octets))
         if status.instance != instance:
             raise BadRequest("the record's instance is not the path's instance")
-        answer = state.put_status(status)  # S2: stale epochs raise 409
+        answer = await state.put_status(status)  # S2: stale epochs raise 409
         # S3: the answer carries the state the PC holds for the instance.
         return json_response(StateChange(answer).to_json())
 
@@ -92,7 +92,7 @@ def create_app(
         policy.require_write(who(request), checkpoint.scope_id)
         if checkpoint.session != request.path_params["session"].lower():
             raise BadRequest("the checkpoint's session is not the path's session")
-        entry = state.put_checkpoint(checkpoint, instance)  # CK2, CK7
+        entry = await state.put_checkpoint(checkpoint, instance)  # CK2, CK7
         kept = entry.checkpoint.output_offset if entry.checkpoint is not None else 0
         # The acknowledgement a non-deterministic sampler waits for (CK3).
         return json_response({"epoch": entry.epoch, "output_offset": kept})
@@ -124,7 +124,7 @@ def create_app(
                 log.warning("index lookup failed, placing without cache: %s", exc.detail)
                 index_state = "unavailable"
         candidates = rank(
-            state.active(), replicas, total_tokens=total, block_tokens=block_tokens,
+            await state.active(), replicas, total_tokens=total, block_tokens=block_tokens,
             mean_service_us=settings.mean_service_ms * 1000,
         )  # fmt: skip
         chosen = choose(candidates)

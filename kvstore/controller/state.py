@@ -1,207 +1,191 @@
 """What the Placement Controller knows: instances, their epochs, sessions.
 
-Rules, with the requirement each serves:
-
-* a status record with a lower epoch than the highest seen for its instance
-  is discarded with ``kvsp-stale-epoch`` (S2);
-* an instance whose record expired (``ttl_ms`` after it arrived) is failed
-  (S1); no request or directive goes to a non-active instance (S4);
-* ``requested_state: "sleeping"`` is answered ``draining`` when the
-  instance has been idle (running and queued below thresholds) for the
-  configured time, else ``active`` (S3); a sleeping instance stays asleep
-  until the PC changes its state (S6);
-* a checkpoint keeps the highest ``output_offset`` of the session's current
-  epoch; a lower epoch is ``kvsp-stale-epoch``; only the session's current
-  owner may checkpoint it (CK2, CK7, SEC5).
+:class:`ControllerState` applies the rules of :mod:`.rules` over a few
+storage primitives, which :class:`MemoryControllerState` (one process) and
+:class:`~.redis_state.RedisControllerState` (several PC and IS processes
+sharing a Redis, or a PC that restarts) implement. Each primitive changes
+one entry atomically: a rule sees the entry as it is and its result replaces
+exactly that, or the change is retried.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint
-from ..protocol.problems import (
-    BadRequest,
-    Forbidden,
-    InsufficientStorage,
-    InvalidState,
-    NotFound,
-    StaleEpoch,
+from ..protocol.problems import InsufficientStorage, InvalidState, NotFound
+from .rules import (
+    InstanceEntry,
+    SessionEntry,
+    SleepPolicy,
+    after_assign,
+    after_checkpoint,
+    after_status,
 )
 
+__all__ = ["ControllerState", "MemoryControllerState", "SleepPolicy"]
 
-@dataclass(frozen=True, slots=True)
-class SleepPolicy:
-    """When an instance asking to sleep may (S3)."""
-
-    max_running: int = 0
-    max_queued: int = 0
-    idle_for_s: float = 60.0
+InstanceChange = Callable[[InstanceEntry | None, float], InstanceEntry]
+SessionChange = Callable[[SessionEntry | None], SessionEntry]
 
 
-@dataclass(slots=True)
-class InstanceEntry:
-    status: InstanceStatus
-    expires_at: float
-    highest_epoch: int
-    #: The lifecycle state the PC holds for the instance (it wins over the
-    #: reported one while a transition is in progress).
-    state: str
-    idle_since: float | None = None
+class SessionsFull(InsufficientStorage):
+    title = "Too many sessions"
 
 
-@dataclass(slots=True)
-class SessionEntry:
-    session: str
-    epoch: int
-    owner: str
-    checkpoint: SessionCheckpoint | None = None
-
-
-@dataclass(slots=True)
+@dataclass(kw_only=True)
 class ControllerState:
-    """In-memory controller state for one process."""
+    """The PC's rules over storage primitives a subclass provides."""
 
     sleep_policy: SleepPolicy = field(default_factory=SleepPolicy)
-    clock: Callable[[], float] = time.monotonic
     #: Bounds on what instances can make the PC remember (hostile input).
     max_sessions: int = 100_000
     max_sessions_per_owner: int = 10_000
-    _per_owner: dict[str, int] = field(default_factory=dict)
-    instances: dict[str, InstanceEntry] = field(default_factory=dict)
-    sessions: dict[str, SessionEntry] = field(default_factory=dict)
 
-    # --- status and lifecycle ---------------------------------------------
+    # --- storage primitives -------------------------------------------------
 
-    def put_status(self, status: InstanceStatus) -> str:
+    async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
+        """The instance's entry and the state's clock now."""
+        raise NotImplementedError
+
+    async def _instances(self) -> tuple[list[InstanceEntry], float]:
+        raise NotImplementedError
+
+    async def _change_instance(self, instance: str, change: InstanceChange) -> InstanceEntry:
+        """Replace the entry by ``change(entry, now)``, atomically."""
+        raise NotImplementedError
+
+    async def _session(self, session: str) -> SessionEntry | None:
+        raise NotImplementedError
+
+    async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
+        """Replace the entry by ``change(entry)``, atomically, within the
+        session quotas (a new session, or one moving to another owner)."""
+        raise NotImplementedError
+
+    async def _sessions_of(self, owner: str) -> list[SessionEntry]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+    # --- status and lifecycle -----------------------------------------------
+
+    async def put_status(self, status: InstanceStatus) -> str:
         """Record a status report; returns the state to answer with (S2, S3)."""
-        now = self.clock()
-        entry = self.instances.get(status.instance)
-        if entry is not None and status.epoch < entry.highest_epoch:
-            raise StaleEpoch(
-                f"epoch {status.epoch} is older than {entry.highest_epoch} for this instance"
-            )
-        restarted = entry is None or status.epoch > entry.highest_epoch
-        state = status.state if restarted or entry is None else entry.state
-        if restarted and entry is not None and entry.state in ("draining", "sleeping"):
-            # S6: a restart does not wake an instance the PC put to sleep (a
-            # draining one comes back with no sessions: it is asleep).
-            state = "sleeping"
-        if entry is not None and not restarted and entry.state == "sleeping":
-            state = "sleeping"  # S6: only the PC wakes it
-        if entry is not None and not restarted and entry.state == "draining":
-            # S5: a draining instance reports sleeping once it has no sessions.
-            state = "sleeping" if status.state == "sleeping" else "draining"
-        idle = status.running <= self.sleep_policy.max_running and (
-            status.queued <= self.sleep_policy.max_queued
+        entry = await self._change_instance(
+            status.instance, lambda e, now: after_status(e, status, now, self.sleep_policy)
         )
-        idle_since = None
-        if idle:
-            previous = entry.idle_since if entry is not None and not restarted else None
-            idle_since = previous if previous is not None else now
-        if status.requested_state == "sleeping" and state == "active":
-            long_enough = (
-                idle_since is not None and now - idle_since >= self.sleep_policy.idle_for_s
-            )
-            state = "draining" if long_enough else "active"
-        self.instances[status.instance] = InstanceEntry(
-            status=status,
-            expires_at=now + status.ttl_ms / 1000,
-            highest_epoch=status.epoch,
-            state=state,
-            idle_since=idle_since,
-        )
-        return state
-
-    def state_of(self, instance: str) -> str:
-        """The instance's lifecycle state; ``failed`` once its record expired (S1)."""
-        entry = self.instances.get(instance)
-        if entry is None:
-            raise NotFound("unknown instance")
-        if entry.expires_at <= self.clock():
-            return "failed"
         return entry.state
 
-    def set_state(self, instance: str, state: str) -> None:
-        """The PC's own decision (what it sends with ``PUT state``, S3/S6)."""
-        entry = self.instances.get(instance)
+    async def state_of(self, instance: str) -> str:
+        """The instance's lifecycle state; ``failed`` once its record expired (S1)."""
+        entry, now = await self._instance(instance)
         if entry is None:
             raise NotFound("unknown instance")
-        entry.state = state
+        return entry.state_at(now)
 
-    def active(self) -> list[InstanceStatus]:
+    async def set_state(self, instance: str, state: str) -> None:
+        """The PC's own decision (what it sends with ``PUT state``, S3/S6)."""
+
+        def change(entry: InstanceEntry | None, now: float) -> InstanceEntry:
+            if entry is None:
+                raise NotFound("unknown instance")
+            return replace(entry, state=state)
+
+        await self._change_instance(instance, change)
+
+    async def active(self) -> list[InstanceStatus]:
         """Instances that may receive requests and directives (S4)."""
-        now = self.clock()
-        return [
-            e.status for e in self.instances.values() if e.state == "active" and e.expires_at > now
-        ]
+        entries, now = await self._instances()
+        return [e.status for e in entries if e.state_at(now) == "active"]
 
-    def failed(self) -> list[str]:
-        now = self.clock()
-        return [name for name, e in self.instances.items() if e.expires_at <= now]
+    async def failed(self) -> list[str]:
+        entries, now = await self._instances()
+        return [e.status.instance for e in entries if e.state_at(now) == "failed"]
 
-    def require_active(self, instance: str) -> None:
-        if self.state_of(instance) != "active":
-            raise InvalidState(f"instance is {self.state_of(instance)}, not active (S4)")
+    async def require_active(self, instance: str) -> None:
+        state = await self.state_of(instance)
+        if state != "active":
+            raise InvalidState(f"instance is {state}, not active (S4)")
 
-    async def status(self, instance: str) -> InstanceStatus | None:
+    async def statuses(self, instances: Iterable[str]) -> Mapping[str, InstanceStatus]:
         """StatusSource for the Index Service's estimates: active instances only."""
-        entry = self.instances.get(instance)
-        if entry is None or entry.state != "active" or entry.expires_at <= self.clock():
-            return None
-        return entry.status
+        wanted = set(instances)
+        entries, now = await self._instances()
+        return {
+            e.status.instance: e.status
+            for e in entries
+            if e.status.instance in wanted and e.state_at(now) == "active"
+        }
 
     # --- sessions and checkpoints -------------------------------------------
 
-    def assign(self, session: str, owner: str, epoch: int = 1) -> SessionEntry:
+    async def assign(self, session: str, owner: str, epoch: int = 1) -> SessionEntry:
         """A session starts (or resumes, with a higher epoch) on ``owner``."""
-        entry = self.sessions.get(session)
-        if entry is not None and epoch <= entry.epoch:
-            raise StaleEpoch(f"session is at epoch {entry.epoch}")
-        if entry is None and len(self.sessions) >= self.max_sessions:
-            raise InsufficientStorage(f"the PC tracks its maximum of {self.max_sessions} sessions")
-        if (entry is None or entry.owner != owner) and (
-            self._per_owner.get(owner, 0) >= self.max_sessions_per_owner
-        ):
-            raise InsufficientStorage("this instance has its maximum of open sessions")
-        if entry is not None:
-            self._per_owner[entry.owner] -= 1
-        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
-        checkpoint = entry.checkpoint if entry is not None else None
-        self.sessions[session] = SessionEntry(session, epoch, owner, checkpoint)
-        return self.sessions[session]
+        return await self._change_session(session, lambda e: after_assign(e, session, owner, epoch))
 
-    def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> SessionEntry:
+    async def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> SessionEntry:
         """CK2, CK7: keep the highest output_offset of the current epoch."""
-        entry = self.sessions.get(checkpoint.session)
+        return await self._change_session(
+            checkpoint.session, lambda e: after_checkpoint(e, checkpoint, instance)
+        )
+
+    async def session(self, session: str) -> SessionEntry:
+        entry = await self._session(session)
         if entry is None:
-            # A session the PC has not placed: its first checkpoint registers
-            # it, at epoch 1 only (a later epoch is the PC's to hand out).
-            if checkpoint.epoch != 1:
-                raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned")
-            entry = self.assign(checkpoint.session, instance, 1)
-        elif entry.checkpoint is not None and (
-            (checkpoint.scope_id, checkpoint.compat_id)
-            != (entry.checkpoint.scope_id, entry.checkpoint.compat_id)
-        ):
-            raise BadRequest("a session keeps its scope and compatibility")
-        if checkpoint.epoch < entry.epoch:
-            raise StaleEpoch(f"epoch {checkpoint.epoch} is older than {entry.epoch} (CK2)")
-        if checkpoint.epoch > entry.epoch:
-            raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned (current {entry.epoch})")
-        if instance != entry.owner:
-            # SEC5: an instance fenced off by a newer epoch cannot extend the session.
-            raise Forbidden("the session belongs to another instance")
-        best = entry.checkpoint
-        if (
-            best is None
-            or best.epoch < checkpoint.epoch
-            or (checkpoint.output_offset >= best.output_offset)
-        ):
-            entry.checkpoint = checkpoint
+            raise NotFound("unknown session")
         return entry
 
-    def sessions_of(self, instance: str) -> list[SessionEntry]:
-        return [s for s in self.sessions.values() if s.owner == instance]
+    async def sessions_of(self, instance: str) -> list[SessionEntry]:
+        return await self._sessions_of(instance)
+
+    def _quota_error(self, total_full: bool) -> InsufficientStorage:
+        if total_full:
+            return SessionsFull(f"the PC tracks its maximum of {self.max_sessions} sessions")
+        return SessionsFull("this instance has its maximum of open sessions")
+
+
+@dataclass(kw_only=True)
+class MemoryControllerState(ControllerState):
+    """Controller state in one process (entries in dicts, a monotonic clock)."""
+
+    clock: Callable[[], float] = time.monotonic
+    instances: dict[str, InstanceEntry] = field(default_factory=dict)
+    sessions: dict[str, SessionEntry] = field(default_factory=dict)
+    _per_owner: dict[str, int] = field(default_factory=dict)
+
+    # Nothing below awaits: each change is atomic within the event loop.
+
+    async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
+        return self.instances.get(instance), self.clock()
+
+    async def _instances(self) -> tuple[list[InstanceEntry], float]:
+        return list(self.instances.values()), self.clock()
+
+    async def _change_instance(self, instance: str, change: InstanceChange) -> InstanceEntry:
+        entry = change(self.instances.get(instance), self.clock())
+        self.instances[instance] = entry
+        return entry
+
+    async def _session(self, session: str) -> SessionEntry | None:
+        return self.sessions.get(session)
+
+    async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
+        old = self.sessions.get(session)
+        new = change(old)
+        if old is None and len(self.sessions) >= self.max_sessions:
+            raise self._quota_error(total_full=True)
+        if old is None or old.owner != new.owner:
+            if self._per_owner.get(new.owner, 0) >= self.max_sessions_per_owner:
+                raise self._quota_error(total_full=False)
+            if old is not None:
+                self._per_owner[old.owner] -= 1
+            self._per_owner[new.owner] = self._per_owner.get(new.owner, 0) + 1
+        self.sessions[session] = new
+        return new
+
+    async def _sessions_of(self, owner: str) -> list[SessionEntry]:
+        return [s for s in self.sessions.values() if s.owner == owner]

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,22 +48,25 @@ from .state import Hits, IndexState
 
 
 class StatusSource(Protocol):
-    """Where the IS reads instance status records (the PC it runs with)."""
+    """Where the IS reads instance status records: the state of the PC it
+    runs with, in this process or in a shared Redis."""
 
-    async def status(self, instance: str) -> InstanceStatus | None: ...
+    async def statuses(self, instances: Iterable[str]) -> Mapping[str, InstanceStatus]:
+        """The status records of those of ``instances`` that are active."""
+        ...
 
 
 @dataclass(slots=True)
 class StatusBook:
-    """Status records kept in this process (the PC writes, the IS reads)."""
+    """Status records kept in this process (tests, and an IS without a PC)."""
 
     records: dict[str, InstanceStatus] = field(default_factory=dict)
 
     def put(self, status: InstanceStatus) -> None:
         self.records[status.instance] = status
 
-    async def status(self, instance: str) -> InstanceStatus | None:
-        return self.records.get(instance)
+    async def statuses(self, instances: Iterable[str]) -> Mapping[str, InstanceStatus]:
+        return {i: self.records[i] for i in instances if i in self.records}
 
 
 @dataclass(slots=True)
@@ -114,9 +117,10 @@ async def estimates(
         return []
     groups = [(decode_shapes(octets), n) for octets, n in Counter(hits.shapes).items()]
     tokens = hits.matched * block_tokens
+    known = await statuses.statuses(targets)
     out = []
     for target in targets:
-        status = await statuses.status(target)
+        status = known.get(target)
         if status is None:
             continue
         plan = plan_groups(groups, status)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvstore.controller.app import ControllerSettings, create_app
-from kvstore.controller.state import ControllerState, SleepPolicy
+from kvstore.controller.state import ControllerState, MemoryControllerState, SleepPolicy
 from kvstore.protocol.wire import role_id
 from kvstore.security import Policy, create_dev_certificates
 
@@ -37,7 +37,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def pc() -> ControllerState:
-    return ControllerState(SleepPolicy(idle_for_s=0))
+    return MemoryControllerState(sleep_policy=SleepPolicy(idle_for_s=0))
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ async def test_checkpoints_and_fencing(
     path = f"sessions/{session}/checkpoint"
     ack = await ii1.put(path, json=checkpoint(session, 1, 8).to_json())
     assert ack.status_code == 200 and ack.json() == {"epoch": 1, "output_offset": 8}
-    pc.assign(session, II2, epoch=2)
+    await pc.assign(session, II2, epoch=2)
     old = await ii1.put(path, json=checkpoint(session, 1, 16).to_json())
     assert old.status_code == 409 and old.json()["type"].endswith("#kvsp-stale-epoch")
     assert (await ii1.put(path, json=checkpoint(session, 2, 16).to_json())).status_code == 403
@@ -164,7 +164,7 @@ async def test_place_without_a_reachable_index(certs: Path, pc: ControllerState)
         app = create_app(ControllerSettings(PC, block_tokens={"b" * 64: 4}), pc, POLICY, index)
         wrapped = AsPrincipal(app, (certs / "client-alice.pem").read_text())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped), base_url=PC) as c:
-            pc.put_status(status(II1))
+            await pc.put_status(status(II1))
             body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": ["c" * 64],
                     "tokens": 8}  # fmt: skip
             response = await c.post("place", json=body)

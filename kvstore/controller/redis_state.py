@@ -1,0 +1,174 @@
+"""Controller state in Redis: a restarted or second PC continues, and an
+Index Service in another process reads the instances' status (L2, PL1).
+
+Keys, all in one Redis Cluster slot (the ``{pc}`` hash tag: the PC's state
+is small, and one slot keeps every change a single-slot script):
+
+* ``<prefix>{pc}:instances`` hash: instance URI -> entry JSON (status
+  record, expiry, highest epoch, lifecycle state, idle since);
+* ``<prefix>{pc}:sessions`` hash: session id -> entry JSON (epoch, owner,
+  latest checkpoint);
+* ``<prefix>{pc}:owner:<instance id>`` set: the sessions an instance owns.
+
+Times are the Redis server's clock (``TIME``), the one clock every PC and
+IS process sharing the state agrees on. Each change reads the entry, applies
+the rule in Python (:mod:`.rules`, the same code as the memory state) and
+writes it back with a compare-and-set script, retried when another process
+changed the entry in between.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from ..protocol.problems import TierUnavailable
+from ..protocol.wire import role_id
+from .rules import InstanceEntry, SessionEntry
+from .state import ControllerState, InstanceChange, SessionChange
+
+# KEYS[1] hash; ARGV: field, expected value ("" for none), new value.
+_SWAP = """
+if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+# KEYS: sessions hash, old owner's set, new owner's set; ARGV: session,
+# expected ("" for none), new value, max sessions, max per owner.
+# -> 1 done, 0 changed meanwhile, -1 too many sessions, -2 owner at its maximum.
+_SWAP_SESSION = """
+local current = redis.call('HGET', KEYS[1], ARGV[1]) or ''
+if current ~= ARGV[2] then return 0 end
+if current == '' and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then return -1 end
+if current == '' or KEYS[2] ~= KEYS[3] then
+  if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return -2 end
+  if current ~= '' then redis.call('SREM', KEYS[2], ARGV[1]) end
+  redis.call('SADD', KEYS[3], ARGV[1])
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
+def _dump(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+class RedisControllerState(ControllerState):
+    """The controller state on a Redis shared by PC and IS processes."""
+
+    #: Attempts of one change against concurrent writers before giving up.
+    retries = 32
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "kvsp-pc:",
+        timeout_s: float = 5.0,
+        clock: Callable[[], float] | None = None,
+        **rules: Any,
+    ) -> None:
+        """``clock``: tests only, instead of the Redis server's clock."""
+        super().__init__(**rules)
+        self.url = url
+        self._clock = clock
+        tag = f"{prefix}{{pc}}:"
+        self._instances_key = tag + "instances"
+        self._sessions_key = tag + "sessions"
+        self._owner_prefix = tag + "owner:"
+        self._client: Any = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._swap = self._client.register_script(_SWAP)
+        self._swap_session = self._client.register_script(_SWAP_SESSION)
+        #: Parsed entries by their JSON: placements between two reports of an
+        #: instance read its entry without validating the record again.
+        self._parsed: dict[bytes, InstanceEntry] = {}
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except (redis_errors.RedisError, OSError) as exc:
+            raise TierUnavailable(f"controller Redis at {self.url}: {exc}") from exc
+
+    def _now(self, time_reply: Any) -> float:
+        if self._clock is not None:
+            return self._clock()
+        seconds, micros = time_reply
+        return int(seconds) + int(micros) / 1e6
+
+    def _entry(self, raw: bytes | None) -> InstanceEntry | None:
+        if raw is None:
+            return None
+        entry = self._parsed.get(raw)
+        if entry is None:
+            if len(self._parsed) > 4096:
+                self._parsed.clear()  # bounded: entries change with every report
+            entry = self._parsed[raw] = InstanceEntry.from_json(json.loads(raw))
+        return entry
+
+    async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hget(self._instances_key, instance)
+            pipe.time()
+            raw, now = await self._call(pipe.execute())
+        return self._entry(raw), self._now(now)
+
+    async def _instances(self) -> tuple[list[InstanceEntry], float]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hvals(self._instances_key)
+            pipe.time()
+            values, now = await self._call(pipe.execute())
+        entries = [self._entry(raw) for raw in values]
+        return [e for e in entries if e is not None], self._now(now)
+
+    async def _change_instance(self, instance: str, change: InstanceChange) -> InstanceEntry:
+        for _ in range(self.retries):
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.hget(self._instances_key, instance)
+                pipe.time()
+                raw, now = await self._call(pipe.execute())
+            entry = change(self._entry(raw), self._now(now))
+            args = [instance, raw or b"", _dump(entry.to_json())]
+            if await self._call(self._swap(keys=[self._instances_key], args=args)):
+                return entry
+        raise TierUnavailable("controller Redis: the instance entry kept changing")
+
+    async def _session(self, session: str) -> SessionEntry | None:
+        raw = await self._call(self._client.hget(self._sessions_key, session))
+        return None if raw is None else SessionEntry.from_json(json.loads(raw))
+
+    async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
+        for _ in range(self.retries):
+            raw = await self._call(self._client.hget(self._sessions_key, session))
+            old = None if raw is None else SessionEntry.from_json(json.loads(raw))
+            new = change(old)
+            keys = [
+                self._sessions_key,
+                self._owner_prefix + role_id(old.owner if old is not None else new.owner),
+                self._owner_prefix + role_id(new.owner),
+            ]
+            args = [session, raw or b"", _dump(new.to_json()), self.max_sessions,
+                    self.max_sessions_per_owner]  # fmt: skip
+            done = await self._call(self._swap_session(keys=keys, args=args))
+            if done == 1:
+                return new
+            if done < 0:
+                raise self._quota_error(total_full=done == -1)
+        raise TierUnavailable("controller Redis: the session entry kept changing")
+
+    async def _sessions_of(self, owner: str) -> list[SessionEntry]:
+        names = await self._call(self._client.smembers(self._owner_prefix + role_id(owner)))
+        if not names:
+            return []
+        values = await self._call(self._client.hmget(self._sessions_key, sorted(names)))
+        entries = [SessionEntry.from_json(json.loads(v)) for v in values if v is not None]
+        return [e for e in entries if e.owner == owner]
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,176 @@
+"""The Placement Controller's rules, as pure transitions of its records.
+
+Every state (memory, Redis) stores the same entries and changes them only
+through these functions, so the rules hold the same everywhere:
+
+* a status record with a lower epoch than the highest seen for its instance
+  is discarded with ``kvsp-stale-epoch`` (S2);
+* an instance whose record expired (``ttl_ms`` after it arrived) is failed
+  (S1); no request or directive goes to a non-active instance (S4);
+* ``requested_state: "sleeping"`` is answered ``draining`` when the
+  instance has been idle (running and queued below thresholds) for the
+  configured time, else ``active`` (S3); a sleeping instance stays asleep
+  until the PC changes its state (S6);
+* a checkpoint keeps the highest ``output_offset`` of the session's current
+  epoch; a lower epoch is ``kvsp-stale-epoch``; only the session's current
+  owner may checkpoint it (CK2, CK7, SEC5).
+
+Times are seconds on the state's clock (monotonic in one process, the Redis
+server's clock for a shared state): never a peer's clock (OPS2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol.control import InstanceStatus, SessionCheckpoint
+from ..protocol.problems import BadRequest, Forbidden, StaleEpoch
+
+
+@dataclass(frozen=True, slots=True)
+class SleepPolicy:
+    """When an instance asking to sleep may (S3)."""
+
+    max_running: int = 0
+    max_queued: int = 0
+    idle_for_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEntry:
+    status: InstanceStatus
+    expires_at: float
+    highest_epoch: int
+    #: The lifecycle state the PC holds for the instance (it wins over the
+    #: reported one while a transition is in progress).
+    state: str
+    idle_since: float | None = None
+
+    def state_at(self, now: float) -> str:
+        """``failed`` once the record expired (S1), else the held state."""
+        return "failed" if self.expires_at <= now else self.state
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status.to_json(),
+            "expires_at": self.expires_at,
+            "highest_epoch": self.highest_epoch,
+            "state": self.state,
+            "idle_since": self.idle_since,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, status: InstanceStatus | None = None) -> InstanceEntry:
+        """From a shared state's stored JSON (written by :meth:`to_json`);
+        ``status``: the already parsed status record, when the caller has it."""
+        return cls(
+            status=status or InstanceStatus.from_json(value["status"]),
+            expires_at=float(value["expires_at"]),
+            highest_epoch=int(value["highest_epoch"]),
+            state=str(value["state"]),
+            idle_since=None if value["idle_since"] is None else float(value["idle_since"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    session: str
+    epoch: int
+    owner: str
+    checkpoint: SessionCheckpoint | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "epoch": self.epoch,
+            "owner": self.owner,
+            "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> SessionEntry:
+        checkpoint = value["checkpoint"]
+        return cls(
+            session=str(value["session"]),
+            epoch=int(value["epoch"]),
+            owner=str(value["owner"]),
+            checkpoint=None if checkpoint is None else SessionCheckpoint.from_json(checkpoint),
+        )
+
+
+def after_status(
+    entry: InstanceEntry | None, status: InstanceStatus, now: float, policy: SleepPolicy
+) -> InstanceEntry:
+    """The instance's entry once ``status`` is recorded (S2, S3, S5, S6)."""
+    if entry is not None and status.epoch < entry.highest_epoch:
+        raise StaleEpoch(
+            f"epoch {status.epoch} is older than {entry.highest_epoch} for this instance"
+        )
+    restarted = entry is None or status.epoch > entry.highest_epoch
+    state = status.state if restarted or entry is None else entry.state
+    if restarted and entry is not None and entry.state in ("draining", "sleeping"):
+        # S6: a restart does not wake an instance the PC put to sleep (a
+        # draining one comes back with no sessions: it is asleep).
+        state = "sleeping"
+    if entry is not None and not restarted and entry.state == "sleeping":
+        state = "sleeping"  # S6: only the PC wakes it
+    if entry is not None and not restarted and entry.state == "draining":
+        # S5: a draining instance reports sleeping once it has no sessions.
+        state = "sleeping" if status.state == "sleeping" else "draining"
+    idle = status.running <= policy.max_running and status.queued <= policy.max_queued
+    idle_since = None
+    if idle:
+        previous = entry.idle_since if entry is not None and not restarted else None
+        idle_since = previous if previous is not None else now
+    if status.requested_state == "sleeping" and state == "active":
+        long_enough = idle_since is not None and now - idle_since >= policy.idle_for_s
+        state = "draining" if long_enough else "active"
+    return InstanceEntry(
+        status=status,
+        expires_at=now + status.ttl_ms / 1000,
+        highest_epoch=status.epoch,
+        state=state,
+        idle_since=idle_since,
+    )
+
+
+def after_assign(entry: SessionEntry | None, session: str, owner: str, epoch: int) -> SessionEntry:
+    """A session starts on ``owner``, or resumes there with a higher epoch (CK5)."""
+    if entry is not None and epoch <= entry.epoch:
+        raise StaleEpoch(f"session is at epoch {entry.epoch}")
+    checkpoint = entry.checkpoint if entry is not None else None
+    return SessionEntry(session, epoch, owner, checkpoint)
+
+
+def after_checkpoint(
+    entry: SessionEntry | None, checkpoint: SessionCheckpoint, instance: str
+) -> SessionEntry:
+    """CK2, CK7, SEC5: keep the highest output_offset of the current epoch."""
+    if entry is None:
+        # A session the PC has not placed: its first checkpoint registers
+        # it, at epoch 1 only (a later epoch is the PC's to hand out).
+        if checkpoint.epoch != 1:
+            raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned")
+        entry = SessionEntry(checkpoint.session, 1, instance)
+    elif entry.checkpoint is not None and (
+        (checkpoint.scope_id, checkpoint.compat_id)
+        != (entry.checkpoint.scope_id, entry.checkpoint.compat_id)
+    ):
+        raise BadRequest("a session keeps its scope and compatibility")
+    if checkpoint.epoch < entry.epoch:
+        raise StaleEpoch(f"epoch {checkpoint.epoch} is older than {entry.epoch} (CK2)")
+    if checkpoint.epoch > entry.epoch:
+        raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned (current {entry.epoch})")
+    if instance != entry.owner:
+        # SEC5: an instance fenced off by a newer epoch cannot extend the session.
+        raise Forbidden("the session belongs to another instance")
+    best = entry.checkpoint
+    if (
+        best is not None
+        and best.epoch == checkpoint.epoch
+        and checkpoint.output_offset < best.output_offset
+    ):
+        return entry  # a late, lower checkpoint: the higher one stays
+    return dataclasses.replace(entry, checkpoint=checkpoint)
