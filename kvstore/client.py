@@ -239,7 +239,10 @@ class IndexClient(_Http):
     async def lookup(self, request: LookupRequest) -> LookupResponse:
         """``POST lookup`` (L1, L2)."""
         url = urljoin(self.index_uri, "lookup")
-        _, _, raw = await self._request("POST", url, expect=[200], json=request.to_json())
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        _, _, raw = await self._request(
+            "POST", url, expect=[200], data=request.encode(), headers=headers
+        )
         return LookupResponse.from_json(json.loads(raw))
 
     async def withdraw(self, holder: str, block_key: str) -> None:

@@ -1,37 +1,87 @@
 """``kvstore bench controller``: placement decisions and status updates per second.
 
 64 active instances with links to 4 holders; prompts of 512 and 8k block
-keys with 3 replicas each, looked up in an in-memory Index Service state
-(the records parsed as the PC receives them), then ranked by the draft's
-cost (``rank``). Status updates go through ``MemoryControllerState.put_status``.
+keys with 3 replicas each in an Index Service that runs as its own process
+(``kvstore serve --roles index``, memory state, plain HTTP on loopback).
+A placement is one ``POST place`` through the PC's whole ASGI app: request
+parsing, the IS lookup over HTTP (``shapes_only``), ranking every active
+instance by the draft's cost. Sequential, and with several in flight (the IS
+and the PC then work at once, on two cores). Baseline in the same run: the
+bare IS lookup the placement makes, from the same client. Status updates go
+through ``MemoryControllerState.put_status``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
-from ..controller.placement import choose, rank
-from ..controller.state import MemoryControllerState
-from ..index.state import MemoryState
 from ..protocol.control import InstanceStatus, Link
-from ..protocol.records import ReplicaRecord
+from ..protocol.records import LookupRequest
 from . import Result
-from .index import COMPAT, SCOPE, _record
+from .holder import _port, _wait
+from .index import COMPAT, SCOPE, _call, _record
 
 HOLDERS = [f"https://h{i}.bench/kvsp/" for i in range(4)]
+BLOCK_TOKENS = 16
 
 
 def _status(n: int, epoch: int = 1) -> InstanceStatus:
     return InstanceStatus(
         instance=f"https://ii{n}.bench/kvsp/", epoch=epoch, state="active", running=n % 8,
         queued=n % 3, batch_size=32, kv_utilization=0.5, prefill_tokens_per_s=40000 + n,
-        decode_tokens_per_s=3000, ttl_ms=60_000,
+        decode_tokens_per_s=3000, ttl_ms=600_000,
         links=tuple(Link(h, 100000.0 + 1000 * i, 10.0 + n % 5) for i, h in enumerate(HOLDERS)),
     )  # fmt: skip
 
 
+def _index_process(root: Path, max_keys: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = _port()
+    (root / "policy.json").write_text(json.dumps({"principals": {
+        "anonymous": {"roles": ["admin"], "read_scopes": ["*"], "write_scopes": ["*"]},
+    }}))  # fmt: skip
+    (root / "index.toml").write_text(
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\ninsecure_http = true\n'
+        f'[index]\nuri = "http://127.0.0.1:{port}/is/"\npolicy = "policy.json"\n'
+        f"max_lookup_keys = {max_keys}\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--roles", "index",
+         "--config", str(root / "index.toml")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    _wait(port, process)
+    return process, f"http://127.0.0.1:{port}/is/"
+
+
+async def _rate(make_call: Any, seconds: float, in_flight: int) -> float:
+    """Calls per second over ``seconds``, ``in_flight`` at a time."""
+    count = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal count
+        while time.perf_counter() < deadline:
+            await make_call()
+            count += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return count / (time.perf_counter() - started)
+
+
 async def _run(quick: bool) -> list[Result]:
+    from ..client import IndexClient
+    from ..controller.app import ControllerSettings, create_app
+    from ..controller.state import MemoryControllerState
+    from ..security import Policy
+
     pc = MemoryControllerState()
     statuses = [_status(n) for n in range(64)]
     start = time.perf_counter()
@@ -41,25 +91,52 @@ async def _run(quick: bool) -> list[Result]:
             await pc.put_status(status)
     updates = rounds * len(statuses) / (time.perf_counter() - start)
     results = [Result("status updates", "updates/s", updates, "(none)", 0.0)]
-    index = MemoryState()
+
     sizes = [512] if quick else [512, 8192]
     keys = [f"{n:064x}" for n in range(max(sizes))]
-    for k in keys:
-        for holder in HOLDERS[:3]:
-            await index.put(_record(k, holder), 600_000)
-    for size in sizes:
-        count = 0
-        started = time.perf_counter()
-        deadline = started + (1.0 if quick else 3.0)
-        while time.perf_counter() < deadline:
-            hits = await index.lookup(SCOPE, COMPAT, keys[:size])
-            replicas = [[ReplicaRecord.from_json(r) for r in g] for g in hits.records()]
-            choose(rank(await pc.active(), replicas, total_tokens=size * 16, block_tokens=16,
-                        mean_service_us=2000))  # fmt: skip
-            count += 1
-        rate = count / (time.perf_counter() - started)
-        results.append(Result(f"placements, {size}-key prompts, 64 instances", "placements/s",
-                              rate, "goal", 1000.0, None))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-pc-") as tmp:
+        process, index_uri = _index_process(Path(tmp), max(sizes))
+        try:
+            async with IndexClient(index_uri) as index:
+                gate = asyncio.Semaphore(64)
+
+                async def publish(key: str, holder: str) -> None:
+                    async with gate:
+                        await index.publish(_record(key, holder))
+
+                await asyncio.gather(*(publish(k, h) for k in keys for h in HOLDERS[:3]))
+                policy = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"]}}})
+                settings = ControllerSettings(
+                    "http://bench/pc/", allow_anonymous=True, max_place_keys=max(sizes),
+                    max_json_octets=16 << 20, block_tokens={COMPAT: BLOCK_TOKENS},
+                    mean_service_ms=2.0,
+                )  # fmt: skip
+                app = create_app(settings, pc, policy, index)
+                seconds = 1.0 if quick else 3.0
+                for size in sizes:
+                    body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
+                                       "block_keys": keys[:size]}).encode()  # fmt: skip
+                    answer = json.loads(await _call(app, body, path="/pc/place"))
+                    assert answer["matched"] == size and answer["index"] == "ok", answer
+                    query = LookupRequest(SCOPE, COMPAT, tuple(keys[:size]), shapes_only=True)
+
+                    async def place(body: bytes = body) -> None:
+                        await _call(app, body, path="/pc/place", keep=False)
+
+                    async def lookup(query: LookupRequest = query) -> None:
+                        await index.lookup(query)
+
+                    base = await _rate(lookup, seconds, 1)
+                    for in_flight in (1, 4):
+                        rate = await _rate(place, seconds, in_flight)
+                        label = f"placements, {size}-key prompts, 64 instances, {in_flight} at once"
+                        results.append(Result(label, "placements/s", rate,
+                                              "bare IS lookup (1 at once)", base))  # fmt: skip
+                    results.append(Result(f"placements, {size}-key prompts (goal)",
+                                          "placements/s", rate, "goal", 1000.0))  # fmt: skip
+        finally:
+            process.terminate()
+            process.wait(timeout=20)
     return results
 
 

@@ -37,13 +37,13 @@ def _record(block_key: str, holder: str) -> ReplicaRecord:
     )  # fmt: skip
 
 
-async def _call(app: Any, body: bytes, keep: bool = True) -> bytes:
-    """One POST lookup through the ASGI app, no client library in between.
+async def _call(app: Any, body: bytes, keep: bool = True, path: str = "/is/lookup") -> bytes:
+    """One POST (a lookup) through the ASGI app, no client library in between.
 
     Like a server writing each message out, the harness lets go of each
     message unless ``keep`` (the answer is checked once, after the timing)."""
     scope = {
-        "type": "http", "method": "POST", "path": "/is/lookup", "raw_path": b"/is/lookup",
+        "type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
         "query_string": b"", "headers": [(b"content-type", b"application/kvsp+json"),
                                          (b"content-length", str(len(body)).encode())],
         "http_version": "1.1", "scheme": "http", "server": ("bench", 80), "client": ("b", 1),
@@ -88,7 +88,7 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
     if redis_url:
         import redis.asyncio as aioredis
 
-        raw_client = aioredis.Redis.from_url(redis_url)
+        raw_client = aioredis.Redis.from_url(redis_url, socket_timeout=120)
     for size in sizes:
         body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
                            "block_keys": keys[:size]}).encode()  # fmt: skip

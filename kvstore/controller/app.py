@@ -24,8 +24,9 @@ from ..http import base_path, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
+from ..protocol.placement import shape_groups
 from ..protocol.problems import BadRequest, Forbidden, KvspError
-from ..protocol.records import LookupRequest, ReplicaRecord
+from ..protocol.records import LookupRequest, ReplicaShape
 from ..protocol.wire import role_id
 from ..security import Grant, Policy
 from .placement import choose, rank
@@ -111,26 +112,33 @@ def create_app(
             if tokens is not None
             else (len(query.block_keys) * block_tokens)
         )
-        replicas: tuple[tuple[ReplicaRecord, ...], ...] = ()
+        groups: list[tuple[tuple[ReplicaShape, ...], int]] = []
         index_state = "unused"
         if index is not None and query.block_keys:
             try:
-                answer = await index.lookup(LookupRequest(query.scope_id, query.compat_id,
-                                                          query.block_keys))  # fmt: skip
-                replicas, index_state = answer.replicas, "ok"
+                # Shapes, not records, are all placement reads (ours; an IS
+                # that does not know shapes_only answers with records).
+                answer = await index.lookup(
+                    LookupRequest(
+                        query.scope_id, query.compat_id, query.block_keys, shapes_only=True
+                    )
+                )
+                groups = (answer.shapes.counts() if answer.shapes is not None
+                          else shape_groups(answer.replicas))  # fmt: skip
+                index_state = "ok"
             except KvspError as exc:
                 # The index is advisory (P4): without it, every instance
                 # recomputes, and the placement still happens.
                 log.warning("index lookup failed, placing without cache: %s", exc.detail)
                 index_state = "unavailable"
         candidates = rank(
-            await state.active(), replicas, total_tokens=total, block_tokens=block_tokens,
+            await state.active(), groups, total_tokens=total, block_tokens=block_tokens,
             mean_service_us=settings.mean_service_ms * 1000,
         )  # fmt: skip
         chosen = choose(candidates)
         return json_response({
             "instance": chosen.instance,
-            "matched": len(replicas),
+            "matched": sum(count for _, count in groups),
             "index": index_state,
             "candidates": [c.to_json() for c in candidates],
         })  # fmt: skip

@@ -18,14 +18,13 @@ from typing import Any
 
 from ..protocol.control import InstanceStatus
 from ..protocol.placement import (
+    ReplicaShape,
     placement_cost,
     plan_groups,
     recompute_us,
-    shape_groups,
     wait_us,
 )
 from ..protocol.problems import InvalidState
-from ..protocol.records import ReplicaRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,19 +51,24 @@ class Candidate:
 
 def rank(
     instances: Sequence[InstanceStatus],
-    replicas: Sequence[Sequence[ReplicaRecord]],
+    groups: Sequence[tuple[Sequence[ReplicaShape], int]],
     *,
     total_tokens: int,
     block_tokens: int,
     mean_service_us: float,
 ) -> list[Candidate]:
-    """Every active instance with its estimates, cheapest first (PL2)."""
-    matched_tokens = min(len(replicas) * block_tokens, total_tokens)
-    groups = shape_groups(replicas)
+    """Every active instance with its estimates, cheapest first (PL2).
+
+    ``groups``: the matched blocks grouped by the shapes of their replicas
+    (:func:`~kvstore.protocol.placement.shape_groups` of a lookup's records,
+    or :meth:`~kvstore.protocol.records.ShapeRuns.counts` of a shapes-only
+    answer)."""
+    matched = sum(count for _, count in groups)
+    matched_tokens = min(matched * block_tokens, total_tokens)
     out = []
     for status in instances:
-        plan = plan_groups(groups, status) if replicas else None
-        fetch = plan.fetch_us if plan is not None else (0.0 if not replicas else None)
+        plan = plan_groups(groups, status) if matched else None
+        fetch = plan.fetch_us if plan is not None else (0.0 if not matched else None)
         cost = placement_cost(
             fetch_us=fetch,
             matched_tokens=matched_tokens,

@@ -16,6 +16,7 @@ the target's status and the block size of the compatibility ID.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections import Counter
@@ -199,12 +200,15 @@ def create_app(
         block_tokens = settings.block_tokens.get(query.compat_id)
         with_targets = bool(query.targets and block_tokens)
         hits = await state.lookup(
-            query.scope_id, query.compat_id, query.block_keys, shapes=with_targets
-        )
+            query.scope_id, query.compat_id, query.block_keys,
+            shapes=with_targets or query.shapes_only,
+        )  # fmt: skip
         counters.lookup_matched_keys += hits.matched
         found = []
         if query.targets and block_tokens:
             found = await estimates(query.targets, hits, block_tokens, statuses)
+        if query.shapes_only:
+            return _shapes_answer(hits, found)
         return LookupAnswer(hits, found)
 
     metrics = Metrics(counters=counters, counters_prefix="kvstore_index")
@@ -222,6 +226,22 @@ def create_app(
     app.state.counters = counters
     app.state.statuses = statuses
     return app
+
+
+def _shapes_answer(hits: Hits, found: Sequence[TargetEstimate]) -> Response:
+    """The answer to ``shapes_only`` (ours): runs of keys by their replicas' shapes."""
+    groups: dict[bytes, int] = {}
+    runs = []
+    # Consecutive keys mostly have replicas of equal shapes: groupby compares
+    # them in C, and a prompt is a handful of runs.
+    for octets, run in itertools.groupby(hits.shapes or ()):
+        runs.append(b"[%d,%d]" % (groups.setdefault(octets, len(groups)), len(list(run))))
+    body = b'{"matched":%d,"shapes":{"groups":[%s],"runs":[%s]}' % (
+        hits.matched, b",".join(groups), b",".join(runs),
+    )  # fmt: skip
+    if found:
+        body += b',"targets":' + json.dumps([t.to_json() for t in found]).encode()
+    return Response(body + b"}", headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE)
 
 
 class LookupAnswer(Response):

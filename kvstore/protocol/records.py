@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from urllib.parse import urlsplit
 from ._json import (
     UINT32_MAX,
     Obj,
+    all_hex32,
+    check_int,
     check_range,
     check_uri,
     drop_none,
@@ -166,13 +169,123 @@ class ReplicaRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    """What placement reads of a Replica Record: where it is and how fast it reads."""
+
+    holder: str
+    size: int
+    residency: tuple[Residency, ...]
+    #: len(layer_digests), when the record lists them.
+    layer_count: int | None = None
+
+    @classmethod
+    def of(cls, record: ReplicaRecord) -> ReplicaShape:
+        digests = record.layer_digests
+        return cls(record.holder, record.size, record.residency,
+                   None if digests is None else len(digests))  # fmt: skip
+
+    @property
+    def whole(self) -> bool:
+        """False for a replica known to hold only some layers of its block."""
+        if self.layer_count is None:
+            return True
+        return sum(r.layer_count for r in self.residency) == self.layer_count
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "holder": self.holder,
+            "size": self.size,
+            "layer_count": self.layer_count,
+            "residency": [r.to_json() for r in self.residency],
+        }
+
+    def encode(self) -> bytes:
+        """Compact JSON octets (what an index state keeps beside each record)."""
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, value: Any, path: str = "shape") -> ReplicaShape:
+        obj = Obj(value, path)
+        return cls(
+            holder=obj.uri("holder"),
+            size=obj.integer("size"),
+            residency=tuple(Residency.from_json(v, p) for v, p in obj.items("residency")),
+            layer_count=obj.integer("layer_count", None),
+        )
+
+
+def decode_shapes(octets: bytes) -> tuple[ReplicaShape, ...]:
+    """A JSON array of shapes (one matched block's replicas) back to shapes."""
+    value = json.loads(octets)
+    if not isinstance(value, list):
+        value = [value]
+    return tuple(ReplicaShape.from_json(v, f"shapes[{i}]") for i, v in enumerate(value))
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeRuns:
+    """Ours (kvstore, not KVSP): a lookup's matched keys without their records.
+
+    ``groups`` are the distinct lists of replica shapes among the matched
+    keys; ``runs`` covers the matched keys in order as (group index, number
+    of consecutive keys). An IS answers so when asked with ``shapes_only``:
+    a placement needs no more, and an 8k-key answer shrinks from ~60 MB of
+    records to a few hundred octets.
+    """
+
+    groups: tuple[tuple[ReplicaShape, ...], ...]
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def matched(self) -> int:
+        return sum(count for _, count in self.runs)
+
+    def counts(self) -> list[tuple[tuple[ReplicaShape, ...], int]]:
+        """Each group with the number of matched keys whose replicas have it."""
+        totals = [0] * len(self.groups)
+        for group, count in self.runs:
+            totals[group] += count
+        return [(g, n) for g, n in zip(self.groups, totals, strict=True) if n]
+
+    @classmethod
+    def from_json(cls, value: Any, path: str = "shapes") -> ShapeRuns:
+        obj = Obj(value, path)
+        groups = []
+        for item, where in obj.items("groups", max_items=1 << 16):
+            if not isinstance(item, list):
+                fail(where, "must be an array of shapes")
+            groups.append(tuple(ReplicaShape.from_json(v, f"{where}[{i}]")
+                                for i, v in enumerate(item)))  # fmt: skip
+        runs = []
+        for item, where in obj.items("runs", max_items=1 << 20):
+            if not isinstance(item, list) or len(item) != 2:
+                fail(where, "must be [group index, count]")
+            group = check_int(item[0], where + "[0]", 0, len(groups) - 1)
+            count = check_int(item[1], where + "[1]", 1, UINT32_MAX)
+            runs.append((group, count))
+        return cls(tuple(groups), tuple(runs))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "groups": [[s.to_json() for s in group] for group in self.groups],
+            "runs": [list(run) for run in self.runs],
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class LookupRequest:
-    """``POST lookup`` body (L1). ``max_keys`` bounds the request (L4)."""
+    """``POST lookup`` body (L1). ``max_keys`` bounds the request (L4).
+
+    ``shapes_only`` is ours (kvstore, not KVSP): answer with
+    :class:`ShapeRuns` instead of the records. An IS that does not know the
+    member ignores it (R1) and answers with records.
+    """
 
     scope_id: str
     compat_id: str
     block_keys: tuple[str, ...]
     targets: tuple[str, ...] | None = None
+    shapes_only: bool = False
 
     @classmethod
     def from_json(cls, value: Any, max_keys: int = 8192, max_targets: int = 256) -> LookupRequest:
@@ -188,6 +301,7 @@ class LookupRequest:
             compat_id=obj.hex32("compat_id"),
             block_keys=hex32_list(obj, "block_keys", max_items=max_keys),
             targets=targets,
+            shapes_only=obj.flag("shapes_only", False),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -197,8 +311,19 @@ class LookupRequest:
                 "compat_id": self.compat_id,
                 "block_keys": list(self.block_keys),
                 "targets": None if self.targets is None else list(self.targets),
+                "shapes_only": self.shapes_only or None,
             }
         )
+
+    def encode(self) -> bytes:
+        """:meth:`to_json` as JSON octets; validated keys are joined, not
+        escaped one by one (an 8k-key request: ~0.3 ms instead of ~2)."""
+        if not all_hex32(list(self.block_keys)):
+            return json.dumps(self.to_json()).encode()
+        rest = self.to_json()
+        del rest["block_keys"]
+        head = json.dumps(rest)[:-1].encode()
+        return head + b', "block_keys": ["' + '", "'.join(self.block_keys).encode() + b'"]}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,11 +349,13 @@ class TargetEstimate:
 
 @dataclass(frozen=True, slots=True)
 class LookupResponse:
-    """``POST lookup`` answer: ``replicas[i]`` holds the records of matched key i (L1)."""
+    """``POST lookup`` answer: ``replicas[i]`` holds the records of matched key i (L1);
+    or, answering ``shapes_only``, no records and ``shapes`` (ours)."""
 
     matched: int
     replicas: tuple[tuple[ReplicaRecord, ...], ...]
     targets: tuple[TargetEstimate, ...] = ()
+    shapes: ShapeRuns | None = None
 
     @classmethod
     def from_json(cls, value: Any) -> LookupResponse:
@@ -241,12 +368,17 @@ class LookupResponse:
             replicas.append(
                 tuple(ReplicaRecord.from_json(r, f"{path}[{i}]") for i, r in enumerate(item))
             )
-        if len(replicas) != matched:
+        shapes = None
+        if "shapes" in obj:
+            shapes = ShapeRuns.from_json(obj.value["shapes"], "lookup_response.shapes")
+            if shapes.matched != matched:
+                fail("lookup_response.shapes", f"covers {shapes.matched} keys, matched {matched}")
+        if len(replicas) != matched and not (shapes is not None and not replicas):
             fail("lookup_response.replicas", f"has {len(replicas)} entries, matched is {matched}")
         targets = tuple(
             TargetEstimate.from_json(item, path) for item, path in obj.items("targets", default=[])
         )
-        return cls(matched, tuple(replicas), targets)
+        return cls(matched, tuple(replicas), targets, shapes)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -255,6 +387,8 @@ class LookupResponse:
         }
         if self.targets:
             out["targets"] = [t.to_json() for t in self.targets]
+        if self.shapes is not None:
+            out["shapes"] = self.shapes.to_json()
         return out
 
 

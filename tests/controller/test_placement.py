@@ -8,6 +8,7 @@ import pytest
 
 from kvstore.controller.placement import choose, rank
 from kvstore.protocol.control import InstanceStatus, Link
+from kvstore.protocol.placement import shape_groups
 from kvstore.protocol.problems import InvalidState
 from kvstore.protocol.records import ReplicaRecord, Residency
 
@@ -37,7 +38,9 @@ def test_cheapest_fetch_wins() -> None:
     # 4 blocks of 16 tokens cached at H1; the prompt has 80 tokens.
     near = status(NEAR, 100000.0)  # 8 * 2 MiB / 100000 Mbit/s = 167.8 us per block
     far = status(FAR, 1000.0)  # 16777 us per block: recomputing is cheaper
-    ranked = rank([far, near], replicas(4), total_tokens=80, block_tokens=16, mean_service_us=0)
+    ranked = rank(
+        [far, near], shape_groups(replicas(4)), total_tokens=80, block_tokens=16, mean_service_us=0
+    )
     assert [c.instance for c in ranked] == [NEAR, FAR]
     best = choose(ranked)
     fetch = 10 + 4 * 8 * 2 * MIB / 100000
@@ -50,14 +53,14 @@ def test_queue_wait_counts() -> None:
     # wait_us = queued x mean service time can outweigh a faster fetch.
     near_busy = status(BUSY, 100000.0, queued=10)
     far = status(FAR, 1000.0)
-    ranked = rank([near_busy, far], replicas(4), total_tokens=80, block_tokens=16,
+    ranked = rank([near_busy, far], shape_groups(replicas(4)), total_tokens=80, block_tokens=16,
                   mean_service_us=5000)  # fmt: skip
     assert choose(ranked).instance == FAR
     assert ranked[1].wait_us == 50000
 
 
 def test_unreachable_replicas_mean_recompute() -> None:
-    ranked = rank([status(NEAR, None)], replicas(2), total_tokens=32, block_tokens=16,
+    ranked = rank([status(NEAR, None)], shape_groups(replicas(2)), total_tokens=32, block_tokens=16,
                   mean_service_us=0)  # fmt: skip
     assert ranked[0].fetch_us is None
     assert ranked[0].cost_us == pytest.approx(1e6 * 32 / 10000)

@@ -12,6 +12,7 @@ import pytest
 
 from kvstore.index import IndexSettings, MemoryState, StatusBook, create_app
 from kvstore.protocol.control import InstanceStatus, Link
+from kvstore.protocol.placement import shape_groups
 from kvstore.protocol.records import LookupResponse, ReplicaRecord, Residency
 from kvstore.protocol.wire import replica_path
 from kvstore.security import Policy, create_dev_certificates
@@ -210,3 +211,32 @@ async def test_index_metrics(as_: Callable[[str], httpx.AsyncClient]) -> None:
     assert "kvstore_index_lookup_matched_keys_total 1.0" in text
     assert "kvstore_index_lookups_denied_scope_total 1.0" in text
     assert "kvstore_index_published_total 1.0" in text
+
+
+async def test_shapes_only_answers_runs_of_shapes(
+    as_: Callable[[str], httpx.AsyncClient],
+) -> None:
+    # Ours (PL1 for the PC): no records, the matched keys as runs of equal
+    # replica shapes; the same placement groups as the full answer gives.
+    h1, h2, alice = as_("holder1"), as_("holder2"), as_("alice")
+    for n in range(5):
+        await publish(h1, record(n))
+    for n in (2, 3):
+        await publish(h2, record(n, holder=H2))
+    keys = [key(n) for n in range(6)]
+    full = LookupResponse.from_json((await lookup(alice, keys)).json())
+    response = await lookup(alice, keys, shapes_only=True)
+    assert response.status_code == 200
+    assert response.headers["cache-control"] == "no-store"
+    raw = response.json()
+    assert "replicas" not in raw and raw["matched"] == 5
+    answer = LookupResponse.from_json(raw)
+    assert answer.shapes is not None and answer.replicas == ()
+    assert [count for _, count in answer.shapes.runs] == [2, 2, 1]
+    assert answer.shapes.runs[0][0] == answer.shapes.runs[2][0]  # keys 0-1 and 4 alike
+    assert sorted(answer.shapes.counts(), key=repr) == sorted(shape_groups(full.replicas), key=repr)
+    # L3 holds for shapes too: another scope's reader learns nothing.
+    denied = (await lookup(as_("bob"), keys, shapes_only=True)).json()
+    assert denied["matched"] == 0
+    # A value that is not a flag is a bad request, not ignored.
+    assert (await lookup(alice, keys, shapes_only="yes")).status_code == 400

@@ -6,6 +6,7 @@ import base64
 import copy
 import hashlib
 import itertools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -533,6 +534,45 @@ def test_lookup_request_size_bounded() -> None:
 def test_lookup_request_invalid(changes: dict[str, Any], member: str) -> None:
     # L1
     assert_invalid(LookupRequest.from_json, with_(LOOKUP, **changes), member)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        (K0, K1, K2),
+        (),
+        (K0, 'a"b' + "0" * 61),  # not hex: escaped by the generic encoder
+        (K0, "\u00e9" * 64),
+    ],
+)
+def test_lookup_request_encode(keys: tuple[str, ...]) -> None:
+    # encode() is to_json() as octets, whatever the keys hold.
+    for request in (
+        LookupRequest(SCOPE_ID, COMPAT_ID, keys),
+        LookupRequest(SCOPE_ID, COMPAT_ID, keys, targets=("https://ii7.example/kvsp/",),
+                      shapes_only=True),
+    ):  # fmt: skip
+        assert json.loads(request.encode()) == request.to_json()
+    decoded = LookupRequest.from_json(
+        json.loads(LookupRequest(SCOPE_ID, COMPAT_ID, (K0,), shapes_only=True).encode())
+    )
+    assert decoded.shapes_only is True  # fmt: skip
+
+
+def test_shape_runs_round_trip_and_validation() -> None:
+    # Ours: a shapes-only answer covers exactly the matched keys.
+    from kvstore.protocol.records import ReplicaShape, ShapeRuns
+
+    shapes = ShapeRuns(((ReplicaShape.of(ReplicaRecord.from_json(replica())),),), ((0, 2), (0, 1)))
+    assert shapes.matched == 3 and shapes.counts() == [(shapes.groups[0], 3)]
+    answer = LookupResponse(3, (), shapes=shapes)
+    assert LookupResponse.from_json(answer.to_json()) == answer
+    value = answer.to_json()
+    value["matched"] = 4
+    assert_invalid(LookupResponse.from_json, value, "lookup_response.shapes")
+    for runs, member in (([[1, 3]], "runs[0][0]"), ([[0, 0]], "runs[0][1]"), ([[0]], "runs[0]")):
+        bad = {"matched": 3, "shapes": {"groups": value["shapes"]["groups"], "runs": runs}}
+        assert_invalid(LookupResponse.from_json, bad, "lookup_response.shapes." + member)
 
 
 def lookup_response() -> dict[str, Any]:
