@@ -232,4 +232,6 @@ def test_bench_controller_quick() -> None:
     assert out.returncode == 0, out.stderr
     names = [r["name"] for r in json.loads(out.stdout)]
     assert "status updates" in names
-    assert "placements, 512-key prompts, 64 instances" in names
+    assert "placements, 512-key prompts, 64 instances, 4 at once" in names
+    placed = {r["name"]: r for r in json.loads(out.stdout)}
+    assert placed["placements, 512-key prompts, 64 instances, 1 at once"]["value"] > 0

@@ -45,6 +45,18 @@ _GROUPS = """
 local base = string.sub(KEYS[1], 1, -3)
 local function kind_of(v) return v and string.sub(v, 1, 96) end
 
+-- HMGET / HDEL of any number of fields (unpack() stops near 8000 values).
+local function each_part(fields, fn)
+  for i = 1, #fields, 1000 do fn(unpack(fields, i, math.min(i + 999, #fields))) end
+end
+local function hmget(key, fields)
+  local out = {}
+  each_part(fields, function(...)
+    for _, v in ipairs(redis.call('HMGET', key, ...)) do out[#out + 1] = v end
+  end)
+  return out
+end
+
 -- The live records of one kind joined as "[s1,s2]\\n[r1,r2]" (false if none),
 -- and the first expiry among them.
 local function joined(zkey, vkey, kind)
@@ -55,7 +67,7 @@ local function joined(zkey, vkey, kind)
     holders[#holders + 1] = live[i]
     expiry[live[i]] = tonumber(live[i + 1])
   end
-  local values = redis.call('HMGET', vkey, unpack(holders))
+  local values = hmget(vkey, holders)
   local records, shapes, first = {}, {}, nil
   for i, v in ipairs(values) do
     if v and string.sub(v, 1, 96) == kind then
@@ -70,12 +82,14 @@ local function joined(zkey, vkey, kind)
   return '[' .. table.concat(shapes, ',') .. ']\\n[' .. table.concat(records, ',') .. ']', first
 end
 
--- After a write: rebuild the group of one kind, to vanish with its first record.
+-- After a write: rebuild the group of one kind, to vanish with its first
+-- record. A record is live while its expiry > now, and Redis keeps a key
+-- while now <= its PXAT: the group's PXAT is one millisecond earlier.
 local function regroup(kind)
   local gkey = base .. ':g:' .. kind
   local value, first = joined(KEYS[1], KEYS[2], kind)
   if value then
-    redis.call('SET', gkey, value, 'PXAT', first)
+    redis.call('SET', gkey, value, 'PXAT', first - 1)
   else
     redis.call('DEL', gkey)
   end
@@ -94,7 +108,7 @@ local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 if #dead > 0 then
   -- (their groups expired with them)
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-  redis.call('HDEL', KEYS[2], unpack(dead))
+  each_part(dead, function(...) redis.call('HDEL', KEYS[2], ...) end)
 end
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2]
 if last then

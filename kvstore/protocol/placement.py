@@ -137,7 +137,9 @@ def plan_groups(groups: ShapeGroups, status: InstanceStatus) -> FetchPlan | None
             if us is None:
                 continue
             cost = links[shape.holder].rtt_us + us
-            if best is None or cost < best[0]:
+            # Ties go to the lower holder URI: the plan does not depend on
+            # the order a state lists replicas in.
+            if best is None or cost < best[0] or (cost == best[0] and shape.holder < best[2]):
                 best = (cost, us, shape.holder)
         else:
             if best is None:
