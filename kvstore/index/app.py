@@ -201,7 +201,7 @@ def create_app(
         with_targets = bool(query.targets and block_tokens)
         hits = await state.lookup(
             query.scope_id, query.compat_id, query.block_keys,
-            shapes=with_targets or query.shapes_only,
+            shapes=with_targets or query.shapes_only, records=not query.shapes_only,
         )  # fmt: skip
         counters.lookup_matched_keys += hits.matched
         found = []

@@ -226,7 +226,12 @@ class RedisState:
         return bool(removed)
 
     async def lookup(
-        self, scope_id: str, compat_id: str, block_keys: Sequence[str], shapes: bool = False
+        self,
+        scope_id: str,
+        compat_id: str,
+        block_keys: Sequence[str],
+        shapes: bool = False,
+        records: bool = True,
     ) -> Hits:
         hits = Hits(shapes=[] if shapes else None)
         kind = scope_id + compat_id
@@ -242,7 +247,7 @@ class RedisState:
             else:
                 values = await self._call(self._client.mget(names))
             found = next((i for i, v in enumerate(values) if v is None), len(values))
-            self._take(hits, values[:found])
+            self._take(hits, values[:found], records)
             if found == len(chunk):
                 continue
             # No group: no record, or one expired since the last write of the
@@ -257,18 +262,19 @@ class RedisState:
             else:
                 keys = [k for block_key in rest for k in self._keys(block_key)]
                 values = await self._call(self._lookup(keys=keys, args=[kind]))
-            self._take(hits, values)
+            self._take(hits, values, records)
             if len(values) < len(rest):
                 break  # L1: stop at the first key without a replica
         return hits
 
     @staticmethod
-    def _take(hits: Hits, values: Sequence[bytes]) -> None:
+    def _take(hits: Hits, values: Sequence[bytes], records: bool) -> None:
         for value in values:
             newline = value.index(b"\n")
             if hits.shapes is not None:
                 hits.shapes.append(value[:newline])
-            hits.chunks.append(memoryview(value)[newline + 1 :])
+            if records:
+                hits.chunks.append(memoryview(value)[newline + 1 :])
         hits.matched += len(values)
 
     async def count(self) -> int:

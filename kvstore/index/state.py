@@ -69,10 +69,16 @@ class IndexState(Protocol):
         ...
 
     async def lookup(
-        self, scope_id: str, compat_id: str, block_keys: Sequence[str], shapes: bool = False
+        self,
+        scope_id: str,
+        compat_id: str,
+        block_keys: Sequence[str],
+        shapes: bool = False,
+        records: bool = True,
     ) -> Hits:
         """The replicas of the leading keys that have any, stopping at the
-        first miss (L1); with ``shapes``, their shapes too (PL1)."""
+        first miss (L1); with ``shapes``, their shapes too (PL1); without
+        ``records``, the matched count and shapes only (``chunks`` empty)."""
         ...
 
     async def count(self) -> int:
@@ -192,13 +198,19 @@ class MemoryState:
         return True
 
     async def lookup(
-        self, scope_id: str, compat_id: str, block_keys: Sequence[str], shapes: bool = False
+        self,
+        scope_id: str,
+        compat_id: str,
+        block_keys: Sequence[str],
+        shapes: bool = False,
+        records: bool = True,
     ) -> Hits:
         now = self.clock()
         chunks: list[bytes | memoryview] = []
         found_shapes: list[bytes] = []
         get, kind = self._keys.get, scope_id + compat_id
         add_records, add_shapes = chunks.append, found_shapes.append
+        matched = 0
         for block_key in block_keys:  # (the hot loop of an 8k-key lookup)
             entry = get(block_key)
             if entry is None:
@@ -209,10 +221,12 @@ class MemoryState:
                 group = entry.regroup(kind, now)
                 if group is None:
                     break
-            add_records(group.records)
+            matched += 1
+            if records:
+                add_records(group.records)
             if shapes:
                 add_shapes(group.shapes)
-        return Hits(len(chunks), chunks, found_shapes if shapes else None)
+        return Hits(matched, chunks, found_shapes if shapes else None)
 
     async def count(self) -> int:
         self._sweep(self.clock())

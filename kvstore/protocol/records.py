@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 from ._json import (
     UINT32_MAX,
     Obj,
-    all_hex32,
     check_int,
     check_range,
     check_uri,
@@ -272,6 +271,18 @@ class ShapeRuns:
         }
 
 
+def _plain_json_strings(values: tuple[str, ...]) -> bool:
+    """True when every value stands in a JSON string as it is (printable
+    ASCII without quote or backslash), checked by passes in C."""
+    joined = "".join(values)
+    return (
+        bool(values)
+        and joined.isascii()
+        and joined.isprintable()
+        and not ('"' in joined or "\\" in joined)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class LookupRequest:
     """``POST lookup`` body (L1). ``max_keys`` bounds the request (L4).
@@ -316,9 +327,10 @@ class LookupRequest:
         )
 
     def encode(self) -> bytes:
-        """:meth:`to_json` as JSON octets; validated keys are joined, not
-        escaped one by one (an 8k-key request: ~0.3 ms instead of ~2)."""
-        if not all_hex32(list(self.block_keys)):
+        """:meth:`to_json` as JSON octets; keys that need no escaping (hex
+        keys do not) are joined, not encoded one by one (an 8k-key request:
+        ~0.3 ms instead of ~2)."""
+        if not _plain_json_strings(self.block_keys):
             return json.dumps(self.to_json()).encode()
         rest = self.to_json()
         del rest["block_keys"]

@@ -210,3 +210,14 @@ async def test_expired_record_inside_a_long_lookup(state: IndexState) -> None:
     groups = parsed(found)
     assert [r.holder for r in groups[600]] == [H2]
     assert [r.block_key for r in groups[649]] == [key(649)]
+
+
+async def test_lookup_without_records(state: IndexState) -> None:
+    # A shapes-only lookup (ours) moves no record octets.
+    for n in range(3):
+        await state.put(record(n), 60_000)
+    found = await state.lookup(
+        SCOPE, COMPAT, [key(n) for n in range(4)], shapes=True, records=False
+    )
+    assert found.matched == 3 and found.chunks == []
+    assert found.shapes is not None and len(found.shapes) == 3

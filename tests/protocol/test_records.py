@@ -543,6 +543,8 @@ def test_lookup_request_invalid(changes: dict[str, Any], member: str) -> None:
         (),
         (K0, 'a"b' + "0" * 61),  # not hex: escaped by the generic encoder
         (K0, "\u00e9" * 64),
+        (K0, "\\" * 64),
+        (K0, "\n" + "0" * 63),
     ],
 )
 def test_lookup_request_encode(keys: tuple[str, ...]) -> None:
