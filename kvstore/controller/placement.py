@@ -18,6 +18,7 @@ from typing import Any
 
 from ..protocol.control import InstanceStatus
 from ..protocol.placement import (
+    ReadMemo,
     ReplicaShape,
     placement_cost,
     plan_groups,
@@ -66,8 +67,9 @@ def rank(
     matched = sum(count for _, count in groups)
     matched_tokens = min(matched * block_tokens, total_tokens)
     out = []
+    memo: ReadMemo = {}
     for status in instances:
-        plan = plan_groups(groups, status) if matched else None
+        plan = plan_groups(groups, status, memo) if matched else None
         fetch = plan.fetch_us if plan is not None else (0.0 if not matched else None)
         cost = placement_cost(
             fetch_us=fetch,

@@ -108,7 +108,14 @@ def shape_groups(
     return list(counts.items())
 
 
-def plan_groups(groups: ShapeGroups, status: InstanceStatus) -> FetchPlan | None:
+#: Read times already computed, by shape (identity) and link rate: ranking
+#: many instances with equal links over one lookup reads each shape once.
+ReadMemo = dict[tuple[int, float], "float | None"]
+
+
+def plan_groups(
+    groups: ShapeGroups, status: InstanceStatus, memo: ReadMemo | None = None
+) -> FetchPlan | None:
     """Estimate fetch_us for instance ``status`` to load the grouped blocks.
 
     For each block the replica with the cheapest RTT + read over a known link
@@ -120,19 +127,22 @@ def plan_groups(groups: ShapeGroups, status: InstanceStatus) -> FetchPlan | None
     """
     links = {link.holder: link for link in status.links}
     per_source_us: dict[str, float] = {}
-    # By identity: hashing a shape costs more than reading it once too often.
-    read: dict[int, float | None] = {}
+    # By identity: hashing a shape costs more than reading it once too often
+    # (``memo`` is valid while the caller keeps the groups).
+    read: ReadMemo = {} if memo is None else memo
     for shapes, count in groups:
         best: tuple[float, float, str] | None = None
         for shape in shapes:
             if shape.holder == status.instance:
                 best = None
                 break
-            us = read.get(id(shape), -1.0)
+            link = links.get(shape.holder)
+            if link is None:
+                continue
+            us = read.get((id(shape), link.mbit_per_s), -1.0)
             if us == -1.0:
-                link = links.get(shape.holder)
-                us = read[id(shape)] = (
-                    read_us(shape, link) if link is not None and shape.whole else None
+                us = read[(id(shape), link.mbit_per_s)] = (
+                    read_us(shape, link) if shape.whole else None
                 )
             if us is None:
                 continue
