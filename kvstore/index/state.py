@@ -92,40 +92,26 @@ class IndexFull(InsufficientStorage):
     title = "Index full"
 
 
-@dataclass(slots=True)
-class _Replica:
-    kind: str  # scope id + compat id
-    raw: bytes
-    shape: bytes
-    expires: float
+# Plain tuples, not classes: the garbage collector stops tracking a tuple of
+# strings, octets and numbers (not a subclass of tuple), and then the dicts
+# that hold only such tuples.
+#: (kind = scope id + compat id, record JSON, shape JSON, expiry)
+_Replica = tuple[str, bytes, bytes, float]
+#: A key's live replicas of one kind joined for answers:
+#: (kind, "[r1,r2,...]", "[s1,s2,...]", the first expiry among them)
+_Group = tuple[str, bytes, bytes, float]
 
 
-@dataclass(slots=True)
-class _Group:
-    """A key's live replicas of one scope and compat ID, joined for answers."""
-
-    kind: str  # scope id + compat id
-    records: bytes  # [r1,r2,...]
-    shapes: bytes  # [s1,s2,...]
-    valid_until: float  # the first expiry among them
-
-
-@dataclass(slots=True)
-class _Key:
-    replicas: dict[str, _Replica] = field(default_factory=dict)  # holder id -> replica
-    group: _Group | None = None  # built by the first lookup after a change
-
-    def regroup(self, kind: str, now: float) -> _Group | None:
-        live = [r for r in self.replicas.values() if r.expires > now and r.kind == kind]
-        if not live:
-            return None
-        self.group = _Group(
-            kind,
-            b"[" + b",".join(r.raw for r in live) + b"]",
-            b"[" + b",".join(r.shape for r in live) + b"]",
-            min(r.expires for r in live),
-        )  # fmt: skip
-        return self.group
+def _group(replicas: dict[str, _Replica], kind: str, now: float) -> _Group | None:
+    live = [r for r in replicas.values() if r[3] > now and r[0] == kind]
+    if not live:
+        return None
+    return (
+        kind,
+        b"[" + b",".join(r[1] for r in live) + b"]",
+        b"[" + b",".join(r[2] for r in live) + b"]",
+        min(r[3] for r in live),
+    )
 
 
 @dataclass(slots=True)
@@ -137,64 +123,70 @@ class MemoryState:
     reached, so memory stays bounded by ``max_records`` (a looked-up key
     also keeps its records joined, so the bound is about twice the records'
     octets).
+
+    Entries are tuples of strings, octets and numbers in plain dicts, which
+    the garbage collector stops tracking: with objects per record, every
+    full collection walked every record of the index (~100 ms at 200k
+    records, a pause in the middle of some lookup).
     """
 
     max_records: int = 1_000_000
     clock: Callable[[], float] = time.monotonic
-    _keys: dict[str, _Key] = field(default_factory=dict)
+    #: block key -> holder id (H6) -> replica
+    _replicas: dict[str, dict[str, _Replica]] = field(default_factory=dict)
+    #: block key -> its live replicas joined, built by the first lookup after a change
+    _groups: dict[str, _Group] = field(default_factory=dict)
     _size: int = 0
 
-    def _live(self, block_key: str, now: float) -> _Key | None:
-        entry = self._keys.get(block_key)
-        if entry is None:
+    def _live(self, block_key: str, now: float) -> dict[str, _Replica] | None:
+        replicas = self._replicas.get(block_key)
+        if replicas is None:
             return None
-        dead = [holder for holder, r in entry.replicas.items() if r.expires <= now]
+        dead = [holder for holder, r in replicas.items() if r[3] <= now]
         if dead:
             for holder in dead:
-                del entry.replicas[holder]
+                del replicas[holder]
             self._size -= len(dead)
-            entry.group = None
-        if not entry.replicas:
-            del self._keys[block_key]
+            self._groups.pop(block_key, None)
+        if not replicas:
+            del self._replicas[block_key]
             return None
-        return entry
+        return replicas
 
     def _sweep(self, now: float) -> None:
-        for block_key in list(self._keys):
+        for block_key in list(self._replicas):
             self._live(block_key, now)
 
     async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
         now = self.clock()
-        entry = self._live(record.block_key, now)
+        replicas = self._live(record.block_key, now)
         holder_id = role_id(record.holder)
-        if entry is None or holder_id not in entry.replicas:
+        if replicas is None or holder_id not in replicas:
             if self._size >= self.max_records:
                 self._sweep(now)
             if self._size >= self.max_records:
                 raise IndexFull(f"the index holds its maximum of {self.max_records} records")
             self._size += 1
-            if entry is None:
-                entry = self._keys[record.block_key] = _Key()
+            if replicas is None:
+                replicas = self._replicas[record.block_key] = {}
         raw, shape = record_octets(record)
-        entry.replicas[holder_id] = _Replica(
-            record.scope_id + record.compat_id, raw, shape, now + ttl_ms / 1000
-        )
-        entry.group = None
+        replicas[holder_id] = (record.scope_id + record.compat_id, raw, shape, now + ttl_ms / 1000)
+        self._groups.pop(record.block_key, None)
 
     async def scope_of(self, holder_id: str, block_key: str) -> str | None:
-        entry = self._live(block_key, self.clock())
-        replica = None if entry is None else entry.replicas.get(holder_id)
-        return None if replica is None else replica.kind[:32]
+        replicas = self._live(block_key, self.clock())
+        replica = None if replicas is None else replicas.get(holder_id)
+        return None if replica is None else replica[0][:32]
 
     async def delete(self, holder_id: str, block_key: str) -> bool:
-        entry = self._live(block_key, self.clock())
-        if entry is None or holder_id not in entry.replicas:
+        replicas = self._live(block_key, self.clock())
+        if replicas is None or holder_id not in replicas:
             return False
-        del entry.replicas[holder_id]
-        entry.group = None
+        del replicas[holder_id]
+        self._groups.pop(block_key, None)
         self._size -= 1
-        if not entry.replicas:
-            del self._keys[block_key]
+        if not replicas:
+            del self._replicas[block_key]
         return True
 
     async def lookup(
@@ -208,24 +200,23 @@ class MemoryState:
         now = self.clock()
         chunks: list[bytes | memoryview] = []
         found_shapes: list[bytes] = []
-        get, kind = self._keys.get, scope_id + compat_id
-        add_records, add_shapes = chunks.append, found_shapes.append
+        groups, kind = self._groups, scope_id + compat_id
+        cached, add_records, add_shapes = groups.get, chunks.append, found_shapes.append
         matched = 0
         for block_key in block_keys:  # (the hot loop of an 8k-key lookup)
-            entry = get(block_key)
-            if entry is None:
-                break  # L1: the chain is broken here
-            group = entry.group
-            if group is None or group.valid_until <= now or group.kind != kind:
+            group = cached(block_key)
+            if group is None or group[3] <= now or group[0] != kind:
                 # Expired records are skipped here and dropped by writes.
-                group = entry.regroup(kind, now)
+                replicas = self._replicas.get(block_key)
+                group = None if replicas is None else _group(replicas, kind, now)
                 if group is None:
-                    break
+                    break  # L1: the chain is broken here
+                groups[block_key] = group
             matched += 1
             if records:
-                add_records(group.records)
+                add_records(group[1])
             if shapes:
-                add_shapes(group.shapes)
+                add_shapes(group[2])
         return Hits(matched, chunks, found_shapes if shapes else None)
 
     async def count(self) -> int:
