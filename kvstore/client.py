@@ -31,12 +31,15 @@ from urllib.parse import urljoin
 import aiohttp
 
 from .protocol import container as kc
+from .protocol.control import ResumeRequest, StateChange
 from .protocol.problems import DigestMismatch, KvspError, NotFound, error_from_problem
 from .protocol.records import (
     LeaseGrant,
     LeaseRequest,
     LookupRequest,
     LookupResponse,
+    PrefetchDirective,
+    PrefetchStatus,
     ReplicaRecord,
 )
 from .protocol.wire import (
@@ -250,6 +253,46 @@ class IndexClient(_Http):
         url = urljoin(self.index_uri, replica_path(holder, block_key))
         with contextlib.suppress(NotFound):
             await self._request("DELETE", url, expect=[200, 204])
+
+
+class InstanceClient(_Http):
+    """The PC's client of inference instances: directives, resume, state (PF1,
+    CK5, S3). Instances accept these only from the PC's identity (SEC1, PF5)."""
+
+    async def _post(
+        self, url: str, body: dict[str, Any], expect: list[int]
+    ) -> tuple[dict[str, str], bytes]:
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        _, found, raw = await self._request(
+            "POST", url, expect=expect, data=json.dumps(body).encode(), headers=headers
+        )
+        return found, raw
+
+    async def prefetch(self, instance: str, directive: PrefetchDirective) -> str:
+        """``POST prefetch`` (PF1); returns the directive's status URI (``Location``)."""
+        url = urljoin(_base(instance), "prefetch")
+        headers, _ = await self._post(url, directive.to_json(), [202])
+        location = headers.get("location")
+        if not location:
+            raise KvspError(f"POST {url}: 202 without a Location")
+        return urljoin(url, location)
+
+    async def prefetch_status(self, location: str) -> PrefetchStatus:
+        """``GET prefetch/{id}`` (PF3)."""
+        _, _, raw = await self._request("GET", location, expect=[200])
+        return PrefetchStatus.from_json(json.loads(raw))
+
+    async def resume(self, instance: str, request: ResumeRequest) -> None:
+        """``POST sessions/{session}/resume`` with the checkpoint and new epoch (CK5)."""
+        url = urljoin(_base(instance), f"sessions/{request.checkpoint.session}/resume")
+        await self._post(url, request.to_json(), [200, 202, 204])
+
+    async def set_state(self, instance: str, state: str) -> None:
+        """``PUT state`` (S3, S6)."""
+        url = urljoin(_base(instance), "state")
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        body = json.dumps(StateChange(state).to_json()).encode()
+        await self._request("PUT", url, expect=[200, 204], data=body, headers=headers)
 
 
 def _error(status: int, headers: dict[str, str], body: bytes) -> KvspError:

@@ -49,6 +49,13 @@ A holder's file, with every key and its default::
     redis_prefix = "kvsp-pc:"
     max_sessions = 100000
     max_sessions_per_instance = 10000
+    prefetch = false                  # send the chosen instance a prefetch directive (PF1)
+    prefetch_deadline_ms = 50
+    prefetch_lease_ms = 2000
+    migrate_interval_s = 0.5          # look for failed instances' sessions (CK5)
+    session_idle_s = 600.0            # a session idle this long is not resumed
+                                      # (client_certfile also authenticates the PC
+                                      # to instances: directives, resume, SEC1)
 
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
@@ -131,6 +138,11 @@ class ControllerConfig:
     redis_prefix: str = "kvsp-pc:"
     max_sessions: int = 100_000
     max_sessions_per_instance: int = 10_000
+    prefetch: bool = False
+    prefetch_deadline_ms: int = 50
+    prefetch_lease_ms: int = 2000
+    migrate_interval_s: float = 0.5
+    session_idle_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)

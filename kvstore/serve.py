@@ -127,8 +127,27 @@ def build_controller(config: Config, state: Any) -> Any:
         allow_anonymous=config.server.insecure_http,
         block_tokens=_block_tokens(cfg.descriptors),
         mean_service_ms=cfg.mean_service_ms,
+        prefetch=cfg.prefetch,
+        prefetch_deadline_ms=cfg.prefetch_deadline_ms,
+        prefetch_lease_ms=cfg.prefetch_lease_ms,
+        migrate_interval_s=cfg.migrate_interval_s,
+        session_idle_s=cfg.session_idle_s,
     )
-    return create_controller(settings, state, Policy.load(cfg.policy), index)
+    return create_controller(
+        settings, state, Policy.load(cfg.policy), index, instance_client(config)
+    )
+
+
+def instance_client(config: Config) -> Any:
+    """The PC's client of instances, with its client certificate (SEC1)."""
+    from .client import InstanceClient
+    from .security import client_context
+
+    cfg = config.controller
+    context = None
+    if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
+        context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+    return InstanceClient(context)
 
 
 def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:
@@ -237,7 +256,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         raise ConfigError(
             f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc"
         )
-    store = publisher = index_state = pc_state = None
+    store = publisher = index_state = pc_state = migrator = None
     try:
         apps: list[tuple[str, Any]] = []
         if "holder" in roles:
@@ -252,7 +271,9 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             # state in this process, or the Redis PC processes share.
             pc_state = controller_state(config)
         if "pc" in roles:
-            apps.append((urlsplit(config.controller.uri).path, build_controller(config, pc_state)))
+            controller_app = build_controller(config, pc_state)
+            migrator = controller_app.state.migrator
+            apps.append((urlsplit(config.controller.uri).path, controller_app))
             log.warning("controller %s (%s state)", config.controller.uri,
                         config.controller.state)  # fmt: skip
         if "index" in roles:
@@ -263,6 +284,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         server = uvicorn.Server(uvicorn_config(config, app))
         if publisher is not None:
             publisher.start()  # its first round republishes what was recovered
+        if migrator is not None:
+            migrator.start()
         scheme = "http" if config.server.insecure_http else "https"
         log.warning("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
                     config.server.port)  # fmt: skip
@@ -275,6 +298,9 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             await store.close()
         if index_state is not None:
             await index_state.close()
+        if migrator is not None:
+            await migrator.stop()
+            await migrator.instances.close()
         if pc_state is not None:
             await pc_state.close()
 

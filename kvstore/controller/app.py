@@ -1,11 +1,14 @@
 """The Placement Controller's ASGI app: instance status and session checkpoints.
 
 ``PUT instances/{instance-id}/status`` (S1-S3),
-``PUT sessions/{session}/checkpoint`` (CK1, CK2), and our ``POST place``
-(not KVSP): the cheapest active instance for a prompt, with the estimates
-that made the choice (PL1, PL2). Only an instance may report,
-and only for itself: its policy grant's ``instance`` base URI must hash to
-``{instance-id}`` (H6) and equal the record's ``instance`` (SEC1).
+``PUT sessions/{session}/checkpoint`` (CK1, CK2), ``DELETE sessions/{session}``
+(ours: the owner ends it), and our ``POST place`` (not KVSP): the cheapest
+active instance for a prompt, with the estimates that made the choice (PL1,
+PL2), and a prefetch directive sent to it (PF1) when configured. Only an
+instance may report, and only for itself: its policy grant's ``instance``
+base URI must hash to ``{instance-id}`` (H6) and equal the record's
+``instance`` (SEC1). Sessions of failed instances are moved by the
+:class:`~.migrate.Migrator` (CK5).
 """
 
 from __future__ import annotations
@@ -20,16 +23,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..http import base_path, json_response, principal, read_json, role_app
+from ..http import base_path, empty_response, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
-from ..protocol.placement import shape_groups
 from ..protocol.problems import BadRequest, Forbidden, KvspError
-from ..protocol.records import LookupRequest, ReplicaShape
+from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
 from ..security import Grant, Policy
-from .placement import choose, rank
+from .migrate import MigrationCounters, Migrator
+from .placement import choose
+from .placer import Placement, Placer, directive
 from .state import ControllerState
 
 
@@ -47,6 +51,14 @@ class ControllerSettings:
     max_place_keys: int = 8192
     #: Largest checkpoint accepted (it is kept per session).
     max_checkpoint_octets: int = 256 << 10
+    #: Send the chosen instance a prefetch directive (PL2, PF1).
+    prefetch: bool = False
+    prefetch_deadline_ms: int = 50
+    prefetch_lease_ms: int = 2000
+    #: How often failed instances' sessions are looked for (CK5).
+    migrate_interval_s: float = 0.5
+    #: A session idle this long is not resumed (finished without an end).
+    session_idle_s: float = 600.0
 
     @property
     def base_path(self) -> str:
@@ -62,13 +74,27 @@ def _instance_of(grant: Grant) -> str:
     return grant.instance
 
 
+@dataclass(slots=True)
+class ControllerCounters(MigrationCounters):
+    """OPS1 figures of the PC."""
+
+    placements: int = 0
+    prefetches: int = 0
+    prefetch_failures: int = 0
+
+
 def create_app(
     settings: ControllerSettings,
     state: ControllerState,
     policy: Policy,
     index: Any = None,
+    instances: Any = None,
 ) -> Starlette:
-    """``index``: a :class:`kvstore.client.IndexClient` for placement lookups."""
+    """``index``: a :class:`kvstore.client.IndexClient` for placement lookups;
+    ``instances``: a :class:`kvstore.client.InstanceClient` for prefetch
+    directives and resumes (``app.state.migrator``, started by the caller)."""
+    counters = ControllerCounters()
+    placer = Placer(state, index, settings.mean_service_ms * 1000)
 
     def who(request: Request) -> str | None:
         return principal(request, settings.allow_anonymous)
@@ -103,51 +129,70 @@ def create_app(
         body = await read_json(request, settings.max_json_octets)
         query = LookupRequest.from_json(body, max_keys=settings.max_place_keys)
         policy.require_read(who(request), query.scope_id)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
+        obj = body if isinstance(body, dict) else {}
         block_tokens = settings.block_tokens.get(query.compat_id)
         if block_tokens is None:
             raise BadRequest("unknown compat_id: the PC needs its descriptor (block_tokens)")
+        tokens = obj.get("tokens")
         total = (
             check_int(tokens, "place.tokens", lo=0)
             if tokens is not None
             else (len(query.block_keys) * block_tokens)
         )
-        groups: list[tuple[tuple[ReplicaShape, ...], int]] = []
-        index_state = "unused"
-        if index is not None and query.block_keys:
-            try:
-                # Shapes, not records, are all placement reads (ours; an IS
-                # that does not know shapes_only answers with records).
-                answer = await index.lookup(
-                    LookupRequest(
-                        query.scope_id, query.compat_id, query.block_keys, shapes_only=True
-                    )
-                )
-                groups = (answer.shapes.counts() if answer.shapes is not None
-                          else shape_groups(answer.replicas))  # fmt: skip
-                index_state = "ok"
-            except KvspError as exc:
-                # The index is advisory (P4): without it, every instance
-                # recomputes, and the placement still happens.
-                log.warning("index lookup failed, placing without cache: %s", exc.detail)
-                index_state = "unavailable"
-        candidates = rank(
-            await state.active(), groups, total_tokens=total, block_tokens=block_tokens,
-            mean_service_us=settings.mean_service_ms * 1000,
-        )  # fmt: skip
-        chosen = choose(candidates)
-        return json_response({
+        request_ref = obj.get("request_ref")
+        if request_ref is not None and not (
+            isinstance(request_ref, str) and len(request_ref) <= 256
+        ):
+            raise BadRequest("place.request_ref: an opaque string of at most 256 characters")
+        placement = await placer.place(
+            query.scope_id, query.compat_id, query.block_keys, total, block_tokens
+        )
+        chosen = choose(placement.candidates)
+        counters.placements += 1
+        answer: dict[str, Any] = {
             "instance": chosen.instance,
-            "matched": sum(count for _, count in groups),
-            "index": index_state,
-            "candidates": [c.to_json() for c in candidates],
-        })  # fmt: skip
+            "matched": placement.matched,
+            "index": placement.index,
+            "candidates": [c.to_json() for c in placement.candidates],
+        }
+        if instances is not None and settings.prefetch and placement.matched:
+            answer["prefetch"] = await send_prefetch(placement, chosen.instance, query, request_ref)
+        return json_response(answer)
 
-    metrics = Metrics()
+    async def send_prefetch(
+        placement: Placement, instance: str, query: LookupRequest, request_ref: str | None
+    ) -> dict[str, Any] | None:
+        """PL2, PF1: the chosen (active, S4) instance starts loading at once.
+        Advisory: a refused directive leaves the placement as it is."""
+        status = next(s for s in await state.active() if s.instance == instance)
+        found = directive(
+            placement, status, query.block_keys, query.scope_id, query.compat_id,
+            deadline_ms=settings.prefetch_deadline_ms, lease_ms=settings.prefetch_lease_ms,
+            request_ref=request_ref,
+        )  # fmt: skip
+        if found is None:
+            return None  # everything matched is resident there already
+        try:
+            location = await instances.prefetch(instance, found)
+        except KvspError as exc:
+            counters.prefetch_failures += 1
+            log.warning("prefetch directive to %s failed: %s", instance, exc.detail)
+            return {"directive": found.directive, "error": exc.detail}
+        counters.prefetches += 1
+        return {"directive": found.directive, "location": location, "blocks": len(found.blocks)}
+
+    async def end_session(request: Request) -> Response:
+        # Ours: the owner says the session is over; it is never migrated.
+        instance = _instance_of(policy.grant(who(request)))
+        await state.end_session(request.path_params["session"].lower(), instance)
+        return empty_response()
+
+    metrics = Metrics(counters=counters, counters_prefix="kvstore_controller")
 
     routes = [
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
+        Route("/sessions/{session}", end_session, methods=["DELETE"]),
         Route("/place", place, methods=["POST"]),
     ]
     app = role_app(
@@ -155,4 +200,12 @@ def create_app(
         lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
     )  # fmt: skip
     app.state.controller = state
+    app.state.counters = counters
+    app.state.migrator = None
+    if instances is not None:
+        app.state.migrator = Migrator(
+            state, placer, instances, dict(settings.block_tokens),
+            interval_s=settings.migrate_interval_s, session_idle_s=settings.session_idle_s,
+            counters=counters,
+        )  # fmt: skip
     return app

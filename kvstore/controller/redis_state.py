@@ -55,6 +55,15 @@ return 1
 """
 
 
+# KEYS: sessions hash, the owner's set; ARGV: session, expected value.
+_DROP_SESSION = """
+if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+
 def _dump(value: dict[str, Any]) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
@@ -86,6 +95,7 @@ class RedisControllerState(ControllerState):
         )
         self._swap = self._client.register_script(_SWAP)
         self._swap_session = self._client.register_script(_SWAP_SESSION)
+        self._drop = self._client.register_script(_DROP_SESSION)
         #: Parsed entries by their JSON: placements between two reports of an
         #: instance read its entry without validating the record again.
         self._parsed: dict[bytes, InstanceEntry] = {}
@@ -111,6 +121,9 @@ class RedisControllerState(ControllerState):
                 self._parsed.clear()  # bounded: entries change with every report
             entry = self._parsed[raw] = InstanceEntry.from_json(json.loads(raw))
         return entry
+
+    async def now(self) -> float:
+        return self._now(None if self._clock is not None else await self._call(self._client.time()))
 
     async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -145,9 +158,12 @@ class RedisControllerState(ControllerState):
 
     async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
         for _ in range(self.retries):
-            raw = await self._call(self._client.hget(self._sessions_key, session))
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.hget(self._sessions_key, session)
+                pipe.time()
+                raw, now = await self._call(pipe.execute())
             old = None if raw is None else SessionEntry.from_json(json.loads(raw))
-            new = change(old)
+            new = change(old, self._now(now))
             keys = [
                 self._sessions_key,
                 self._owner_prefix + role_id(old.owner if old is not None else new.owner),
@@ -160,6 +176,20 @@ class RedisControllerState(ControllerState):
                 return new
             if done < 0:
                 raise self._quota_error(total_full=done == -1)
+        raise TierUnavailable("controller Redis: the session entry kept changing")
+
+    async def _drop_session(
+        self, session: str, check: Callable[[SessionEntry | None], object]
+    ) -> None:
+        for _ in range(self.retries):
+            raw = await self._call(self._client.hget(self._sessions_key, session))
+            entry = None if raw is None else SessionEntry.from_json(json.loads(raw))
+            check(entry)
+            if entry is None:
+                return
+            keys = [self._sessions_key, self._owner_prefix + role_id(entry.owner)]
+            if await self._call(self._drop(keys=keys, args=[session, raw])):
+                return
         raise TierUnavailable("controller Redis: the session entry kept changing")
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint
-from ..protocol.problems import BadRequest, Forbidden, StaleEpoch
+from ..protocol.problems import BadRequest, Forbidden, NotFound, StaleEpoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,8 @@ class SessionEntry:
     epoch: int
     owner: str
     checkpoint: SessionCheckpoint | None = None
+    #: When the session was last placed or checkpointed (the state's clock).
+    touched: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +89,7 @@ class SessionEntry:
             "epoch": self.epoch,
             "owner": self.owner,
             "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json(),
+            "touched": self.touched,
         }
 
     @classmethod
@@ -97,6 +100,7 @@ class SessionEntry:
             epoch=int(value["epoch"]),
             owner=str(value["owner"]),
             checkpoint=None if checkpoint is None else SessionCheckpoint.from_json(checkpoint),
+            touched=float(value.get("touched", 0.0)),
         )
 
 
@@ -136,16 +140,18 @@ def after_status(
     )
 
 
-def after_assign(entry: SessionEntry | None, session: str, owner: str, epoch: int) -> SessionEntry:
+def after_assign(
+    entry: SessionEntry | None, session: str, owner: str, epoch: int, now: float
+) -> SessionEntry:
     """A session starts on ``owner``, or resumes there with a higher epoch (CK5)."""
     if entry is not None and epoch <= entry.epoch:
         raise StaleEpoch(f"session is at epoch {entry.epoch}")
     checkpoint = entry.checkpoint if entry is not None else None
-    return SessionEntry(session, epoch, owner, checkpoint)
+    return SessionEntry(session, epoch, owner, checkpoint, now)
 
 
 def after_checkpoint(
-    entry: SessionEntry | None, checkpoint: SessionCheckpoint, instance: str
+    entry: SessionEntry | None, checkpoint: SessionCheckpoint, instance: str, now: float
 ) -> SessionEntry:
     """CK2, CK7, SEC5: keep the highest output_offset of the current epoch."""
     if entry is None:
@@ -153,7 +159,7 @@ def after_checkpoint(
         # it, at epoch 1 only (a later epoch is the PC's to hand out).
         if checkpoint.epoch != 1:
             raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned")
-        entry = SessionEntry(checkpoint.session, 1, instance)
+        entry = SessionEntry(checkpoint.session, 1, instance, touched=now)
     elif entry.checkpoint is not None and (
         (checkpoint.scope_id, checkpoint.compat_id)
         != (entry.checkpoint.scope_id, entry.checkpoint.compat_id)
@@ -173,4 +179,13 @@ def after_checkpoint(
         and checkpoint.output_offset < best.output_offset
     ):
         return entry  # a late, lower checkpoint: the higher one stays
-    return dataclasses.replace(entry, checkpoint=checkpoint)
+    return dataclasses.replace(entry, checkpoint=checkpoint, touched=now)
+
+
+def check_end(entry: SessionEntry | None, instance: str) -> SessionEntry:
+    """Only the session's current owner ends it (SEC5)."""
+    if entry is None:
+        raise NotFound("unknown session")
+    if entry.owner != instance:
+        raise Forbidden("the session belongs to another instance")
+    return entry

@@ -23,12 +23,13 @@ from .rules import (
     after_assign,
     after_checkpoint,
     after_status,
+    check_end,
 )
 
 __all__ = ["ControllerState", "MemoryControllerState", "SleepPolicy"]
 
 InstanceChange = Callable[[InstanceEntry | None, float], InstanceEntry]
-SessionChange = Callable[[SessionEntry | None], SessionEntry]
+SessionChange = Callable[[SessionEntry | None, float], SessionEntry]
 
 
 class SessionsFull(InsufficientStorage):
@@ -46,6 +47,10 @@ class ControllerState:
 
     # --- storage primitives -------------------------------------------------
 
+    async def now(self) -> float:
+        """The state's clock (seconds)."""
+        raise NotImplementedError
+
     async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
         """The instance's entry and the state's clock now."""
         raise NotImplementedError
@@ -61,8 +66,14 @@ class ControllerState:
         raise NotImplementedError
 
     async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
-        """Replace the entry by ``change(entry)``, atomically, within the
+        """Replace the entry by ``change(entry, now)``, atomically, within the
         session quotas (a new session, or one moving to another owner)."""
+        raise NotImplementedError
+
+    async def _drop_session(
+        self, session: str, check: Callable[[SessionEntry | None], object]
+    ) -> None:
+        """Remove the entry if ``check(entry)`` does not raise, atomically."""
         raise NotImplementedError
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
@@ -125,13 +136,19 @@ class ControllerState:
 
     async def assign(self, session: str, owner: str, epoch: int = 1) -> SessionEntry:
         """A session starts (or resumes, with a higher epoch) on ``owner``."""
-        return await self._change_session(session, lambda e: after_assign(e, session, owner, epoch))
+        return await self._change_session(
+            session, lambda e, now: after_assign(e, session, owner, epoch, now)
+        )
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> SessionEntry:
         """CK2, CK7: keep the highest output_offset of the current epoch."""
         return await self._change_session(
-            checkpoint.session, lambda e: after_checkpoint(e, checkpoint, instance)
+            checkpoint.session, lambda e, now: after_checkpoint(e, checkpoint, instance, now)
         )
+
+    async def end_session(self, session: str, instance: str) -> None:
+        """The owner's session is over: it is forgotten, never migrated."""
+        await self._drop_session(session, lambda e: check_end(e, instance))
 
     async def session(self, session: str) -> SessionEntry:
         entry = await self._session(session)
@@ -159,6 +176,9 @@ class MemoryControllerState(ControllerState):
 
     # Nothing below awaits: each change is atomic within the event loop.
 
+    async def now(self) -> float:
+        return self.clock()
+
     async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
         return self.instances.get(instance), self.clock()
 
@@ -175,7 +195,7 @@ class MemoryControllerState(ControllerState):
 
     async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
         old = self.sessions.get(session)
-        new = change(old)
+        new = change(old, self.clock())
         if old is None and len(self.sessions) >= self.max_sessions:
             raise self._quota_error(total_full=True)
         if old is None or old.owner != new.owner:
@@ -186,6 +206,15 @@ class MemoryControllerState(ControllerState):
             self._per_owner[new.owner] = self._per_owner.get(new.owner, 0) + 1
         self.sessions[session] = new
         return new
+
+    async def _drop_session(
+        self, session: str, check: Callable[[SessionEntry | None], object]
+    ) -> None:
+        entry = self.sessions.get(session)
+        check(entry)
+        if entry is not None:
+            del self.sessions[session]
+            self._per_owner[entry.owner] -= 1
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
         return [s for s in self.sessions.values() if s.owner == owner]

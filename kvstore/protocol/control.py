@@ -200,6 +200,30 @@ class SessionCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeRequest:
+    """``POST sessions/{session}/resume`` body (CK5): the latest checkpoint and
+    the session's new epoch. (The draft names both and no layout: this is
+    ours; the checkpoint keeps the epoch it was written in.)"""
+
+    epoch: int
+    checkpoint: SessionCheckpoint
+
+    @classmethod
+    def from_json(cls, value: Any) -> ResumeRequest:
+        obj = Obj(value, "resume")
+        request = cls(
+            epoch=obj.integer("epoch", lo=1),
+            checkpoint=SessionCheckpoint.from_json(obj.value.get("checkpoint")),
+        )
+        if request.epoch <= request.checkpoint.epoch:
+            fail("resume.epoch", "must be higher than the checkpoint's epoch")
+        return request
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "checkpoint": self.checkpoint.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
 class Shard:
     """Tokens ``[start, end)`` of a context held by ``instance``."""
 
