@@ -27,7 +27,7 @@ from ..http import base_path, empty_response, json_response, principal, read_jso
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
-from ..protocol.problems import BadRequest, Forbidden, KvspError
+from ..protocol.problems import BadGateway, BadRequest, Forbidden, InvalidState, KvspError
 from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
 from ..security import Grant, Policy
@@ -181,6 +181,23 @@ def create_app(
         counters.prefetches += 1
         return {"directive": found.directive, "location": location, "blocks": len(found.blocks)}
 
+    async def put_state(request: Request) -> Response:
+        # Ours: an operator wakes an instance or has it drain (S3, S6); the PC
+        # tells the instance (PUT state) and then holds the new state.
+        policy.require_role(who(request), "admin")
+        change = StateChange.from_json(await read_json(request, settings.max_json_octets))
+        if change.state not in ("active", "draining"):
+            raise BadRequest("state: an instance is set active or draining (it reports the rest)")
+        instance = await state.instance_named(request.path_params["instance_id"])
+        if instances is None:
+            raise InvalidState("the PC has no client for instances")
+        try:
+            await instances.set_state(instance, change.state)
+        except KvspError as exc:
+            raise BadGateway(f"the instance did not take the state: {exc.detail}") from exc
+        await state.set_state(instance, change.state)
+        return json_response(change.to_json())
+
     async def end_session(request: Request) -> Response:
         # Ours: the owner says the session is over; it is never migrated.
         instance = _instance_of(policy.grant(who(request)))
@@ -191,6 +208,7 @@ def create_app(
 
     routes = [
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
+        Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
         Route("/sessions/{session}", end_session, methods=["DELETE"]),
         Route("/place", place, methods=["POST"]),

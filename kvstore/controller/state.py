@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint
 from ..protocol.problems import InsufficientStorage, InvalidState, NotFound
+from ..protocol.wire import role_id
 from .rules import (
     InstanceEntry,
     SessionEntry,
@@ -116,6 +117,14 @@ class ControllerState:
     async def failed(self) -> list[str]:
         entries, now = await self._instances()
         return [e.status.instance for e in entries if e.state_at(now) == "failed"]
+
+    async def instance_named(self, instance_id: str) -> str:
+        """The base URI of the known instance whose id (H6) is ``instance_id``."""
+        entries, _ = await self._instances()
+        for entry in entries:
+            if role_id(entry.status.instance) == instance_id:
+                return entry.status.instance
+        raise NotFound("unknown instance")
 
     async def require_active(self, instance: str) -> None:
         state = await self.state_of(instance)

@@ -24,6 +24,7 @@ one handler renders every error and one ``isinstance`` check catches them all::
     ├── PreconditionRequired        (about:blank, 428)       BL7: If-None-Match missing
     ├── Forbidden / Unauthenticated (about:blank, 403/401)   SEC1: policy, no certificate
     ├── TierUnavailable             (about:blank, 503)       a storage tier is down
+    ├── BadGateway                  (about:blank, 502)       a peer role refused or failed
     └── InsufficientStorage         (about:blank, 507)       no tier can take a write
         └── TierFull                one tier's backend is out of space
 
@@ -181,6 +182,13 @@ class TierUnavailable(KvspError):
     def __init__(self, detail: str, tier: str = "", **extensions: Any) -> None:
         super().__init__(detail, **extensions)
         self.tier = tier
+
+
+class BadGateway(KvspError):
+    """A role this one had to call (an instance, for the PC) refused or failed."""
+
+    status = 502
+    title = "Peer failed"
 
 
 class InsufficientStorage(KvspError):

@@ -57,6 +57,7 @@ class Instances:
     def __init__(self) -> None:
         self.resumed: list[tuple[str, dict[str, Any]]] = []
         self.prefetched: list[tuple[str, dict[str, Any]]] = []
+        self.states: list[tuple[str, dict[str, Any]]] = []
         self.refuse: set[str] = set()
         self.port = free_port()
 
@@ -77,9 +78,14 @@ class Instances:
             return JSONResponse({}, status_code=202,
                                 headers={"Location": f"prefetch/{body['directive']}"})  # fmt: skip
 
+        async def put_state(request: Request) -> Response:
+            self.states.append((request.path_params["name"], json.loads(await request.body())))
+            return Response(status_code=204)
+
         return Starlette(routes=[
             Route("/{name}/sessions/{session}/resume", resume, methods=["POST"]),
             Route("/{name}/prefetch", prefetch, methods=["POST"]),
+            Route("/{name}/state", put_state, methods=["PUT"]),
         ])  # fmt: skip
 
 
@@ -313,3 +319,40 @@ async def test_delete_session_resource(certs: Path) -> None:
             response = await client.delete(f"sessions/{session}")
         assert response.status_code == expected, (name, response.text)
     assert role_id(ii1)  # the instance's id is what its status path names
+
+
+async def test_an_operator_wakes_a_sleeping_instance(instances: Instances, certs: Path) -> None:
+    # S3, S6: only the PC wakes a sleeping instance: it sends PUT state, then
+    # holds the instance active; a refused change leaves the state as it was.
+    pc = MemoryControllerState()
+    sleepy = instances.uri("sleepy")
+    await pc.put_status(status(sleepy))
+    await pc.set_state(sleepy, "sleeping")
+    policy = Policy.from_json({"principals": {
+        "urn:kvstore:alice": {"roles": ["admin"]}, "urn:kvstore:ii1": {"read_scopes": ["*"]},
+    }})  # fmt: skip
+    async with InstanceClient() as client:
+        app = create_app(ControllerSettings("https://pc.test/pc/"), pc, policy, None, client)
+
+        async def put(name: str, instance: str, body: Any) -> httpx.Response:
+            wrapped = AsPrincipal(app, (certs / f"client-{name}.pem").read_text())
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
+                                         base_url="https://pc.test/pc/") as http:  # fmt: skip
+                return await http.put(f"instances/{role_id(instance)}/state", json=body)
+
+        assert (await put("ii1", sleepy, {"state": "active"})).status_code == 403
+        assert (await put("alice", sleepy, {"state": "failed"})).status_code == 400
+        unknown = await put("alice", "https://nobody.test/", {"state": "active"})
+        assert unknown.status_code == 404
+        assert await pc.state_of(sleepy) == "sleeping" and instances.states == []
+        response = await put("alice", sleepy, {"state": "active"})
+        assert response.status_code == 200 and response.json() == {"state": "active"}
+        assert instances.states == [("sleepy", {"state": "active"})]
+        assert await pc.state_of(sleepy) == "active"
+        gone = f"http://127.0.0.1:{free_port()}/gone/"
+        await pc.put_status(status(gone))
+        await pc.set_state(gone, "sleeping")
+        refused = await put("alice", gone, {"state": "active"})
+        assert refused.status_code == 502
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert await pc.state_of(gone) == "sleeping"
