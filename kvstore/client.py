@@ -31,7 +31,7 @@ from urllib.parse import urljoin
 import aiohttp
 
 from .protocol import container as kc
-from .protocol.control import ResumeRequest, StateChange
+from .protocol.control import ReshardMessage, ResumeRequest, StateChange
 from .protocol.problems import DigestMismatch, KvspError, NotFound, error_from_problem
 from .protocol.records import (
     LeaseGrant,
@@ -286,6 +286,10 @@ class InstanceClient(_Http):
         """``POST sessions/{session}/resume`` with the checkpoint and new epoch (CK5)."""
         url = urljoin(_base(instance), f"sessions/{request.checkpoint.session}/resume")
         await self._post(url, request.to_json(), [200, 202, 204])
+
+    async def reshard(self, instance: str, message: ReshardMessage) -> None:
+        """``POST reshard``: a plan (answered 200 once loaded, RS4), a commit or an abort."""
+        await self._post(urljoin(_base(instance), "reshard"), message.to_json(), [200])
 
     async def set_state(self, instance: str, state: str) -> None:
         """``PUT state`` (S3, S6)."""

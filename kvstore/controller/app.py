@@ -26,11 +26,12 @@ from starlette.routing import Route
 from ..http import base_path, empty_response, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
-from ..protocol.control import InstanceStatus, SessionCheckpoint, StateChange
+from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
 from ..protocol.problems import BadGateway, BadRequest, Forbidden, InvalidState, KvspError
 from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
 from ..security import Grant, Policy
+from .coordinator import ReshardAborted, ReshardCoordinator
 from .migrate import MigrationCounters, Migrator
 from .placement import choose
 from .placer import Placement, Placer, directive
@@ -95,6 +96,7 @@ def create_app(
     directives and resumes (``app.state.migrator``, started by the caller)."""
     counters = ControllerCounters()
     placer = Placer(state, index, settings.mean_service_ms * 1000)
+    coordinator = ReshardCoordinator(state, instances) if instances is not None else None
 
     def who(request: Request) -> str | None:
         return principal(request, settings.allow_anonymous)
@@ -198,6 +200,40 @@ def create_app(
         await state.set_state(instance, change.state)
         return json_response(change.to_json())
 
+    def map_in(request: Request, body: Any, name: str) -> ShardMap:
+        shard_map = ShardMap.from_json(body)
+        if shard_map.map != request.path_params["map"]:
+            raise BadRequest(f"{name}.map: must be the path's map")
+        return shard_map
+
+    async def put_map(request: Request) -> Response:
+        # Ours: an operator gives the PC a context's shard map (RS1).
+        policy.require_role(who(request), "admin")
+        shard_map = map_in(request, await read_json(request, settings.max_json_octets), "map")
+        entry = await state.create_map(shard_map)
+        return json_response(entry.current.to_json())
+
+    async def get_map(request: Request) -> Response:
+        policy.require_role(who(request), "admin")
+        entry = await state.shard_map(request.path_params["map"])
+        return json_response({**entry.current.to_json(), "resharding_to": entry.pending})
+
+    async def post_reshard(request: Request) -> Response:
+        # Ours: move the map to the target version (RS2-RS6), answered when
+        # committed or aborted.
+        policy.require_role(who(request), "admin")
+        body = await read_json(request, settings.max_json_octets)
+        obj = body if isinstance(body, dict) else {}
+        target = map_in(request, obj.get("target"), "target")
+        deadline_ms = check_int(obj.get("deadline_ms", 1000), "deadline_ms", lo=1, hi=600_000)
+        if coordinator is None:
+            raise InvalidState("the PC has no client for instances")
+        outcome = await coordinator.reshard(target, deadline_ms)
+        if not outcome.committed:
+            raise ReshardAborted("members did not acknowledge by the deadline (RS6)",
+                                 **outcome.to_json())  # fmt: skip
+        return json_response(outcome.to_json())
+
     async def end_session(request: Request) -> Response:
         # Ours: the owner says the session is over; it is never migrated.
         instance = _instance_of(policy.grant(who(request)))
@@ -211,6 +247,9 @@ def create_app(
         Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
         Route("/sessions/{session}", end_session, methods=["DELETE"]),
+        Route("/maps/{map}", put_map, methods=["PUT"]),
+        Route("/maps/{map}", get_map, methods=["GET"]),
+        Route("/maps/{map}/reshard", post_reshard, methods=["POST"]),
         Route("/place", place, methods=["POST"]),
     ]
     app = role_app(

@@ -8,7 +8,8 @@ is small, and one slot keeps every change a single-slot script):
   record, expiry, highest epoch, lifecycle state, idle since);
 * ``<prefix>{pc}:sessions`` hash: session id -> entry JSON (epoch, owner,
   latest checkpoint);
-* ``<prefix>{pc}:owner:<instance id>`` set: the sessions an instance owns.
+* ``<prefix>{pc}:owner:<instance id>`` set: the sessions an instance owns;
+* ``<prefix>{pc}:maps`` hash: map id -> shard map and reshard in progress.
 
 Times are the Redis server's clock (``TIME``), the one clock every PC and
 IS process sharing the state agrees on. Each change reads the entry, applies
@@ -28,8 +29,8 @@ from redis import exceptions as redis_errors
 
 from ..protocol.problems import TierUnavailable
 from ..protocol.wire import role_id
-from .rules import InstanceEntry, SessionEntry
-from .state import ControllerState, InstanceChange, SessionChange
+from .rules import InstanceEntry, MapEntry, SessionEntry
+from .state import ControllerState, InstanceChange, MapChange, SessionChange
 
 # KEYS[1] hash; ARGV: field, expected value ("" for none), new value.
 _SWAP = """
@@ -89,6 +90,7 @@ class RedisControllerState(ControllerState):
         tag = f"{prefix}{{pc}}:"
         self._instances_key = tag + "instances"
         self._sessions_key = tag + "sessions"
+        self._maps_key = tag + "maps"
         self._owner_prefix = tag + "owner:"
         self._client: Any = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
@@ -199,6 +201,23 @@ class RedisControllerState(ControllerState):
         values = await self._call(self._client.hmget(self._sessions_key, sorted(names)))
         entries = [SessionEntry.from_json(json.loads(v)) for v in values if v is not None]
         return [e for e in entries if e.owner == owner]
+
+    async def _map(self, map_id: str) -> MapEntry | None:
+        raw = await self._call(self._client.hget(self._maps_key, map_id))
+        return None if raw is None else MapEntry.from_json(json.loads(raw))
+
+    async def _change_map(self, map_id: str, change: MapChange) -> MapEntry:
+        for _ in range(self.retries):
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.hget(self._maps_key, map_id)
+                pipe.time()
+                raw, now = await self._call(pipe.execute())
+            old = None if raw is None else MapEntry.from_json(json.loads(raw))
+            entry = change(old, self._now(now))
+            args = [map_id, raw or b"", _dump(entry.to_json())]
+            if await self._call(self._swap(keys=[self._maps_key], args=args)):
+                return entry
+        raise TierUnavailable("controller Redis: the map entry kept changing")
 
     async def close(self) -> None:
         await self._client.aclose()

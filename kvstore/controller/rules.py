@@ -25,8 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol.control import InstanceStatus, SessionCheckpoint
-from ..protocol.problems import BadRequest, Forbidden, NotFound, StaleEpoch
+from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
+from ..protocol.problems import BadRequest, Forbidden, NotFound, PlanConflict, StaleEpoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,3 +189,55 @@ def check_end(entry: SessionEntry | None, instance: str) -> SessionEntry:
     if entry.owner != instance:
         raise Forbidden("the session belongs to another instance")
     return entry
+
+
+@dataclass(frozen=True, slots=True)
+class MapEntry:
+    """A shard map the PC holds (RS1), and the reshard in progress, if any."""
+
+    current: ShardMap
+    #: The version being resharded to, until ``pending_until`` (a PC that
+    #: died mid-reshard does not block the map for longer).
+    pending: int | None = None
+    pending_until: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "map": self.current.to_json(),
+            "pending": self.pending,
+            "pending_until": self.pending_until,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> MapEntry:
+        return cls(
+            ShardMap.from_json(value["map"]), value["pending"], float(value["pending_until"])
+        )
+
+
+def after_map_created(entry: MapEntry | None, shard_map: ShardMap) -> MapEntry:
+    if entry is not None and entry.current != shard_map:
+        raise PlanConflict(f"map {shard_map.map} exists at version {entry.current.version}")
+    return entry or MapEntry(shard_map)
+
+
+def after_reshard_started(
+    entry: MapEntry | None, target: ShardMap, now: float, hold_s: float
+) -> MapEntry:
+    """RS5: version v stays authoritative; one reshard of a map at a time."""
+    if entry is None:
+        raise NotFound(f"unknown map {target.map}")
+    if entry.pending is not None and entry.pending_until > now:
+        raise PlanConflict(f"map {target.map} is being resharded to {entry.pending}")
+    if target.version != entry.current.version + 1:
+        raise PlanConflict(
+            f"map {target.map} is at version {entry.current.version}; cannot go to {target.version}"
+        )
+    return MapEntry(entry.current, target.version, now + hold_s)
+
+
+def after_reshard_ended(entry: MapEntry | None, target: ShardMap, committed: bool) -> MapEntry:
+    """RS5: the commit makes v+1 current; RS6: an abort keeps v."""
+    if entry is None or entry.pending != target.version:
+        raise PlanConflict(f"map {target.map} has no reshard to {target.version} in progress")
+    return MapEntry(target if committed else entry.current)

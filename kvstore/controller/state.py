@@ -14,15 +14,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from ..protocol.control import InstanceStatus, SessionCheckpoint
+from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
 from ..protocol.problems import InsufficientStorage, InvalidState, NotFound
 from ..protocol.wire import role_id
 from .rules import (
     InstanceEntry,
+    MapEntry,
     SessionEntry,
     SleepPolicy,
     after_assign,
     after_checkpoint,
+    after_map_created,
+    after_reshard_ended,
+    after_reshard_started,
     after_status,
     check_end,
 )
@@ -30,6 +34,7 @@ from .rules import (
 __all__ = ["ControllerState", "MemoryControllerState", "SleepPolicy"]
 
 InstanceChange = Callable[[InstanceEntry | None, float], InstanceEntry]
+MapChange = Callable[[MapEntry | None, float], MapEntry]
 SessionChange = Callable[[SessionEntry | None, float], SessionEntry]
 
 
@@ -78,6 +83,13 @@ class ControllerState:
         raise NotImplementedError
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
+        raise NotImplementedError
+
+    async def _map(self, map_id: str) -> MapEntry | None:
+        raise NotImplementedError
+
+    async def _change_map(self, map_id: str, change: MapChange) -> MapEntry:
+        """Replace the entry by ``change(entry, now)``, atomically."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -168,6 +180,29 @@ class ControllerState:
     async def sessions_of(self, instance: str) -> list[SessionEntry]:
         return await self._sessions_of(instance)
 
+    # --- shard maps (RS1, RS5, RS6) -----------------------------------------
+
+    async def create_map(self, shard_map: ShardMap) -> MapEntry:
+        """Hold a new map (idempotent for the same map; 409 for another)."""
+        return await self._change_map(shard_map.map, lambda e, _: after_map_created(e, shard_map))
+
+    async def shard_map(self, map_id: str) -> MapEntry:
+        entry = await self._map(map_id)
+        if entry is None:
+            raise NotFound(f"unknown map {map_id}")
+        return entry
+
+    async def begin_reshard(self, target: ShardMap, hold_s: float) -> MapEntry:
+        """Mark ``target`` (v+1) in progress; the entry still holds v (RS5)."""
+        return await self._change_map(
+            target.map, lambda e, now: after_reshard_started(e, target, now, hold_s)
+        )
+
+    async def end_reshard(self, target: ShardMap, committed: bool) -> MapEntry:
+        return await self._change_map(
+            target.map, lambda e, _: after_reshard_ended(e, target, committed)
+        )
+
     def _quota_error(self, total_full: bool) -> InsufficientStorage:
         if total_full:
             return SessionsFull(f"the PC tracks its maximum of {self.max_sessions} sessions")
@@ -181,6 +216,7 @@ class MemoryControllerState(ControllerState):
     clock: Callable[[], float] = time.monotonic
     instances: dict[str, InstanceEntry] = field(default_factory=dict)
     sessions: dict[str, SessionEntry] = field(default_factory=dict)
+    maps: dict[str, MapEntry] = field(default_factory=dict)
     _per_owner: dict[str, int] = field(default_factory=dict)
 
     # Nothing below awaits: each change is atomic within the event loop.
@@ -227,3 +263,10 @@ class MemoryControllerState(ControllerState):
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
         return [s for s in self.sessions.values() if s.owner == owner]
+
+    async def _map(self, map_id: str) -> MapEntry | None:
+        return self.maps.get(map_id)
+
+    async def _change_map(self, map_id: str, change: MapChange) -> MapEntry:
+        entry = self.maps[map_id] = change(self.maps.get(map_id), self.clock())
+        return entry

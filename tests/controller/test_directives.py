@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,11 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from kvstore.client import InstanceClient
 from kvstore.controller.app import ControllerSettings, create_app
@@ -37,70 +31,16 @@ from kvstore.protocol.records import (
     ShapeRuns,
 )
 from kvstore.protocol.wire import role_id
-from kvstore.security import Policy, create_dev_certificates
+from kvstore.security import Policy
 
 from ..conftest import free_port
 from ..holder.conftest import AsPrincipal
+from .conftest import Instances
 from .test_state import Clock, checkpoint
 
 COMPAT, SCOPE = "b" * 64, "a" * 32
 H1, H2 = "https://h1.test/kvsp/", "https://h2.test/kvsp/"
 KEYS = [f"{n:064x}" for n in range(6)]
-
-
-class Instances:
-    """Stand-in inference instances under one server: ``/<name>/...``.
-
-    Records every resume and prefetch; ``refuse`` names instances that
-    answer 503."""
-
-    def __init__(self) -> None:
-        self.resumed: list[tuple[str, dict[str, Any]]] = []
-        self.prefetched: list[tuple[str, dict[str, Any]]] = []
-        self.states: list[tuple[str, dict[str, Any]]] = []
-        self.refuse: set[str] = set()
-        self.port = free_port()
-
-    def uri(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{name}/"
-
-    def app(self) -> Starlette:
-        async def resume(request: Request) -> Response:
-            name = request.path_params["name"]
-            if name in self.refuse:
-                return Response(status_code=503)
-            self.resumed.append((name, json.loads(await request.body())))
-            return Response(status_code=200)
-
-        async def prefetch(request: Request) -> Response:
-            body = json.loads(await request.body())
-            self.prefetched.append((request.path_params["name"], body))
-            return JSONResponse({}, status_code=202,
-                                headers={"Location": f"prefetch/{body['directive']}"})  # fmt: skip
-
-        async def put_state(request: Request) -> Response:
-            self.states.append((request.path_params["name"], json.loads(await request.body())))
-            return Response(status_code=204)
-
-        return Starlette(routes=[
-            Route("/{name}/sessions/{session}/resume", resume, methods=["POST"]),
-            Route("/{name}/prefetch", prefetch, methods=["POST"]),
-            Route("/{name}/state", put_state, methods=["PUT"]),
-        ])  # fmt: skip
-
-
-@pytest.fixture
-async def instances() -> AsyncIterator[Instances]:
-    found = Instances()
-    config = uvicorn.Config(found.app(), host="127.0.0.1", port=found.port, log_level="error",
-                            lifespan="off")  # fmt: skip
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    yield found
-    server.should_exit = True
-    await task
 
 
 def status(instance: str, *links: Link, ttl_ms: int = 3000, queued: int = 0) -> InstanceStatus:
@@ -151,13 +91,6 @@ def test_directive_lists_what_the_instance_lacks_cheapest_source_first() -> None
     assert (found.deadline_ms, found.lease_ms, found.request_ref) == (50, 2000, "r-1")
     only_resident = Placement([], 1, "ok", [((shape(ii),), 1)])
     assert directive(only_resident, near_h2, KEYS, SCOPE, COMPAT, deadline_ms=1, lease_ms=1) is None
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("pc-directives")
-    create_dev_certificates(directory, ["alice", "ii1"])
-    return directory
 
 
 async def place(app: Any, certs: Path, body: dict[str, Any]) -> httpx.Response:
