@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..background import Background
 from ..protocol.control import ResumeRequest
 from ..protocol.problems import KvspError, StaleEpoch
 from .placer import Placer
@@ -41,7 +42,9 @@ class MigrationCounters:
     sessions_dropped: int = 0
 
 
-class Migrator:
+class Migrator(Background):
+    task_name = "kvstore-migrator"
+
     def __init__(
         self,
         state: ControllerState,
@@ -59,7 +62,6 @@ class Migrator:
         self.block_tokens = block_tokens
         self.interval_s, self.session_idle_s, self.attempts = interval_s, session_idle_s, attempts
         self.counters = counters or MigrationCounters()
-        self._task: asyncio.Task[None] | None = None
 
     async def run_once(self) -> int:
         """One round over the failed instances; the number of sessions moved."""
@@ -118,14 +120,3 @@ class Migrator:
             except Exception:
                 log.exception("migration round failed")
             await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name="kvstore-migrator")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None

@@ -127,12 +127,17 @@ class RedisControllerState(ControllerState):
     async def now(self) -> float:
         return self._now(None if self._clock is not None else await self._call(self._client.time()))
 
-    async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
+    async def _read(self, key: str, field: str) -> tuple[bytes | None, float]:
+        """A hash field and the clock, in one round trip."""
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.hget(self._instances_key, instance)
+            pipe.hget(key, field)
             pipe.time()
             raw, now = await self._call(pipe.execute())
-        return self._entry(raw), self._now(now)
+        return raw, self._now(now)
+
+    async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
+        raw, now = await self._read(self._instances_key, instance)
+        return self._entry(raw), now
 
     async def _instances(self) -> tuple[list[InstanceEntry], float]:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -144,13 +149,10 @@ class RedisControllerState(ControllerState):
 
     async def _change_instance(self, instance: str, change: InstanceChange) -> InstanceEntry:
         for _ in range(self.retries):
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.hget(self._instances_key, instance)
-                pipe.time()
-                raw, now = await self._call(pipe.execute())
-            entry = change(self._entry(raw), self._now(now))
-            args = [instance, raw or b"", _dump(entry.to_json())]
-            if await self._call(self._swap(keys=[self._instances_key], args=args)):
+            raw, now = await self._read(self._instances_key, instance)
+            entry = change(self._entry(raw), now)
+            swap: list[bytes | str] = [instance, raw or b"", _dump(entry.to_json())]
+            if await self._call(self._swap(keys=[self._instances_key], args=swap)):
                 return entry
         raise TierUnavailable("controller Redis: the instance entry kept changing")
 
@@ -160,19 +162,16 @@ class RedisControllerState(ControllerState):
 
     async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
         for _ in range(self.retries):
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.hget(self._sessions_key, session)
-                pipe.time()
-                raw, now = await self._call(pipe.execute())
+            raw, now = await self._read(self._sessions_key, session)
             old = None if raw is None else SessionEntry.from_json(json.loads(raw))
-            new = change(old, self._now(now))
+            new = change(old, now)
             keys = [
                 self._sessions_key,
                 self._owner_prefix + role_id(old.owner if old is not None else new.owner),
                 self._owner_prefix + role_id(new.owner),
             ]
-            args = [session, raw or b"", _dump(new.to_json()), self.max_sessions,
-                    self.max_sessions_per_owner]  # fmt: skip
+            args: list[bytes | str | int] = [session, raw or b"", _dump(new.to_json()),
+                                             self.max_sessions, self.max_sessions_per_owner]  # fmt: skip
             done = await self._call(self._swap_session(keys=keys, args=args))
             if done == 1:
                 return new
@@ -208,14 +207,11 @@ class RedisControllerState(ControllerState):
 
     async def _change_map(self, map_id: str, change: MapChange) -> MapEntry:
         for _ in range(self.retries):
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.hget(self._maps_key, map_id)
-                pipe.time()
-                raw, now = await self._call(pipe.execute())
+            raw, now = await self._read(self._maps_key, map_id)
             old = None if raw is None else MapEntry.from_json(json.loads(raw))
-            entry = change(old, self._now(now))
-            args = [map_id, raw or b"", _dump(entry.to_json())]
-            if await self._call(self._swap(keys=[self._maps_key], args=args)):
+            entry = change(old, now)
+            swap: list[bytes | str] = [map_id, raw or b"", _dump(entry.to_json())]
+            if await self._call(self._swap(keys=[self._maps_key], args=swap)):
                 return entry
         raise TierUnavailable("controller Redis: the map entry kept changing")
 

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..background import Background
 from ..client import IndexClient
 from ..protocol.problems import KvspError
 from ..storage import BlockRef, TieredStore
@@ -43,7 +44,7 @@ def _permanent(error: KvspError) -> bool:
     return 400 <= error.status < 500 and error.status != 429
 
 
-class IndexPublisher(Publisher):
+class IndexPublisher(Background, Publisher):
     """Keeps an Index Service's records of this holder's replicas current."""
 
     def __init__(
@@ -72,7 +73,6 @@ class IndexPublisher(Publisher):
         # latest intent per block wins, in the order blocks were touched.
         self._pending: OrderedDict[BlockRef, str] = OrderedDict()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def pending(self) -> int:
@@ -180,15 +180,3 @@ class IndexPublisher(Publisher):
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-
-    def start(self) -> None:
-        """Start refreshing (the first round republishes recovered replicas)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name="kvstore-publisher")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
