@@ -32,7 +32,13 @@ import aiohttp
 
 from .protocol import container as kc
 from .protocol.control import ReshardMessage, ResumeRequest, StateChange
-from .protocol.problems import DigestMismatch, KvspError, NotFound, error_from_problem
+from .protocol.problems import (
+    BadGateway,
+    DigestMismatch,
+    KvspError,
+    NotFound,
+    error_from_problem,
+)
 from .protocol.records import (
     LeaseGrant,
     LeaseRequest,
@@ -246,7 +252,11 @@ class IndexClient(_Http):
         _, _, raw = await self._request(
             "POST", url, expect=[200], data=request.encode(), headers=headers
         )
-        return LookupResponse.from_json(json.loads(raw))
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise BadGateway(f"POST {url}: the answer is not JSON") from exc
+        return LookupResponse.from_json(value)
 
     async def withdraw(self, holder: str, block_key: str) -> None:
         """``DELETE replicas/{holder-id}/{block_key}``; an unknown record is already gone."""

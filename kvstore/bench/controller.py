@@ -105,7 +105,11 @@ async def _run(quick: bool) -> list[Result]:
                         await index.publish(_record(key, holder))
 
                 await asyncio.gather(*(publish(k, h) for k in keys for h in HOLDERS[:3]))
-                policy = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"]}}})
+                policy = Policy.from_json({"principals": {
+                    "anonymous": {"read_scopes": ["*"]},
+                    **{f"ii{n}": {"roles": ["instance"], "instance": s.instance,
+                                  "write_scopes": ["*"]} for n, s in enumerate(statuses)},
+                }})  # fmt: skip
                 settings = ControllerSettings(
                     "http://bench/pc/", allow_anonymous=True, max_place_keys=max(sizes),
                     max_json_octets=16 << 20, block_tokens={COMPAT: BLOCK_TOKENS},

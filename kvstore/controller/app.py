@@ -95,7 +95,14 @@ def create_app(
     ``instances``: a :class:`kvstore.client.InstanceClient` for prefetch
     directives and resumes (``app.state.migrator``, started by the caller)."""
     counters = ControllerCounters()
-    placer = Placer(state, index, settings.mean_service_ms * 1000)
+    # SEC1: work and sessions of a scope go only to instances that may write it.
+    grants = {g.instance: g for g in policy.principals.values() if g.instance is not None}
+
+    def eligible(instance: str, scope_id: str) -> bool:
+        grant = grants.get(instance)
+        return grant is not None and "instance" in grant.roles and grant.can_write(scope_id)
+
+    placer = Placer(state, index, settings.mean_service_ms * 1000, eligible)
     coordinator = ReshardCoordinator(state, instances) if instances is not None else None
 
     def who(request: Request) -> str | None:
@@ -166,7 +173,9 @@ def create_app(
     ) -> dict[str, Any] | None:
         """PL2, PF1: the chosen (active, S4) instance starts loading at once.
         Advisory: a refused directive leaves the placement as it is."""
-        status = next(s for s in await state.active() if s.instance == instance)
+        status = next((s for s in await state.active() if s.instance == instance), None)
+        if status is None:  # S4: it expired or began draining since it was chosen
+            return {"error": "the instance is no longer active"}
         found = directive(
             placement, status, query.block_keys, query.scope_id, query.compat_id,
             deadline_ms=settings.prefetch_deadline_ms, lease_ms=settings.prefetch_lease_ms,

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..background import Background
 from ..protocol.control import ResumeRequest
-from ..protocol.problems import KvspError, StaleEpoch
+from ..protocol.problems import InsufficientStorage, KvspError, StaleEpoch
 from .placer import Placer
 from .rules import SessionEntry
 from .state import ControllerState
@@ -94,11 +94,19 @@ class Migrator(Background):
             epoch += 1
             try:
                 # CK5, CK7: the new epoch fences the failed instance first.
-                await self.state.assign(entry.session, candidate.instance, epoch)
+                moved = await self.state.assign(entry.session, candidate.instance, epoch)
             except StaleEpoch:
-                return 0  # another PC moved it meanwhile
+                return 0  # another PC moved it meanwhile, or it ended
+            except InsufficientStorage as exc:
+                epoch -= 1
+                log.warning("%s cannot take session %s: %s", candidate.instance,
+                            entry.session, exc.detail)  # fmt: skip
+                continue
+            # The checkpoint as the move found it: the failed instance may
+            # have checkpointed since this round read the session (CK3).
+            latest = moved.checkpoint or checkpoint
             try:
-                await self.instances.resume(candidate.instance, ResumeRequest(epoch, checkpoint))
+                await self.instances.resume(candidate.instance, ResumeRequest(epoch, latest))
             except KvspError as exc:
                 log.warning("resume of %s at %s failed: %s", entry.session,
                             candidate.instance, exc.detail)  # fmt: skip
@@ -109,6 +117,11 @@ class Migrator(Background):
             return 1
         self.counters.migrations_failed += 1
         log.error("session %s of failed %s: no instance took it", entry.session, entry.owner)
+        if epoch > entry.epoch:
+            # Back with the failed owner (fenced by the newer epoch) so that
+            # the next round tries again, rather than left with a refuser.
+            with contextlib.suppress(KvspError):
+                await self.state.assign(entry.session, entry.owner, epoch + 1)
         return 0
 
     async def run(self) -> None:

@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +51,20 @@ def _runs(answer: LookupResponse) -> Runs:
 
 
 class Placer:
-    def __init__(self, state: ControllerState, index: Any, mean_service_us: float = 0.0) -> None:
-        """``index``: an :class:`~kvstore.client.IndexClient`, or None (recompute only)."""
+    def __init__(
+        self,
+        state: ControllerState,
+        index: Any,
+        mean_service_us: float = 0.0,
+        eligible: Callable[[str, str], bool] | None = None,
+    ) -> None:
+        """``index``: an :class:`~kvstore.client.IndexClient`, or None (recompute
+        only); ``eligible(instance, scope_id)``: whether the instance may serve
+        the scope (SEC1: may write its checkpoints and replicas), all if None."""
         self.state = state
         self.index = index
         self.mean_service_us = mean_service_us
+        self.eligible = eligible
 
     async def place(
         self,
@@ -78,7 +87,12 @@ class Placer:
                 # recomputes, and the placement still happens.
                 log.warning("index lookup failed, placing without cache: %s", exc.detail)
                 index_state = "unavailable"
-        instances = [s for s in await self.state.active() if s.instance not in exclude]
+        instances = [
+            s
+            for s in await self.state.active()
+            if s.instance not in exclude
+            and (self.eligible is None or self.eligible(s.instance, scope_id))
+        ]
         candidates = rank(
             instances, runs, total_tokens=total_tokens, block_tokens=block_tokens,
             mean_service_us=self.mean_service_us,

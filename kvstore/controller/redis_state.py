@@ -170,8 +170,10 @@ class RedisControllerState(ControllerState):
                 self._owner_prefix + role_id(old.owner if old is not None else new.owner),
                 self._owner_prefix + role_id(new.owner),
             ]
-            args: list[bytes | str | int] = [session, raw or b"", _dump(new.to_json()),
-                                             self.max_sessions, self.max_sessions_per_owner]  # fmt: skip
+            value = _dump(new.to_json())
+            args: list[bytes | str | int] = [
+                session, raw or b"", value, self.max_sessions, self.max_sessions_per_owner
+            ]  # fmt: skip
             done = await self._call(self._swap_session(keys=keys, args=args))
             if done == 1:
                 return new

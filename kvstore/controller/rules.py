@@ -146,6 +146,9 @@ def after_assign(
     """A session starts on ``owner``, or resumes there with a higher epoch (CK5)."""
     if entry is not None and epoch <= entry.epoch:
         raise StaleEpoch(f"session is at epoch {entry.epoch}")
+    if entry is None and epoch != 1:
+        # An unknown session (ended meanwhile) is not resumed into being.
+        raise StaleEpoch(f"session is unknown; epoch {epoch} was never assigned")
     checkpoint = entry.checkpoint if entry is not None else None
     return SessionEntry(session, epoch, owner, checkpoint, now)
 

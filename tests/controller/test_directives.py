@@ -109,7 +109,12 @@ async def test_place_sends_the_chosen_instance_a_prefetch_directive(
     near, far = instances.uri("near"), instances.uri("far")
     await pc.put_status(status(near, Link(H1, 100000.0, 10.0)))
     await pc.put_status(status(far, Link(H1, 1000.0, 10.0)))
-    policy = Policy.from_json({"principals": {"urn:kvstore:alice": {"read_scopes": ["*"]}}})
+    gone = f"http://127.0.0.1:{free_port()}/gone/"  # nothing listens there
+    policy = Policy.from_json({"principals": {
+        "urn:kvstore:alice": {"read_scopes": ["*"]},
+        **{f"urn:kvstore:{n}": {"roles": ["instance"], "instance": uri, "write_scopes": [SCOPE]}
+           for n, uri in (("near", near), ("far", far), ("gone", gone))},
+    }})  # fmt: skip
     settings = ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}, prefetch=True,
                                   prefetch_deadline_ms=80, prefetch_lease_ms=3000)  # fmt: skip
     index = FakeIndex([((shape(H1),), 3)])
@@ -128,7 +133,6 @@ async def test_place_sends_the_chosen_instance_a_prefetch_directive(
         assert answer["prefetch"]["location"] == f"{near}prefetch/{sent['directive']}"
         assert index.queries[0].shapes_only
         # A directive the instance does not take leaves the placement standing.
-        gone = f"http://127.0.0.1:{free_port()}/gone/"  # nothing listens there
         await pc.put_status(status(gone, Link(H1, 1e6, 1.0)))
         response = await place(app, certs, body)
         assert response.status_code == 200

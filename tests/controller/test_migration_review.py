@@ -1,0 +1,192 @@
+"""Regression tests from the review of the PC's migration and placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvstore.client import IndexClient, InstanceClient
+from kvstore.controller.migrate import Migrator
+from kvstore.controller.placer import Placer
+from kvstore.controller.rules import SessionEntry
+from kvstore.controller.state import MemoryControllerState
+from kvstore.protocol.problems import StaleEpoch
+from kvstore.protocol.records import LookupRequest
+
+from ..conftest import free_port
+from .conftest import Instances
+from .test_directives import status
+from .test_state import Clock, checkpoint
+
+
+async def failed_with_session(pc: MemoryControllerState, clock: Clock, dead: str) -> str:
+    await pc.put_status(status(dead, ttl_ms=1000))
+    session = str(uuid.uuid4())
+    await pc.put_checkpoint(checkpoint(session, 1, 4), dead)
+    clock.now += 2
+    return session
+
+
+async def test_a_session_every_candidate_refused_is_tried_again(instances: Instances) -> None:
+    # It was left with the last instance that refused, never moved again.
+    clock = Clock()
+    pc = MemoryControllerState(clock=clock)
+    dead, good = instances.uri("dead"), instances.uri("good")
+    await pc.put_status(status(good, ttl_ms=60_000))
+    session = await failed_with_session(pc, clock, dead)
+    instances.refuse.add("good")
+    async with InstanceClient() as client:
+        migrator = Migrator(pc, Placer(pc, None), client, {})
+        assert await migrator.run_once() == 0
+        assert (await pc.session(session)).owner == dead  # still to be moved
+        instances.refuse.clear()
+        assert await migrator.run_once() == 1
+    entry = await pc.session(session)
+    assert entry.owner == good and entry.epoch == 4  # 2 refused, 3 back to dead, 4 moved
+
+
+async def test_a_full_candidate_is_skipped_not_the_round(instances: Instances) -> None:
+    # A candidate at its session quota raised out of the whole round.
+    clock = Clock()
+    pc = MemoryControllerState(clock=clock, max_sessions_per_owner=1)
+    dead, full, free = instances.uri("dead"), instances.uri("full"), instances.uri("free")
+    await pc.put_status(status(full, ttl_ms=60_000))  # cheapest (no queue)
+    await pc.put_status(status(free, ttl_ms=60_000, queued=2))
+    await pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), full)
+    session = await failed_with_session(pc, clock, dead)
+    async with InstanceClient() as client:
+        assert await Migrator(pc, Placer(pc, None), client, {}).run_once() == 1
+    assert (await pc.session(session)).owner == free
+
+
+async def test_an_index_answering_garbage_means_placing_without_cache() -> None:
+    # P4: a 200 whose body is not JSON was a 500 for place and stopped migrations.
+    import uvicorn
+
+    async def lookup(_: Any) -> Response:
+        return Response("<html>a proxy's page</html>", media_type="text/html")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(
+        Starlette(routes=[Route("/is/lookup", lookup, methods=["POST"])]), host="127.0.0.1",
+        port=port, log_level="error", lifespan="off"))  # fmt: skip
+    import asyncio
+
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        pc = MemoryControllerState()
+        await pc.put_status(status("https://ii.test/kvsp/"))
+        async with IndexClient(f"http://127.0.0.1:{port}/is/") as index:
+            placement = await Placer(pc, index).place("a" * 32, "b" * 64, ["c" * 64], 16, 4)
+            assert placement.index == "unavailable" and placement.candidates
+            with pytest.raises(Exception) as info:
+                await index.lookup(LookupRequest("a" * 32, "b" * 64, ("c" * 64,)))
+            assert getattr(info.value, "status", None) == 502
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_only_instances_that_may_write_the_scope_are_candidates() -> None:
+    # SEC1: a session (prompt and output tokens) went to another tenant's instance.
+    pc = MemoryControllerState()
+    mine, theirs = "https://mine.test/kvsp/", "https://theirs.test/kvsp/"
+    await pc.put_status(status(mine, queued=5))
+    await pc.put_status(status(theirs))  # cheaper, other tenant
+    allowed = {mine: {"a" * 32}, theirs: {"f" * 32}}
+    placer = Placer(pc, None, eligible=lambda i, scope: scope in allowed[i])
+    placement = await placer.place("a" * 32, "b" * 64, [], 16, 4)
+    assert [c.instance for c in placement.candidates] == [mine]
+
+
+async def test_resume_carries_the_checkpoint_the_move_found(instances: Instances) -> None:
+    # CK3: the failed instance checkpointed (and was acknowledged) after the
+    # round read the session: the resume must not carry the older checkpoint.
+    clock = Clock()
+
+    class Racy(MemoryControllerState):
+        late: Any = None
+
+        async def _sessions_of(self, owner: str) -> list[SessionEntry]:
+            found = await MemoryControllerState._sessions_of(self, owner)
+            if self.late is not None:
+                late, self.late = self.late, None
+                await self.put_checkpoint(late, owner)
+            return found
+
+    pc = Racy(clock=clock)
+    dead, good = instances.uri("dead"), instances.uri("good")
+    await pc.put_status(status(good, ttl_ms=60_000))
+    session = await failed_with_session(pc, clock, dead)
+    pc.late = checkpoint(session, 1, 20)
+    async with InstanceClient() as client:
+        assert await Migrator(pc, Placer(pc, None), client, {}).run_once() == 1
+    [(_, sent)] = instances.resumed
+    assert sent["checkpoint"]["output_offset"] == 20
+
+
+async def test_an_ended_session_is_not_resumed_into_being() -> None:
+    # A session ended between a round's read and its move came back empty.
+    pc = MemoryControllerState()
+    session = str(uuid.uuid4())
+    with pytest.raises(StaleEpoch):
+        await pc.assign(session, "https://ii.test/kvsp/", epoch=2)
+    await pc.assign(session, "https://ii.test/kvsp/", epoch=1)  # a new session is fine
+
+
+async def test_prefetch_to_an_instance_gone_since_it_was_chosen() -> None:
+    # A StopIteration (500) when the chosen instance expired meanwhile.
+    from kvstore.controller.app import ControllerSettings, create_app
+    from kvstore.security import Policy
+
+    class Vanishing(MemoryControllerState):
+        calls = 0
+
+        async def active(self) -> Any:
+            self.calls += 1
+            return [] if self.calls > 1 else await MemoryControllerState.active(self)
+
+    ii = "https://ii.test/kvsp/"
+    pc = Vanishing()
+    await pc.put_status(status(ii))
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "anonymous": {
+                    "roles": ["instance"],
+                    "instance": ii,
+                    "read_scopes": ["*"],
+                    "write_scopes": ["*"],
+                }
+            }
+        }
+    )
+
+    class Index:
+        async def lookup(self, query: LookupRequest) -> Any:
+            from kvstore.protocol.records import LookupResponse, ReplicaShape, Residency, ShapeRuns
+
+            shape = ReplicaShape("https://h.test/", 1 << 20, (Residency("host", 0, 31),), 32)
+            return LookupResponse(1, (), shapes=ShapeRuns(((shape,),), ((0, 1),)))
+
+    settings = ControllerSettings("http://pc.test/pc/", allow_anonymous=True, prefetch=True,
+                                  block_tokens={"b" * 64: 4})  # fmt: skip
+    async with InstanceClient() as client:
+        app = create_app(settings, pc, policy, Index(), client)
+        import httpx
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                     base_url="http://pc.test/pc/") as http:  # fmt: skip
+            body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": ["c" * 64]}
+            response = await http.post("place", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["prefetch"] == {"error": "the instance is no longer active"}
+    assert dataclasses.is_dataclass(pc)
