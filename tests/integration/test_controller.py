@@ -32,7 +32,7 @@ async def test_lookup_estimates_come_from_reported_status(tmp_path: Path) -> Non
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR))
     (tmp_path / "policy.json").write_text(json.dumps({"principals": {
         "urn:kvstore:holder1": {"roles": ["holder"], "holder": holder, "write_scopes": ["*"]},
-        "urn:kvstore:ii1": {"roles": ["instance"], "instance": instance},
+        "urn:kvstore:ii1": {"roles": ["instance"], "instance": instance, "write_scopes": [SCOPE]},
         "urn:kvstore:alice": {"read_scopes": [SCOPE]},
         "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
     }}))  # fmt: skip
