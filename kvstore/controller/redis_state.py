@@ -9,6 +9,8 @@ is small, and one slot keeps every change a single-slot script):
 * ``<prefix>{pc}:sessions`` hash: session id -> entry JSON (epoch, owner,
   latest checkpoint);
 * ``<prefix>{pc}:owner:<instance id>`` set: the sessions an instance owns;
+* ``<prefix>{pc}:ended:<session>``: a session that ended, kept ``ended_ttl_s``
+  (Redis expiry) so that its old owner cannot start it again;
 * ``<prefix>{pc}:maps`` hash: map id -> shard map and reshard in progress.
 
 Times are the Redis server's clock (``TIME``), the one clock every PC and
@@ -39,12 +41,14 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1
 """
 
-# KEYS: sessions hash, old owner's set, new owner's set; ARGV: session,
-# expected ("" for none), new value, max sessions, max per owner.
-# -> 1 done, 0 changed meanwhile, -1 too many sessions, -2 owner at its maximum.
+# KEYS: sessions hash, old owner's set, new owner's set, the session's
+# tombstone; ARGV: session, expected ("" for none), new value, max sessions,
+# max per owner. -> 1 done, 0 changed meanwhile, -1 too many sessions, -2
+# owner at its maximum, -3 the session ended.
 _SWAP_SESSION = """
 local current = redis.call('HGET', KEYS[1], ARGV[1]) or ''
 if current ~= ARGV[2] then return 0 end
+if current == '' and redis.call('EXISTS', KEYS[4]) == 1 then return -3 end
 if current == '' and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then return -1 end
 if current == '' or KEYS[2] ~= KEYS[3] then
   if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return -2 end
@@ -56,11 +60,13 @@ return 1
 """
 
 
-# KEYS: sessions hash, the owner's set; ARGV: session, expected value.
+# KEYS: sessions hash, the owner's set, the session's tombstone; ARGV:
+# session, expected value, how long the tombstone stays (ms).
 _DROP_SESSION = """
 if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
@@ -92,6 +98,7 @@ class RedisControllerState(ControllerState):
         self._sessions_key = tag + "sessions"
         self._maps_key = tag + "maps"
         self._owner_prefix = tag + "owner:"
+        self._ended_prefix = tag + "ended:"
         self._client: Any = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
@@ -169,6 +176,7 @@ class RedisControllerState(ControllerState):
                 self._sessions_key,
                 self._owner_prefix + role_id(old.owner if old is not None else new.owner),
                 self._owner_prefix + role_id(new.owner),
+                self._ended_prefix + session,
             ]
             value = _dump(new.to_json())
             args: list[bytes | str | int] = [
@@ -177,6 +185,8 @@ class RedisControllerState(ControllerState):
             done = await self._call(self._swap_session(keys=keys, args=args))
             if done == 1:
                 return new
+            if done == -3:
+                raise self._ended_error()
             if done < 0:
                 raise self._quota_error(total_full=done == -1)
         raise TierUnavailable("controller Redis: the session entry kept changing")
@@ -190,8 +200,10 @@ class RedisControllerState(ControllerState):
             check(entry)
             if entry is None:
                 return
-            keys = [self._sessions_key, self._owner_prefix + role_id(entry.owner)]
-            if await self._call(self._drop(keys=keys, args=[session, raw])):
+            keys = [self._sessions_key, self._owner_prefix + role_id(entry.owner),
+                    self._ended_prefix + session]  # fmt: skip
+            hold_ms = max(1, int(self.ended_ttl_s * 1000))
+            if await self._call(self._drop(keys=keys, args=[session, raw, hold_ms])):
                 return
         raise TierUnavailable("controller Redis: the session entry kept changing")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
-from ..protocol.problems import InsufficientStorage, InvalidState, NotFound
+from ..protocol.problems import InsufficientStorage, InvalidState, NotFound, StaleEpoch
 from ..protocol.wire import role_id
 from .rules import (
     InstanceEntry,
@@ -50,6 +50,9 @@ class ControllerState:
     #: Bounds on what instances can make the PC remember (hostile input).
     max_sessions: int = 100_000
     max_sessions_per_owner: int = 10_000
+    #: How long an ended session is remembered: its old owner, fenced by a
+    #: later epoch, must not start it again at epoch 1 (CK7).
+    ended_ttl_s: float = 3600.0
 
     # --- storage primitives -------------------------------------------------
 
@@ -203,6 +206,9 @@ class ControllerState:
             target.map, lambda e, _: after_reshard_ended(e, target, committed)
         )
 
+    def _ended_error(self) -> StaleEpoch:
+        return StaleEpoch("the session has ended (CK7)")
+
     def _quota_error(self, total_full: bool) -> InsufficientStorage:
         if total_full:
             return SessionsFull(f"the PC tracks its maximum of {self.max_sessions} sessions")
@@ -218,6 +224,7 @@ class MemoryControllerState(ControllerState):
     sessions: dict[str, SessionEntry] = field(default_factory=dict)
     maps: dict[str, MapEntry] = field(default_factory=dict)
     _per_owner: dict[str, int] = field(default_factory=dict)
+    _ended: dict[str, float] = field(default_factory=dict)  # session -> remembered until
 
     # Nothing below awaits: each change is atomic within the event loop.
 
@@ -240,7 +247,10 @@ class MemoryControllerState(ControllerState):
 
     async def _change_session(self, session: str, change: SessionChange) -> SessionEntry:
         old = self.sessions.get(session)
-        new = change(old, self.clock())
+        now = self.clock()
+        if old is None and self._ended.get(session, 0.0) > now:
+            raise self._ended_error()
+        new = change(old, now)
         if old is None and len(self.sessions) >= self.max_sessions:
             raise self._quota_error(total_full=True)
         if old is None or old.owner != new.owner:
@@ -260,6 +270,13 @@ class MemoryControllerState(ControllerState):
         if entry is not None:
             del self.sessions[session]
             self._per_owner[entry.owner] -= 1
+            now = self.clock()
+            if len(self._ended) >= self.max_sessions:  # bounded: the oldest go
+                for name in [n for n, until in self._ended.items() if until <= now]:
+                    del self._ended[name]
+                while len(self._ended) >= self.max_sessions:
+                    del self._ended[next(iter(self._ended))]
+            self._ended[session] = now + self.ended_ttl_s
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
         return [s for s in self.sessions.values() if s.owner == owner]

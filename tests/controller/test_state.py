@@ -278,3 +278,19 @@ async def test_unreachable_redis_is_unavailable() -> None:
         await pc.put_status(status())
     assert info.value.status == 503
     await pc.close()
+
+
+async def test_an_ended_session_stays_ended(make: Make) -> None:
+    # CK7: after its owner ended the session, the instance fenced off by the
+    # migration cannot start it again at epoch 1 (it would be moved twice).
+    pc = make()
+    session = str(uuid.uuid4())
+    await pc.put_checkpoint(checkpoint(session, 1, 3), II1)
+    await pc.assign(session, II2, epoch=2)  # moved
+    await pc.end_session(session, II2)
+    with pytest.raises(StaleEpoch):
+        await pc.put_checkpoint(checkpoint(session, 1, 9), II1)
+    with pytest.raises(StaleEpoch):
+        await pc.assign(session, II1)
+    assert await pc.sessions_of(II1) == [] and await pc.sessions_of(II2) == []
+    await pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II1)  # new ones are fine
