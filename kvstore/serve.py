@@ -147,7 +147,9 @@ def instance_client(config: Config) -> Any:
     context = None
     if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
         context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
-    return InstanceClient(context)
+    # Short: a hung instance must not hold up a placement's directive or a
+    # migration round (each candidate that does not answer costs this long).
+    return InstanceClient(context, timeout_s=5.0)
 
 
 def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:
