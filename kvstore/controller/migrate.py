@@ -1,7 +1,8 @@
 """Moving the sessions of failed instances (CK5, CK7, SEC5).
 
-Every ``interval_s`` the PC looks for instances whose status expired (S1).
-For each session such an instance owns it picks a new instance as for any
+Every ``interval_s`` the PC looks for instances whose status expired (S1),
+and for instances that restarted (a higher epoch, S2) while owning sessions
+of their earlier process. For each session such an instance lost it picks a new instance as for any
 request (:class:`~.placer.Placer`, the prompt's blocks from the latest
 checkpoint), raises the session's epoch while assigning it there, which
 fences the failed instance (its checkpoints now carry an old epoch, CK7),
@@ -64,12 +65,22 @@ class Migrator(Background):
         self.counters = counters or MigrationCounters()
 
     async def run_once(self) -> int:
-        """One round over the failed instances; the number of sessions moved."""
+        """One round over the failed and the restarted instances; the number
+        of sessions moved."""
         moved = 0
         failed = await self.state.failed()
         for instance in failed:
             for entry in await self.state.sessions_of(instance):
                 moved += await self.migrate(entry, set(failed))
+        # S2, CK5: a new process (a higher epoch) has not the sessions its
+        # predecessor owned; those it took on since are its own.
+        for instance, epoch in await self.state.restarted():
+            unmoved = self.counters.migrations_failed
+            for entry in await self.state.sessions_of(instance):
+                if entry.owner_epoch < epoch:
+                    moved += await self.migrate(entry, set(failed))
+            if self.counters.migrations_failed == unmoved:  # else: next round again
+                await self.state.sessions_moved(instance, epoch)
         return moved
 
     async def migrate(self, entry: SessionEntry, failed: set[str]) -> int:
@@ -121,7 +132,8 @@ class Migrator(Background):
             # Back with the failed owner (fenced by the newer epoch) so that
             # the next round tries again, rather than left with a refuser.
             with contextlib.suppress(KvspError):
-                await self.state.assign(entry.session, entry.owner, epoch + 1)
+                await self.state.assign(entry.session, entry.owner, epoch + 1,
+                                        owner_epoch=entry.owner_epoch)  # fmt: skip
         return 0
 
     async def run(self) -> None:

@@ -47,6 +47,9 @@ class InstanceEntry:
     #: reported one while a transition is in progress).
     state: str
     idle_since: float | None = None
+    #: It restarted (a higher epoch, S2) since the PC last moved the sessions
+    #: its earlier process owned: those are lost there and to be resumed (CK5).
+    restarted: bool = False
 
     def state_at(self, now: float) -> str:
         """``failed`` once the record expired (S1), else the held state."""
@@ -59,6 +62,7 @@ class InstanceEntry:
             "highest_epoch": self.highest_epoch,
             "state": self.state,
             "idle_since": self.idle_since,
+            "restarted": self.restarted,
         }
 
     @classmethod
@@ -71,6 +75,7 @@ class InstanceEntry:
             highest_epoch=int(value["highest_epoch"]),
             state=str(value["state"]),
             idle_since=None if value["idle_since"] is None else float(value["idle_since"]),
+            restarted=bool(value.get("restarted", False)),
         )
 
 
@@ -82,6 +87,9 @@ class SessionEntry:
     checkpoint: SessionCheckpoint | None = None
     #: When the session was last placed or checkpointed (the state's clock).
     touched: float = 0.0
+    #: The owner's epoch (S2) then: a later epoch means a new process that
+    #: does not have the session.
+    owner_epoch: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +98,7 @@ class SessionEntry:
             "owner": self.owner,
             "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json(),
             "touched": self.touched,
+            "owner_epoch": self.owner_epoch,
         }
 
     @classmethod
@@ -101,6 +110,7 @@ class SessionEntry:
             owner=str(value["owner"]),
             checkpoint=None if checkpoint is None else SessionCheckpoint.from_json(checkpoint),
             touched=float(value.get("touched", 0.0)),
+            owner_epoch=int(value.get("owner_epoch", 0)),
         )
 
 
@@ -137,11 +147,18 @@ def after_status(
         highest_epoch=status.epoch,
         state=state,
         idle_since=idle_since,
+        # CK5: a restart loses the sessions of the earlier process.
+        restarted=entry is not None and (restarted or entry.restarted),
     )
 
 
 def after_assign(
-    entry: SessionEntry | None, session: str, owner: str, epoch: int, now: float
+    entry: SessionEntry | None,
+    session: str,
+    owner: str,
+    epoch: int,
+    now: float,
+    owner_epoch: int = 0,
 ) -> SessionEntry:
     """A session starts on ``owner``, or resumes there with a higher epoch (CK5)."""
     if entry is not None and epoch <= entry.epoch:
@@ -150,11 +167,15 @@ def after_assign(
         # An unknown session (ended meanwhile) is not resumed into being.
         raise StaleEpoch(f"session is unknown; epoch {epoch} was never assigned")
     checkpoint = entry.checkpoint if entry is not None else None
-    return SessionEntry(session, epoch, owner, checkpoint, now)
+    return SessionEntry(session, epoch, owner, checkpoint, now, owner_epoch)
 
 
 def after_checkpoint(
-    entry: SessionEntry | None, checkpoint: SessionCheckpoint, instance: str, now: float
+    entry: SessionEntry | None,
+    checkpoint: SessionCheckpoint,
+    instance: str,
+    now: float,
+    owner_epoch: int = 0,
 ) -> SessionEntry:
     """CK2, CK7, SEC5: keep the highest output_offset of the current epoch."""
     if entry is None:
@@ -162,7 +183,7 @@ def after_checkpoint(
         # it, at epoch 1 only (a later epoch is the PC's to hand out).
         if checkpoint.epoch != 1:
             raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned")
-        entry = SessionEntry(checkpoint.session, 1, instance, touched=now)
+        entry = SessionEntry(checkpoint.session, 1, instance)
     elif entry.checkpoint is not None and (
         (checkpoint.scope_id, checkpoint.compat_id)
         != (entry.checkpoint.scope_id, entry.checkpoint.compat_id)
@@ -181,8 +202,8 @@ def after_checkpoint(
         and best.epoch == checkpoint.epoch
         and checkpoint.output_offset < best.output_offset
     ):
-        return entry  # a late, lower checkpoint: the higher one stays
-    return dataclasses.replace(entry, checkpoint=checkpoint, touched=now)
+        return dataclasses.replace(entry, touched=now, owner_epoch=owner_epoch)  # the higher stays
+    return dataclasses.replace(entry, checkpoint=checkpoint, touched=now, owner_epoch=owner_epoch)
 
 
 def check_end(entry: SessionEntry | None, instance: str) -> SessionEntry:

@@ -133,6 +133,28 @@ class ControllerState:
         entries, now = await self._instances()
         return [e.status.instance for e in entries if e.state_at(now) == "failed"]
 
+    async def restarted(self) -> list[tuple[str, int]]:
+        """Live instances that restarted since their sessions were last moved,
+        with their epoch now (CK5)."""
+        entries, now = await self._instances()
+        return [
+            (e.status.instance, e.highest_epoch)
+            for e in entries
+            if e.restarted and e.state_at(now) != "failed"
+        ]
+
+    async def sessions_moved(self, instance: str, epoch: int) -> None:
+        """The sessions of ``instance``'s processes before ``epoch`` are moved."""
+
+        def change(entry: InstanceEntry | None, now: float) -> InstanceEntry:
+            if entry is None:
+                raise NotFound("unknown instance")
+            if entry.highest_epoch != epoch:
+                return entry  # restarted again meanwhile: still to do
+            return replace(entry, restarted=False)
+
+        await self._change_instance(instance, change)
+
     async def instance_named(self, instance_id: str) -> str:
         """The base URI of the known instance whose id (H6) is ``instance_id``."""
         entries, _ = await self._instances()
@@ -158,16 +180,28 @@ class ControllerState:
 
     # --- sessions and checkpoints -------------------------------------------
 
-    async def assign(self, session: str, owner: str, epoch: int = 1) -> SessionEntry:
-        """A session starts (or resumes, with a higher epoch) on ``owner``."""
+    async def _epoch_of(self, instance: str) -> int:
+        entry, _ = await self._instance(instance)
+        return 0 if entry is None else entry.highest_epoch
+
+    async def assign(
+        self, session: str, owner: str, epoch: int = 1, owner_epoch: int | None = None
+    ) -> SessionEntry:
+        """A session starts (or resumes, with a higher epoch) on ``owner``
+        (whose current process has it, unless ``owner_epoch`` says which)."""
+        if owner_epoch is None:
+            owner_epoch = await self._epoch_of(owner)
+        known = owner_epoch
         return await self._change_session(
-            session, lambda e, now: after_assign(e, session, owner, epoch, now)
+            session, lambda e, now: after_assign(e, session, owner, epoch, now, known)
         )
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> SessionEntry:
         """CK2, CK7: keep the highest output_offset of the current epoch."""
+        owner_epoch = await self._epoch_of(instance)
         return await self._change_session(
-            checkpoint.session, lambda e, now: after_checkpoint(e, checkpoint, instance, now)
+            checkpoint.session,
+            lambda e, now: after_checkpoint(e, checkpoint, instance, now, owner_epoch),
         )
 
     async def end_session(self, session: str, instance: str) -> None:

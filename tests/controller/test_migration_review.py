@@ -190,3 +190,26 @@ async def test_prefetch_to_an_instance_gone_since_it_was_chosen() -> None:
     assert response.status_code == 200, response.text
     assert response.json()["prefetch"] == {"error": "the instance is no longer active"}
     assert dataclasses.is_dataclass(pc)
+
+
+async def test_sessions_of_a_restarted_instance_are_resumed(instances: Instances) -> None:
+    # S2, CK5: an instance that restarted within its TTL (a higher epoch)
+    # lost its earlier process's sessions; those it took on since stay.
+    clock = Clock()
+    pc = MemoryControllerState(clock=clock)
+    again, other = instances.uri("again"), instances.uri("other")
+    await pc.put_status(dataclasses.replace(status(again, ttl_ms=60_000), epoch=10))
+    await pc.put_status(status(other, ttl_ms=60_000, queued=3))
+    lost, kept = str(uuid.uuid4()), str(uuid.uuid4())
+    await pc.put_checkpoint(checkpoint(lost, 1, 4), again)
+    await pc.put_status(dataclasses.replace(status(again, ttl_ms=60_000), epoch=11))  # restart
+    await pc.put_checkpoint(checkpoint(kept, 1, 2), again)  # the new process's own
+    async with InstanceClient() as client:
+        migrator = Migrator(pc, Placer(pc, None), client, {})
+        assert await migrator.run_once() == 1
+        assert await migrator.run_once() == 0  # done once
+    [(name, sent)] = instances.resumed
+    assert sent["checkpoint"]["session"] == lost and sent["epoch"] == 2
+    assert name == "again"  # the cheapest instance, now in its new process
+    assert (await pc.session(kept)).epoch == 1
+    assert await pc.restarted() == []

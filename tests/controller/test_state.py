@@ -294,3 +294,21 @@ async def test_an_ended_session_stays_ended(make: Make) -> None:
         await pc.assign(session, II1)
     assert await pc.sessions_of(II1) == [] and await pc.sessions_of(II2) == []
     await pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II1)  # new ones are fine
+
+
+async def test_a_restart_is_remembered_until_its_sessions_moved(make: Make) -> None:
+    # S2, CK5: a higher epoch marks the instance restarted; sessions carry
+    # the owner's epoch they were taken on at.
+    pc = make()
+    session = str(uuid.uuid4())
+    await pc.put_status(status(epoch=10))
+    await pc.put_checkpoint(checkpoint(session, 1, 1), II1)
+    assert await pc.restarted() == []
+    await pc.put_status(status(epoch=11))
+    await pc.put_status(status(epoch=11))  # a later report keeps the mark
+    assert await pc.restarted() == [(II1, 11)]
+    assert (await pc.session(session)).owner_epoch == 10
+    await pc.sessions_moved(II1, 10)  # an older epoch: still to do
+    assert await pc.restarted() == [(II1, 11)]
+    await pc.sessions_moved(II1, 11)
+    assert await pc.restarted() == []
