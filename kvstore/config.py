@@ -54,6 +54,10 @@ A holder's file, with every key and its default::
     prefetch_lease_ms = 2000
     migrate_interval_s = 0.5          # look for failed instances' sessions (CK5)
     session_idle_s = 600.0            # a session idle this long is not resumed
+    start_command = ""                # PL3: starts an instance, prints its base URI
+    start_above_ms = 0.0              # ... when the cheapest costs more (0: when none)
+    start_timeout_s = 60.0
+    start_cooldown_s = 30.0
                                       # (client_certfile also authenticates the PC
                                       # to instances: directives, resume, SEC1)
 
@@ -143,6 +147,10 @@ class ControllerConfig:
     prefetch_lease_ms: int = 2000
     migrate_interval_s: float = 0.5
     session_idle_s: float = 600.0
+    start_command: str = ""
+    start_above_ms: float = 0.0
+    start_timeout_s: float = 60.0
+    start_cooldown_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import shlex
 import ssl
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,10 @@ def build_controller(config: Config, state: Any) -> Any:
         prefetch_lease_ms=cfg.prefetch_lease_ms,
         migrate_interval_s=cfg.migrate_interval_s,
         session_idle_s=cfg.session_idle_s,
+        start_command=tuple(shlex.split(cfg.start_command)),
+        start_above_ms=cfg.start_above_ms,
+        start_timeout_s=cfg.start_timeout_s,
+        start_cooldown_s=cfg.start_cooldown_s,
     )
     return create_controller(
         settings, state, Policy.load(cfg.policy), index, instance_client(config)

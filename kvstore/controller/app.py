@@ -26,7 +26,7 @@ from starlette.routing import Route
 from ..http import base_path, empty_response, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
-from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
+from ..protocol.control import InstanceStatus, Link, SessionCheckpoint, ShardMap, StateChange
 from ..protocol.problems import BadGateway, BadRequest, Forbidden, InvalidState, KvspError
 from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
@@ -35,6 +35,7 @@ from .coordinator import ReshardAborted, ReshardCoordinator
 from .migrate import MigrationCounters, Migrator
 from .placement import choose
 from .placer import Placement, Placer, directive
+from .starter import InstanceStarter
 from .state import ControllerState
 
 
@@ -60,6 +61,12 @@ class ControllerSettings:
     migrate_interval_s: float = 0.5
     #: A session idle this long is not resumed (finished without an end).
     session_idle_s: float = 600.0
+    #: PL3: start an instance (this command) when none fits: none active, or
+    #: the cheapest costs more than ``start_above_ms`` (0: only when none).
+    start_command: tuple[str, ...] = ()
+    start_above_ms: float = 0.0
+    start_timeout_s: float = 60.0
+    start_cooldown_s: float = 30.0
 
     @property
     def base_path(self) -> str:
@@ -82,6 +89,7 @@ class ControllerCounters(MigrationCounters):
     placements: int = 0
     prefetches: int = 0
     prefetch_failures: int = 0
+    instances_started: int = 0
 
 
 def create_app(
@@ -104,6 +112,10 @@ def create_app(
 
     placer = Placer(state, index, settings.mean_service_ms * 1000, eligible)
     coordinator = ReshardCoordinator(state, instances) if instances is not None else None
+    starter = None
+    if settings.start_command:
+        starter = InstanceStarter(settings.start_command, timeout_s=settings.start_timeout_s,
+                                  cooldown_s=settings.start_cooldown_s)  # fmt: skip
 
     def who(request: Request) -> str | None:
         return principal(request, settings.allow_anonymous)
@@ -156,28 +168,50 @@ def create_app(
         placement = await placer.place(
             query.scope_id, query.compat_id, query.block_keys, total, block_tokens
         )
-        chosen = choose(placement.candidates)
-        counters.placements += 1
         answer: dict[str, Any] = {
-            "instance": chosen.instance,
             "matched": placement.matched,
             "index": placement.index,
             "candidates": [c.to_json() for c in placement.candidates],
         }
+        best = placement.candidates[0] if placement.candidates else None
+        fits = best is not None and (
+            settings.start_above_ms <= 0 or best.cost_us <= settings.start_above_ms * 1000
+        )
+        if not fits and starter is not None:
+            # PL3: nothing acceptable runs; start an instance and go there.
+            started = await starter.start(query.scope_id, query.compat_id, request_ref)
+            if started is not None and eligible(started, query.scope_id):
+                counters.instances_started += 1
+                answer.update(instance=started, started=True)
+            elif started is not None:
+                log.error("started %s may not serve scope %s (policy)", started, query.scope_id)
+        if "instance" not in answer:
+            answer["instance"] = choose(placement.candidates).instance  # 409 if none (S4)
+        counters.placements += 1
+        instance = answer["instance"]
         if instances is not None and settings.prefetch and placement.matched:
-            answer["prefetch"] = await send_prefetch(placement, chosen.instance, query, request_ref)
+            if not answer.get("started") and instance not in {
+                s.instance for s in await state.active()
+            }:  # S4: it expired or began draining since it was chosen
+                answer["prefetch"] = {"error": "the instance is no longer active"}
+            else:
+                answer["prefetch"] = await send_prefetch(
+                    placement, instance, placement.links.get(instance, ()), query, request_ref
+                )
         return json_response(answer)
 
     async def send_prefetch(
-        placement: Placement, instance: str, query: LookupRequest, request_ref: str | None
+        placement: Placement,
+        instance: str,
+        links: tuple[Link, ...],
+        query: LookupRequest,
+        request_ref: str | None,
     ) -> dict[str, Any] | None:
-        """PL2, PF1: the chosen (active, S4) instance starts loading at once.
-        Advisory: a refused directive leaves the placement as it is."""
-        status = next((s for s in await state.active() if s.instance == instance), None)
-        if status is None:  # S4: it expired or began draining since it was chosen
-            return {"error": "the instance is no longer active"}
+        """PL2, PF1: the chosen (active, S4) or just started (PL3) instance
+        starts loading at once. Advisory: a refused directive leaves the
+        placement as it is."""
         found = directive(
-            placement, status, query.block_keys, query.scope_id, query.compat_id,
+            placement, instance, links, query.block_keys, query.scope_id, query.compat_id,
             deadline_ms=settings.prefetch_deadline_ms, lease_ms=settings.prefetch_lease_ms,
             request_ref=request_ref,
         )  # fmt: skip

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.control import InstanceStatus
+from ..protocol.control import Link
 from ..protocol.placement import read_us
 from ..protocol.problems import KvspError
 from ..protocol.records import (
@@ -41,6 +41,8 @@ class Placement:
     matched: int
     index: str  # "ok", "unavailable" (placed without cache, P4) or "unused"
     runs: Runs = field(default_factory=list)
+    #: The candidates' reported links (for their prefetch directives).
+    links: dict[str, tuple[Link, ...]] = field(default_factory=dict)
 
 
 def _runs(answer: LookupResponse) -> Runs:
@@ -97,12 +99,14 @@ class Placer:
             instances, runs, total_tokens=total_tokens, block_tokens=block_tokens,
             mean_service_us=self.mean_service_us,
         )  # fmt: skip
-        return Placement(candidates, sum(n for _, n in runs), index_state, runs)
+        links = {s.instance: s.links for s in instances}
+        return Placement(candidates, sum(n for _, n in runs), index_state, runs, links)
 
 
 def directive(
     placement: Placement,
-    status: InstanceStatus,
+    instance: str,
+    links: Sequence[Link],
     block_keys: Sequence[str],
     scope_id: str,
     compat_id: str,
@@ -111,20 +115,21 @@ def directive(
     lease_ms: int,
     request_ref: str | None = None,
 ) -> PrefetchDirective | None:
-    """The prefetch directive for ``status``'s instance (PF1, PF2): every matched
-    block it does not hold, with its whole replicas' holders cheapest first;
-    None when there is nothing to load."""
-    links = {link.holder: link for link in status.links}
+    """The prefetch directive for ``instance`` (PF1, PF2): every matched block
+    it does not hold, with its whole replicas' holders cheapest first over the
+    ``links`` it reported (in the records' order without); None when there is
+    nothing to load."""
+    by_holder = {link.holder: link for link in links}
 
     def cost(shape: ReplicaShape) -> float:
-        link = links.get(shape.holder)
+        link = by_holder.get(shape.holder)
         return math.inf if link is None else link.rtt_us + read_us(shape, link)
 
     blocks: list[PrefetchBlock] = []
     keys = iter(block_keys)
     for shapes, count in placement.runs:
         run = list(itertools.islice(keys, count))
-        if any(s.holder == status.instance for s in shapes):
+        if any(s.holder == instance for s in shapes):
             continue  # resident at the instance already
         sources = tuple(dict.fromkeys(s.holder for s in sorted(shapes, key=cost) if s.whole))
         if sources:

@@ -81,7 +81,8 @@ def test_directive_lists_what_the_instance_lacks_cheapest_source_first() -> None
     runs = [((shape(H1), shape(H2)), 2), ((shape(ii), shape(H1)), 1), ((partial, shape(H2)), 1)]
     placement = Placement([], 4, "ok", runs)  # type: ignore[arg-type]
     near_h2 = status(ii, Link(H1, 100000.0, 50.0), Link(H2, 100000.0, 10.0))
-    found = directive(placement, near_h2, KEYS, SCOPE, COMPAT, deadline_ms=50, lease_ms=2000,
+    found = directive(placement, ii, near_h2.links, KEYS, SCOPE, COMPAT, deadline_ms=50,
+                      lease_ms=2000,
                       request_ref="r-1")  # fmt: skip
     assert found is not None
     assert [(b.block_key, b.sources) for b in found.blocks] == [
@@ -90,7 +91,10 @@ def test_directive_lists_what_the_instance_lacks_cheapest_source_first() -> None
     assert PrefetchDirective.from_json(found.to_json()) == found
     assert (found.deadline_ms, found.lease_ms, found.request_ref) == (50, 2000, "r-1")
     only_resident = Placement([], 1, "ok", [((shape(ii),), 1)])
-    assert directive(only_resident, near_h2, KEYS, SCOPE, COMPAT, deadline_ms=1, lease_ms=1) is None
+    links = near_h2.links
+    assert (
+        directive(only_resident, ii, links, KEYS, SCOPE, COMPAT, deadline_ms=1, lease_ms=1) is None
+    )
 
 
 async def place(app: Any, certs: Path, body: dict[str, Any]) -> httpx.Response:
@@ -293,3 +297,51 @@ async def test_an_operator_wakes_a_sleeping_instance(instances: Instances, certs
         assert refused.status_code == 502
         assert refused.headers["content-type"].startswith("application/problem+json")
         assert await pc.state_of(gone) == "sleeping"
+
+
+async def test_an_instance_is_started_when_none_fits(instances: Instances, certs: Path) -> None:
+    # PL3: no active instance (or none cheap enough): the operator's command
+    # starts one, the request goes there and its directive is sent at once;
+    # one start per cooldown, and a failed start means 409 as before.
+    import sys
+
+    pc = MemoryControllerState()
+    new = instances.uri("new")
+    policy = Policy.from_json({"principals": {
+        "urn:kvstore:alice": {"read_scopes": ["*"]},
+        "urn:kvstore:new": {"roles": ["instance"], "instance": new, "write_scopes": [SCOPE]},
+    }})  # fmt: skip
+    command = (
+        sys.executable,
+        "-c",
+        f"import os; assert os.environ['KVSP_SCOPE_ID'] == '{SCOPE}'; print('{new}')",
+    )
+    settings = ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}, prefetch=True,
+                                  start_command=command, start_cooldown_s=60)  # fmt: skip
+    body = {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": KEYS[:2], "tokens": 8}
+    async with InstanceClient() as client:
+        app = create_app(settings, pc, policy, FakeIndex([((shape(H1),), 2)]), client)
+        response = await place(app, certs, body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["instance"] == new and answer["started"] is True
+        [(name, sent)] = instances.prefetched
+        assert name == "new" and [b["block_key"] for b in sent["blocks"]] == KEYS[:2]
+        assert (await place(app, certs, body)).status_code == 409  # cooling down
+        assert app.state.counters.instances_started == 1
+    # An active instance that fits is used: nothing is started.
+    old = instances.uri("old")
+    await pc.put_status(status(old, Link(H1, 1e5, 10.0)))
+    with_old = Policy.from_json({"principals": {
+        "urn:kvstore:alice": {"read_scopes": ["*"]},
+        "urn:kvstore:old": {"roles": ["instance"], "instance": old, "write_scopes": ["*"]},
+    }})  # fmt: skip
+    async with InstanceClient() as client:
+        app = create_app(settings, pc, with_old, FakeIndex([((shape(H1),), 2)]), client)
+        answer = (await place(app, certs, body)).json()
+        assert answer["instance"] == old and "started" not in answer
+        assert app.state.counters.instances_started == 0
+    failing = dataclasses.replace(settings, start_command=(sys.executable, "-c", "exit(3)"))
+    async with InstanceClient() as client:
+        app = create_app(failing, MemoryControllerState(), policy, FakeIndex([]), client)
+        assert (await place(app, certs, {**body, "block_keys": []})).status_code == 409
