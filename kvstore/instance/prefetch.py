@@ -1,0 +1,177 @@
+"""Carrying out prefetch directives (PF1-PF5).
+
+A directive runs in the background (it never blocks admitted work, PF1).
+For each block in order it does not hold, the instance takes a lease of
+``lease_ms`` at one listed source so the block is not evicted meanwhile
+(LE1, LE2), fetches it (the holder streams its layers in ascending order),
+verifies it (Repr-Digest; with the replica's record from the IS, every
+layer digest and the replica digest, BL6), places it in its own tiers,
+publishes its new replica, and releases the lease. A source that fails
+(404, a digest mismatch, unreachable) is a miss: the next source is tried
+(P4, BL8). At the deadline it stops and reports ``partial`` (PF4); the
+request then recomputes the rest. Pending directives are bounded (PF5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol.problems import KvspError, LeaseQuota, NotFound, PreconditionFailed
+from ..protocol.records import LookupRequest, PrefetchDirective, PrefetchStatus, ReplicaRecord
+from ..storage import BlockRef, TieredStore
+
+log = logging.getLogger("kvstore.instance")
+
+
+class TooManyDirectives(LeaseQuota):
+    """PF5, SEC3: the quota of pending directives (429)."""
+
+    title = "Too many pending directives"
+
+
+@dataclass
+class DirectiveRun:
+    directive: PrefetchDirective
+    state: str = "pending"
+    loaded: list[str] = field(default_factory=list)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def status(self) -> PrefetchStatus:
+        return PrefetchStatus(self.directive.directive, self.state, tuple(self.loaded))
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        store: TieredStore,
+        holders: Any,
+        *,
+        publisher: Any = None,
+        index: Any = None,
+        max_pending: int = 16,
+        keep: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``holders``: a :class:`~kvstore.client.HolderClient`; ``publisher``:
+        told of every block placed (it publishes the replica, P1); ``index``:
+        an :class:`~kvstore.client.IndexClient` for the records that let every
+        layer be verified (BL6), or None (Repr-Digest only)."""
+        self.store, self.holders, self.publisher, self.index = store, holders, publisher, index
+        self.max_pending, self.keep, self.clock = max_pending, keep, clock
+        self.runs: OrderedDict[str, DirectiveRun] = OrderedDict()
+
+    @property
+    def pending(self) -> int:
+        return sum(1 for r in self.runs.values() if r.state == "pending")
+
+    def submit(self, directive: PrefetchDirective) -> DirectiveRun:
+        """Start a directive (the same one again is the same run)."""
+        known = self.runs.get(directive.directive)
+        if known is not None:
+            return known
+        if self.pending >= self.max_pending:
+            raise TooManyDirectives(f"{self.max_pending} directives are pending (PF5)")
+        while len(self.runs) >= self.keep:  # bounded: finished runs go first
+            finished = next((k for k, r in self.runs.items() if r.state != "pending"), None)
+            if finished is None:
+                break
+            del self.runs[finished]
+        run = self.runs[directive.directive] = DirectiveRun(directive)
+        run.task = asyncio.create_task(self._run(run), name=f"prefetch-{directive.directive}")
+        return run
+
+    def status(self, directive_id: str) -> PrefetchStatus:
+        run = self.runs.get(directive_id)
+        if run is None:
+            raise NotFound("unknown directive")
+        return run.status()
+
+    async def close(self) -> None:
+        for run in self.runs.values():
+            if run.task is not None:
+                run.task.cancel()
+        for run in self.runs.values():
+            if run.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run.task
+
+    async def _records(self, directive: PrefetchDirective) -> dict[tuple[str, str], ReplicaRecord]:
+        if self.index is None or not directive.blocks:
+            return {}
+        keys = tuple(b.block_key for b in directive.blocks)
+        try:
+            answer = await self.index.lookup(
+                LookupRequest(directive.scope_id, directive.compat_id, keys)
+            )
+        except KvspError as exc:
+            log.info("no records for directive %s: %s", directive.directive, exc.detail)
+            return {}
+        return {(r.block_key, r.holder): r for group in answer.replicas for r in group}
+
+    async def _run(self, run: DirectiveRun) -> None:
+        directive = run.directive
+        try:
+            async with asyncio.timeout(directive.deadline_ms / 1000):
+                records = await self._records(directive)
+                for block in directive.blocks:
+                    ref = BlockRef(directive.compat_id, directive.scope_id, block.block_key)
+                    if ref in self.store or await self._fetch(ref, block.sources, records,
+                                                              directive.lease_ms):  # fmt: skip
+                        run.loaded.append(block.block_key)
+        except TimeoutError:
+            # PF4: stop at the deadline; the rest is recomputed.
+            log.info("directive %s: deadline after %d of %d blocks", directive.directive,
+                     len(run.loaded), len(directive.blocks))  # fmt: skip
+            run.state = "partial"
+            return
+        except Exception:
+            log.exception("directive %s failed", directive.directive)
+            run.state = "failed"
+            return
+        if len(run.loaded) == len(directive.blocks):
+            run.state = "complete"
+        else:
+            run.state = "partial" if run.loaded else "failed"
+
+    async def _fetch(
+        self,
+        ref: BlockRef,
+        sources: tuple[str, ...],
+        records: dict[tuple[str, str], ReplicaRecord],
+        lease_ms: int,
+    ) -> bool:
+        for source in sources:
+            try:
+                grant = await self.holders.lease(
+                    source, [ref.block_key], lease_ms,
+                    scope_id=ref.scope_id, compat_id=ref.compat_id,
+                )  # fmt: skip
+            except KvspError as exc:
+                log.info("no lease for %s at %s: %s", ref.block_key[:12], source, exc.detail)
+                continue
+            try:
+                body = await self.holders.get_block(
+                    source, ref.compat_id, ref.scope_id, ref.block_key,
+                    record=records.get((ref.block_key, source)),
+                )  # fmt: skip
+                try:
+                    await self.store.put(ref, body)
+                except PreconditionFailed:
+                    return True  # placed meanwhile (another directive)
+                if self.publisher is not None:
+                    await self.publisher.published(ref)  # P1: our new replica
+                return True
+            except KvspError as exc:
+                # P4, BL8: a miss at this source; the next one may have it.
+                log.info("block %s from %s: %s", ref.block_key[:12], source, exc.detail)
+            finally:
+                with contextlib.suppress(KvspError):
+                    await self.holders.release_lease(source, grant.lease)
+        return False
