@@ -270,11 +270,11 @@ class InstanceClient(_Http):
     CK5, S3). Instances accept these only from the PC's identity (SEC1, PF5)."""
 
     async def _post(
-        self, url: str, body: dict[str, Any], expect: list[int]
+        self, url: str, body: dict[str, Any], expect: list[int], **kw: Any
     ) -> tuple[dict[str, str], bytes]:
         headers = {"Content-Type": JSON_MEDIA_TYPE}
         _, found, raw = await self._request(
-            "POST", url, expect=expect, data=json.dumps(body).encode(), headers=headers
+            "POST", url, expect=expect, data=json.dumps(body).encode(), headers=headers, **kw
         )
         return found, raw
 
@@ -298,8 +298,11 @@ class InstanceClient(_Http):
         await self._post(url, request.to_json(), [200, 202, 204])
 
     async def reshard(self, instance: str, message: ReshardMessage) -> None:
-        """``POST reshard``: a plan (answered 200 once loaded, RS4), a commit or an abort."""
-        await self._post(urljoin(_base(instance), "reshard"), message.to_json(), [200])
+        """``POST reshard``: a plan (answered 200 once loaded, RS4), a commit or an
+        abort. Not bounded by the client's timeout: the caller bounds it by
+        the plan's ``deadline_ms``."""
+        url = urljoin(_base(instance), "reshard")
+        await self._post(url, message.to_json(), [200], timeout=aiohttp.ClientTimeout(total=None))
 
     async def set_state(self, instance: str, state: str) -> None:
         """``PUT state`` (S3, S6)."""

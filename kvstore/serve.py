@@ -263,7 +263,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         raise ConfigError(
             f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc"
         )
-    store = publisher = index_state = pc_state = migrator = None
+    store = publisher = index_state = pc_state = migrator = starter = None
     try:
         apps: list[tuple[str, Any]] = []
         if "holder" in roles:
@@ -280,6 +280,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         if "pc" in roles:
             controller_app = build_controller(config, pc_state)
             migrator = controller_app.state.migrator
+            starter = controller_app.state.starter
             apps.append((urlsplit(config.controller.uri).path, controller_app))
             log.warning("controller %s (%s state)", config.controller.uri,
                         config.controller.state)  # fmt: skip
@@ -305,6 +306,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             await store.close()
         if index_state is not None:
             await index_state.close()
+        if starter is not None:
+            await starter.close()  # the instances it started go on
         if migrator is not None:
             await migrator.stop()
             await migrator.instances.close()

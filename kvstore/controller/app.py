@@ -180,8 +180,8 @@ def create_app(
         if not fits and starter is not None:
             # PL3: nothing acceptable runs; start an instance and go there.
             started = await starter.start(query.scope_id, query.compat_id, request_ref)
+            counters.instances_started = starter.launched
             if started is not None and eligible(started, query.scope_id):
-                counters.instances_started += 1
                 answer.update(instance=started, started=True)
             elif started is not None:
                 log.error("started %s may not serve scope %s (policy)", started, query.scope_id)
@@ -301,6 +301,7 @@ def create_app(
     )  # fmt: skip
     app.state.controller = state
     app.state.counters = counters
+    app.state.starter = starter
     app.state.migrator = None
     if instances is not None:
         app.state.migrator = Migrator(

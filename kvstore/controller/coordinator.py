@@ -15,6 +15,7 @@ not retried here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,12 @@ class ReshardCoordinator:
         answers = await asyncio.gather(*(one(m, msg) for m, msg in messages.items()))
         return {m: why for m, why in zip(messages, answers, strict=True) if why is not None}
 
+    async def _abandon(self, target: ShardMap, members: list[str]) -> None:
+        with contextlib.suppress(KvspError):
+            await self.state.end_reshard(target, committed=False)
+        abort = ReshardAbort(target.map, target.version)
+        await self._send_all(dict.fromkeys(members, abort), timeout_s=10.0)
+
     async def reshard(self, target: ShardMap, deadline_ms: int) -> ReshardOutcome:
         entry = await self.state.shard_map(target.map)
         plans = plan_reshard(entry.current, target, deadline_ms)  # RS7: 409 on a mismatch
@@ -76,7 +83,8 @@ class ReshardCoordinator:
         try:
             missing = await self._send_all(dict(plans), timeout_s=deadline_ms / 1000)
         except BaseException:
-            await self.state.end_reshard(target, committed=False)
+            # RS6 also when cancelled: members drop what they fetched for v+1.
+            await asyncio.shield(self._abandon(target, list(plans)))
             raise
         outcome.acknowledged = sorted(set(plans) - set(missing))
         outcome.missing = missing

@@ -105,7 +105,9 @@ class Migrator(Background):
             epoch += 1
             try:
                 # CK5, CK7: the new epoch fences the failed instance first.
-                moved = await self.state.assign(entry.session, candidate.instance, epoch)
+                moved = await self.state.assign(
+                    entry.session, candidate.instance, epoch, keep_touched=True
+                )  # (a move is no sign of the session's life: its checkpoints are)
             except StaleEpoch:
                 return 0  # another PC moved it meanwhile, or it ended
             except InsufficientStorage as exc:
@@ -132,8 +134,10 @@ class Migrator(Background):
             # Back with the failed owner (fenced by the newer epoch) so that
             # the next round tries again, rather than left with a refuser.
             with contextlib.suppress(KvspError):
-                await self.state.assign(entry.session, entry.owner, epoch + 1,
-                                        owner_epoch=entry.owner_epoch)  # fmt: skip
+                await self.state.assign(
+                    entry.session, entry.owner, epoch + 1,
+                    owner_epoch=entry.owner_epoch, keep_touched=True,
+                )  # fmt: skip
         return 0
 
     async def run(self) -> None:

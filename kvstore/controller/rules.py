@@ -159,15 +159,18 @@ def after_assign(
     epoch: int,
     now: float,
     owner_epoch: int = 0,
+    keep_touched: bool = False,
 ) -> SessionEntry:
-    """A session starts on ``owner``, or resumes there with a higher epoch (CK5)."""
+    """A session starts on ``owner``, or resumes there with a higher epoch (CK5);
+    ``keep_touched``: not a sign of life (the PC moving it back to retry)."""
     if entry is not None and epoch <= entry.epoch:
         raise StaleEpoch(f"session is at epoch {entry.epoch}")
     if entry is None and epoch != 1:
         # An unknown session (ended meanwhile) is not resumed into being.
         raise StaleEpoch(f"session is unknown; epoch {epoch} was never assigned")
     checkpoint = entry.checkpoint if entry is not None else None
-    return SessionEntry(session, epoch, owner, checkpoint, now, owner_epoch)
+    touched = entry.touched if keep_touched and entry is not None else now
+    return SessionEntry(session, epoch, owner, checkpoint, touched, owner_epoch)
 
 
 def after_checkpoint(

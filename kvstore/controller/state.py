@@ -185,7 +185,12 @@ class ControllerState:
         return 0 if entry is None else entry.highest_epoch
 
     async def assign(
-        self, session: str, owner: str, epoch: int = 1, owner_epoch: int | None = None
+        self,
+        session: str,
+        owner: str,
+        epoch: int = 1,
+        owner_epoch: int | None = None,
+        keep_touched: bool = False,
     ) -> SessionEntry:
         """A session starts (or resumes, with a higher epoch) on ``owner``
         (whose current process has it, unless ``owner_epoch`` says which)."""
@@ -193,7 +198,8 @@ class ControllerState:
             owner_epoch = await self._epoch_of(owner)
         known = owner_epoch
         return await self._change_session(
-            session, lambda e, now: after_assign(e, session, owner, epoch, now, known)
+            session,
+            lambda e, now: after_assign(e, session, owner, epoch, now, known, keep_touched),
         )
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> SessionEntry:

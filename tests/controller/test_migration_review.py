@@ -213,3 +213,87 @@ async def test_sessions_of_a_restarted_instance_are_resumed(instances: Instances
     assert name == "again"  # the cheapest instance, now in its new process
     assert (await pc.session(kept)).epoch == 1
     assert await pc.restarted() == []
+
+
+# --- from the review of resharding and starting instances ---------------------
+
+
+async def test_a_member_slower_than_the_client_timeout_but_in_time_commits(
+    instances: Instances,
+) -> None:
+    # RS4: only deadline_ms bounds a plan's acknowledgement, not the
+    # instance client's own (short) timeout.
+    from kvstore.controller.coordinator import ReshardCoordinator
+
+    from .test_coordinator import maps
+
+    pc = MemoryControllerState()
+    v4, v5 = maps(instances)
+    await pc.create_map(v4)
+    instances.slow.add("ii3")  # answers after 2 s
+    async with InstanceClient(timeout_s=0.5) as client:
+        outcome = await ReshardCoordinator(pc, client).reshard(v5, deadline_ms=5000)
+    assert outcome.committed
+
+
+async def test_a_cancelled_reshard_aborts_at_every_member(instances: Instances) -> None:
+    # RS6: members drop what they fetched for v+1 also when the PC gives up.
+    import asyncio
+
+    from kvstore.controller.coordinator import ReshardCoordinator
+
+    from .test_coordinator import maps
+
+    pc = MemoryControllerState()
+    v4, v5 = maps(instances)
+    await pc.create_map(v4)
+    instances.slow.add("ii1")
+    async with InstanceClient() as client:
+        task = asyncio.create_task(ReshardCoordinator(pc, client).reshard(v5, deadline_ms=5000))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+    aborts = sorted(n for n, b in instances.reshards if b == {"map": "c3f8", "abort": 5})
+    assert aborts == ["ii1", "ii2", "ii3"]
+    entry = await pc.shard_map("c3f8")
+    assert entry.current == v4 and entry.pending is None
+
+
+async def test_a_session_nobody_takes_is_dropped_once_idle(instances: Instances) -> None:
+    # Moving it back to its failed owner is no sign of life: it was retried
+    # every round, forever.
+    clock = Clock()
+    pc = MemoryControllerState(clock=clock)
+    dead, good = instances.uri("dead"), instances.uri("good")
+    await pc.put_status(status(good, ttl_ms=600_000))
+    await failed_with_session(pc, clock, dead)
+    instances.refuse.add("good")
+    async with InstanceClient() as client:
+        migrator = Migrator(pc, Placer(pc, None), client, {}, session_idle_s=10)
+        for _ in range(4):
+            await migrator.run_once()
+            clock.now += 5
+    assert await pc.sessions_of(dead) == [] and migrator.counters.sessions_dropped == 1
+
+
+async def test_the_starter_takes_the_first_line_and_lets_the_command_run() -> None:
+    # PL3: a command that prints the URI and goes on (it may be the instance)
+    # was waited for until its timeout; bad URIs and odd request_refs.
+    import sys
+    import time
+
+    from kvstore.controller.starter import InstanceStarter
+
+    stays = InstanceStarter([sys.executable, "-c",
+                             "import time; print('http://127.0.0.1:1/new/', flush=True); "
+                             "time.sleep(30)"], timeout_s=20)  # fmt: skip
+    started = time.monotonic()
+    assert await stays.start("a" * 32, "b" * 64, "ref\x00with a nul") == "http://127.0.0.1:1/new/"
+    assert time.monotonic() - started < 10
+    for printed in ("http://h.test/new/?x=1", "moqt://relay.test/ns", "not a uri"):
+        bad = InstanceStarter([sys.executable, "-c", f"print({printed!r})"])
+        assert await bad.start("a" * 32, "b" * 64, None) is None
+        await bad.close(kill=True)
+    await stays.close(kill=True)
