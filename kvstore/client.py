@@ -31,7 +31,7 @@ from urllib.parse import urljoin
 import aiohttp
 
 from .protocol import container as kc
-from .protocol.control import ReshardMessage, ResumeRequest, StateChange
+from .protocol.control import InstanceStatus, ReshardMessage, ResumeRequest, StateChange
 from .protocol.problems import (
     BadGateway,
     DigestMismatch,
@@ -55,6 +55,7 @@ from .protocol.wire import (
     format_layers,
     parse_repr_digest,
     replica_path,
+    role_id,
 )
 
 log = logging.getLogger("kvstore.client")
@@ -310,6 +311,27 @@ class InstanceClient(_Http):
         headers = {"Content-Type": JSON_MEDIA_TYPE}
         body = json.dumps(StateChange(state).to_json()).encode()
         await self._request("PUT", url, expect=[200, 204], data=body, headers=headers)
+
+
+class ControllerClient(_Http):
+    """An instance's client of the PC: status reports and checkpoints (S1, CK1)."""
+
+    def __init__(
+        self, controller_uri: str, ssl_context: ssl.SSLContext | None = None, **kw: Any
+    ) -> None:
+        super().__init__(ssl_context, **kw)
+        self.controller_uri = _base(controller_uri)
+
+    async def put_status(self, status: InstanceStatus) -> str:
+        """``PUT instances/{id}/status``; the state the PC answers (S3)."""
+        url = urljoin(self.controller_uri, f"instances/{role_id(status.instance)}/status")
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        body = json.dumps(status.to_json()).encode()
+        _, _, raw = await self._request("PUT", url, expect=[200], data=body, headers=headers)
+        try:
+            return StateChange.from_json(json.loads(raw)).state
+        except (ValueError, KvspError) as exc:
+            raise BadGateway(f"PUT {url}: the answer is not a state") from exc
 
 
 def _error(status: int, headers: dict[str, str], body: bytes) -> KvspError:
