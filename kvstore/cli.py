@@ -234,9 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("path", metavar="FILE")
     tokenizer.set_defaults(func=cmd_digest)
 
-    serve = sub.add_parser("serve", help="run KVSP roles (holder, index, pc) under uvicorn")
+    serve = sub.add_parser("serve", help="run KVSP roles (holder, index, pc, instance)")
     serve.add_argument("--config", required=True, help="TOML configuration file")
-    serve.add_argument("--roles", default="holder", help="comma-separated: holder, index, pc")
+    serve.add_argument(
+        "--roles", default="holder", help="comma-separated: holder, index, pc, instance"
+    )
     serve.set_defaults(func=cmd_serve)
 
     certs = sub.add_parser("certs", help="development certificates for mutual TLS")

@@ -61,6 +61,21 @@ A holder's file, with every key and its default::
                                       # (client_certfile also authenticates the PC
                                       # to instances: directives, resume, SEC1)
 
+    [instance]                        # the Inference Instance role (--roles instance)
+    uri = "https://127.0.0.1:8443/ii/"
+    policy = "policy.json"            # directives only from principals with role "pc"
+    controller_uri = ""               # the PC to report status to (S1); empty: none
+    index_uri = ""                    # the IS, for records that verify every layer
+    client_certfile = ""              # the instance's certificate for the PC and holders
+    client_keyfile = ""
+    status_ttl_ms = 3000              # reported every third of it
+    sleep_idle_s = 0.0                # ask to sleep after this long idle (0: never)
+    max_pending_directives = 16       # PF5
+    prefill_tokens_per_s = 0.0        # reported until the engine measures its own
+    decode_tokens_per_s = 0.0
+                                      # (its blocks live in [storage]; with --roles
+                                      # holder,instance the holder serves them)
+
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
     compress = false
@@ -154,6 +169,21 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    uri: str = "https://127.0.0.1:8443/ii/"
+    policy: str = ""
+    controller_uri: str = ""
+    index_uri: str = ""
+    client_certfile: str = ""
+    client_keyfile: str = ""
+    status_ttl_ms: int = 3000
+    sleep_idle_s: float = 0.0
+    max_pending_directives: int = 16
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     backend: str
     capacity: int
@@ -177,6 +207,7 @@ class Config:
     holder: HolderConfig = HolderConfig()
     index: IndexConfig = IndexConfig()
     controller: ControllerConfig = ControllerConfig()
+    instance: InstanceConfig = InstanceConfig()
     storage: StorageConfig = StorageConfig()
     #: Directory relative paths are resolved against.
     root: Path = Path(".")
@@ -220,11 +251,11 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
 
 def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
     """Validate a parsed TOML document."""
-    unknown = set(data) - {"server", "holder", "index", "controller", "storage"}
+    unknown = set(data) - {"server", "holder", "index", "controller", "instance", "storage"}
     if unknown:
         raise ConfigError(
-            f"{sorted(unknown)[0]}: unknown section; known: controller, holder, index, server, "
-            "storage"
+            f"{sorted(unknown)[0]}: unknown section; known: controller, holder, index, "
+            "instance, server, storage"
         )
     storage_data = dict(data.get("storage", {}))
     tiers_data = storage_data.pop("tiers", [])
@@ -251,6 +282,7 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         holder=_section(HolderConfig, data.get("holder", {}), "holder", root),
         index=_section(IndexConfig, data.get("index", {}), "index", root),
         controller=_section(ControllerConfig, data.get("controller", {}), "controller", root),
+        instance=_section(InstanceConfig, data.get("instance", {}), "instance", root),
         storage=StorageConfig(**{**_asdict(storage), "tiers": tuple(tiers)}),
         root=root,
     )

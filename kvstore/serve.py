@@ -157,6 +157,40 @@ def instance_client(config: Config) -> Any:
     return InstanceClient(context, timeout_s=5.0)
 
 
+def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[Any, list[Any]]:
+    """The Inference Instance app over ``store``, and what to start and close
+    with it (its status reporter, prefetcher and clients)."""
+    from .client import ControllerClient, HolderClient, IndexClient
+    from .instance.app import InstanceSettings, Lifecycle, create_app
+    from .instance.prefetch import Prefetcher
+    from .instance.reporter import Load, StatusReporter
+    from .security import client_context
+
+    cfg = config.instance
+    if not cfg.policy:
+        raise ConfigError("instance.policy: a policy file is required")
+    context = None
+    if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
+        context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+    holders = HolderClient(context)
+    index = IndexClient(cfg.index_uri, context) if cfg.index_uri else None
+    prefetcher = Prefetcher(store, holders, publisher=publisher, index=index,
+                            max_pending=cfg.max_pending_directives)  # fmt: skip
+    lifecycle = Lifecycle()
+    settings = InstanceSettings(cfg.uri, allow_anonymous=config.server.insecure_http)
+    app = create_app(settings, prefetcher, Policy.load(cfg.policy), lifecycle)
+    parts: list[Any] = [prefetcher, holders] + ([index] if index is not None else [])
+    if cfg.controller_uri:
+        controller = ControllerClient(cfg.controller_uri, context)
+        load = Load(prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+                    decode_tokens_per_s=cfg.decode_tokens_per_s)  # fmt: skip
+        reporter = StatusReporter(cfg.uri, controller, lifecycle, load, store,
+                                  ttl_ms=cfg.status_ttl_ms,
+                                  idle_s=cfg.sleep_idle_s or None)  # fmt: skip
+        parts += [reporter, controller]
+    return app, parts
+
+
 def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:
     out = {}
     for file in files:
@@ -253,26 +287,36 @@ def uvicorn_config(config: Config, app: Any) -> Any:
 
 
 async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
-    """Run the configured roles (holder, index) on one listener until interrupted."""
+    """Run the configured roles on one listener until interrupted."""
     from urllib.parse import urlsplit
 
     import uvicorn
 
-    unknown = set(roles) - {"holder", "index", "pc"}
+    unknown = set(roles) - {"holder", "index", "pc", "instance"}
     if unknown or not roles:
         raise ConfigError(
-            f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc"
+            f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc, instance"
         )
     store = publisher = index_state = pc_state = migrator = starter = None
+    instance_parts: list[Any] = []
     try:
         apps: list[tuple[str, Any]] = []
-        if "holder" in roles:
+        if "holder" in roles or "instance" in roles:
             store = build_store(config)
             found = await store.recover()
             await store.measure_read_rates()
+        if "holder" in roles:
+            assert store is not None
             publisher = build_publisher(config, store)
             apps.append((urlsplit(config.holder.uri).path, build_holder(config, store, publisher)))
             log.warning("holder %s: %d blocks recovered", config.holder.uri, found)
+        if "instance" in roles:
+            # Its blocks are in the store; with the holder role the holder
+            # serves and publishes them (an instance is a holder of its tiers).
+            assert store is not None
+            instance_app, instance_parts = build_instance(config, store, publisher)
+            apps.append((urlsplit(config.instance.uri).path, instance_app))
+            log.warning("instance %s", config.instance.uri)
         if "pc" in roles or ("index" in roles and config.controller.state == "redis"):
             # The IS estimates from the PC's instance status (L2): the PC's
             # state in this process, or the Redis PC processes share.
@@ -294,6 +338,9 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             publisher.start()  # its first round republishes what was recovered
         if migrator is not None:
             migrator.start()
+        for part in instance_parts:
+            if hasattr(part, "start"):
+                part.start()  # the status reporter
         scheme = "http" if config.server.insecure_http else "https"
         log.warning("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
                     config.server.port)  # fmt: skip
@@ -306,6 +353,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             await store.close()
         if index_state is not None:
             await index_state.close()
+        for part in instance_parts:
+            await (part.stop() if hasattr(part, "stop") else part.close())
         if starter is not None:
             await starter.close()  # the instances it started go on
         if migrator is not None:
