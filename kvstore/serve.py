@@ -346,22 +346,26 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
                     config.server.port)  # fmt: skip
         await server.serve()
     finally:
-        if publisher is not None:
-            await publisher.stop()
-            await publisher.index.close()
-        if store is not None:
-            await store.close()
-        if index_state is not None:
-            await index_state.close()
+        # Users first, then what they use: the instance's prefetches and
+        # reports, the publisher, and only then the store and states. One
+        # failing close does not skip the others.
+        closes: list[Any] = []
         for part in instance_parts:
-            await (part.stop() if hasattr(part, "stop") else part.close())
+            closes.append(part.stop if hasattr(part, "stop") else part.close)
         if starter is not None:
-            await starter.close()  # the instances it started go on
+            closes.append(starter.close)  # the instances it started go on
         if migrator is not None:
-            await migrator.stop()
-            await migrator.instances.close()
-        if pc_state is not None:
-            await pc_state.close()
+            closes += [migrator.stop, migrator.instances.close]
+        if publisher is not None:
+            closes += [publisher.stop, publisher.index.close]
+        for closable in (store, index_state, pc_state):
+            if closable is not None:
+                closes.append(closable.close)
+        for close in closes:
+            try:
+                await close()
+            except Exception:
+                log.exception("while shutting down")
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:

@@ -43,6 +43,13 @@ class Lifecycle:
     """The instance's state (S3-S6): ``active``, ``draining`` or ``sleeping``."""
 
     state: str = "active"
+    #: Counts the PC's ``PUT state`` changes: an answer to a status report
+    #: sent before the latest change must not undo it.
+    changes: int = 0
+
+    def set_by_pc(self, state: str) -> None:
+        self.state = state
+        self.changes += 1
 
 
 def create_app(
@@ -75,7 +82,7 @@ def create_app(
         change = StateChange.from_json(await read_json(request, settings.max_json_octets))
         if change.state == "failed":
             raise BadRequest("state: failed is not a state the PC sets")
-        lifecycle.state = change.state
+        lifecycle.set_by_pc(change.state)
         return json_response(change.to_json())
 
     metrics = Metrics()

@@ -23,7 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.problems import KvspError, LeaseQuota, NotFound, PreconditionFailed
+from ..protocol.container import decode
+from ..protocol.problems import (
+    BadRequest,
+    DigestMismatch,
+    KvspError,
+    LeaseQuota,
+    NotFound,
+    PreconditionFailed,
+)
 from ..protocol.records import LookupRequest, PrefetchDirective, PrefetchStatus, ReplicaRecord
 from ..storage import BlockRef, TieredStore
 
@@ -38,13 +46,18 @@ class TooManyDirectives(LeaseQuota):
 
 @dataclass
 class DirectiveRun:
-    directive: PrefetchDirective
+    directive_id: str
+    #: The directive while it runs (dropped after: a finished run keeps only
+    #: its status, so kept runs stay small).
+    directive: PrefetchDirective | None
     state: str = "pending"
     loaded: list[str] = field(default_factory=list)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    #: What the directive was, to tell a repeat from another one under its id.
+    fingerprint: int = 0
 
     def status(self) -> PrefetchStatus:
-        return PrefetchStatus(self.directive.directive, self.state, tuple(self.loaded))
+        return PrefetchStatus(self.directive_id, self.state, tuple(self.loaded))
 
 
 class Prefetcher:
@@ -74,7 +87,10 @@ class Prefetcher:
     def submit(self, directive: PrefetchDirective) -> DirectiveRun:
         """Start a directive (the same one again is the same run)."""
         known = self.runs.get(directive.directive)
+        fingerprint = hash(directive)
         if known is not None:
+            if known.fingerprint != fingerprint:
+                raise BadRequest("the directive id names another directive already")
             return known
         if self.pending >= self.max_pending:
             raise TooManyDirectives(f"{self.max_pending} directives are pending (PF5)")
@@ -83,7 +99,9 @@ class Prefetcher:
             if finished is None:
                 break
             del self.runs[finished]
-        run = self.runs[directive.directive] = DirectiveRun(directive)
+        run = self.runs[directive.directive] = DirectiveRun(
+            directive.directive, directive, fingerprint=fingerprint
+        )
         run.task = asyncio.create_task(self._run(run), name=f"prefetch-{directive.directive}")
         return run
 
@@ -117,14 +135,23 @@ class Prefetcher:
 
     async def _run(self, run: DirectiveRun) -> None:
         directive = run.directive
+        assert directive is not None
+        try:
+            await self._blocks(run, directive)
+        finally:
+            run.directive = None  # only the status is kept
+
+    async def _blocks(self, run: DirectiveRun, directive: PrefetchDirective) -> None:
         try:
             async with asyncio.timeout(directive.deadline_ms / 1000):
                 records = await self._records(directive)
                 for block in directive.blocks:
                     ref = BlockRef(directive.compat_id, directive.scope_id, block.block_key)
-                    if ref in self.store or await self._fetch(ref, block.sources, records,
-                                                              directive.lease_ms):  # fmt: skip
+                    if ref in self.store:
                         run.loaded.append(block.block_key)
+                    else:
+                        await self._fetch(ref, block.sources, records, directive.lease_ms,
+                                          run.loaded)  # fmt: skip
         except TimeoutError:
             # PF4: stop at the deadline; the rest is recomputed.
             log.info("directive %s: deadline after %d of %d blocks", directive.directive,
@@ -140,14 +167,25 @@ class Prefetcher:
         else:
             run.state = "partial" if run.loaded else "failed"
 
+    async def _release(self, source: str, lease_id: str) -> None:
+        with contextlib.suppress(KvspError, TimeoutError):
+            await asyncio.wait_for(self.holders.release_lease(source, lease_id), 5.0)
+
     async def _fetch(
         self,
         ref: BlockRef,
         sources: tuple[str, ...],
         records: dict[tuple[str, str], ReplicaRecord],
         lease_ms: int,
-    ) -> bool:
+        loaded: list[str],
+    ) -> None:
         for source in sources:
+            record = records.get((ref.block_key, source))
+            if self.index is not None and record is None:
+                # BL6: with an index, only replicas whose record lets every
+                # layer be checked are taken (a Repr-Digest alone is the
+                # holder's word for whatever it sends).
+                continue
             try:
                 grant = await self.holders.lease(
                     source, [ref.block_key], lease_ms,
@@ -158,20 +196,23 @@ class Prefetcher:
                 continue
             try:
                 body = await self.holders.get_block(
-                    source, ref.compat_id, ref.scope_id, ref.block_key,
-                    record=records.get((ref.block_key, source)),
-                )  # fmt: skip
+                    source, ref.compat_id, ref.scope_id, ref.block_key, record=record
+                )
+                if record is not None and decode(body).codec != record.codec:
+                    # The layer digests describe the record's codec only.
+                    raise DigestMismatch("the holder answered in another codec")
                 try:
                     await self.store.put(ref, body)
                 except PreconditionFailed:
-                    return True  # placed meanwhile (another directive)
-                if self.publisher is not None:
-                    await self.publisher.published(ref)  # P1: our new replica
-                return True
+                    pass  # placed meanwhile (another directive)
+                else:
+                    if self.publisher is not None:
+                        await self.publisher.published(ref)  # P1: our new replica
+                loaded.append(ref.block_key)
+                return
             except KvspError as exc:
                 # P4, BL8: a miss at this source; the next one may have it.
                 log.info("block %s from %s: %s", ref.block_key[:12], source, exc.detail)
             finally:
-                with contextlib.suppress(KvspError):
-                    await self.holders.release_lease(source, grant.lease)
-        return False
+                # Even when the deadline cancels this fetch, the lease goes.
+                await asyncio.shield(asyncio.ensure_future(self._release(source, grant.lease)))

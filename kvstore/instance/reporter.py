@@ -94,8 +94,11 @@ class StatusReporter(Background):
 
     async def report(self) -> str:
         """One report; returns (and holds) the state the PC answered."""
+        changes = self.lifecycle.changes
         answer: str = await self.controller.put_status(self.status())
         self.reports += 1
+        if self.lifecycle.changes != changes:
+            return answer  # the PC set the state meanwhile: that one stands
         if answer in ("draining", "sleeping") or (
             answer == "active" and self.lifecycle.state != "sleeping"
         ):
