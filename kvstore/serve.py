@@ -169,6 +169,12 @@ def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[
     cfg = config.instance
     if not cfg.policy:
         raise ConfigError("instance.policy: a policy file is required")
+    if cfg.status_ttl_ms < 300:
+        raise ConfigError("instance.status_ttl_ms: at least 300 (reports go every third of it)")
+    if cfg.max_pending_directives < 1:
+        raise ConfigError("instance.max_pending_directives: at least 1")
+    if publisher is None:
+        log.warning("instance without the holder role: prefetched blocks are not published")
     context = None
     if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
         context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)

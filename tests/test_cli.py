@@ -235,3 +235,19 @@ def test_bench_controller_quick() -> None:
     assert "placements, 512-key prompts, 64 instances, 4 at once" in names
     placed = {r["name"]: r for r in json.loads(out.stdout)}
     assert placed["placements, 512-key prompts, 64 instances, 1 at once"]["value"] > 0
+
+
+def test_instance_config_is_checked(tmp_path: Path) -> None:
+    # Bad [instance] values are refused at start, with the key named.
+    from backends.host import HostTier
+    from kvstore.config import ConfigError, parse
+    from kvstore.serve import build_instance
+    from kvstore.storage import TieredStore
+
+    (tmp_path / "policy.json").write_text('{"principals": {}}')
+    store = TieredStore([(HostTier(), 1 << 20)])
+    for key, value in (("status_ttl_ms", 10), ("max_pending_directives", 0)):
+        config = parse({"instance": {"policy": "policy.json", key: value}}, tmp_path)
+        with pytest.raises(ConfigError) as info:
+            build_instance(config, store, None)
+        assert f"instance.{key}" in str(info.value)
