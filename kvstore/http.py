@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
@@ -33,6 +33,9 @@ from .protocol.problems import (
 )
 from .protocol.wire import JSON_MEDIA_TYPE, NO_STORE
 from .tlsscope import principal_from_scope
+
+if TYPE_CHECKING:
+    from .security import Policy
 
 log = logging.getLogger("kvstore.http")
 
@@ -169,18 +172,20 @@ def role_app(
     base: str,
     routes: list[Route],
     metrics: Metrics,
-    can_scrape: Callable[[Request], object],
+    policy: Policy,
+    allow_anonymous: bool = False,
 ) -> Starlette:
-    """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them
-    (``can_scrape`` raises for principals that may not read it), problem+json
-    for every error, and request metrics.
+    """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them,
+    problem+json for every error, and request metrics. Store- and role-wide
+    figures would be a cross-tenant side channel: only principals with the
+    ``metrics`` (or ``admin``) role of ``policy`` may scrape them.
 
     Trailing-slash redirects are off: a 307 would skip authentication and
     carry no Cache-Control (H5); an unknown path is a 404 problem instead.
     """
 
     async def get_metrics(request: Request) -> Response:
-        can_scrape(request)
+        policy.require_any_role(principal(request, allow_anonymous), ("metrics", "admin"))
         return Response(
             metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
         )

@@ -295,10 +295,7 @@ def create_app(
         Route("/maps/{map}/reshard", post_reshard, methods=["POST"]),
         Route("/place", place, methods=["POST"]),
     ]
-    app = role_app(
-        settings.base_path, routes, metrics,
-        lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
-    )  # fmt: skip
+    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
     app.state.controller = state
     app.state.counters = counters
     app.state.starter = starter

@@ -209,12 +209,7 @@ def create_app(
         Route("/leases/{lease_id}", renew_lease, methods=["PUT"]),
         Route("/leases/{lease_id}", release_lease, methods=["DELETE"]),
     ]
-    # Store-wide figures would be a cross-tenant side channel: only principals
-    # with the metrics (or admin) role may scrape them.
-    app = role_app(
-        settings.base_path, routes, metrics,
-        lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
-    )  # fmt: skip
+    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
     app.state.store = store
     app.state.settings = settings
     return app

@@ -218,10 +218,7 @@ def create_app(
         Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
         Route("/lookup", lookup, methods=["POST"]),
     ]
-    app = role_app(
-        settings.base_path, routes, metrics,
-        lambda request: policy.require_any_role(who(request), ("metrics", "admin")),
-    )  # fmt: skip
+    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
     app.state.state = state
     app.state.counters = counters
     app.state.statuses = statuses

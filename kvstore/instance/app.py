@@ -91,10 +91,7 @@ def create_app(
         Route("/prefetch/{directive}", get_prefetch, methods=["GET"]),
         Route("/state", put_state, methods=["PUT"]),
     ]
-    app = role_app(
-        settings.base_path, routes, metrics,
-        lambda request: policy.require_any_role(principal(request), ("metrics", "admin")),
-    )  # fmt: skip
+    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
     app.state.prefetcher = prefetcher
     app.state.lifecycle = lifecycle
     return app
