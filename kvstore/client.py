@@ -24,14 +24,23 @@ import hashlib
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin
 
 import aiohttp
 
 from .protocol import container as kc
-from .protocol.control import InstanceStatus, ReshardMessage, ResumeRequest, StateChange
+from .protocol.control import (
+    InstanceStatus,
+    ReshardMessage,
+    ResumeRequest,
+    SessionCheckpoint,
+    StateChange,
+)
 from .protocol.problems import (
     BadGateway,
     DigestMismatch,
@@ -332,6 +341,177 @@ class ControllerClient(_Http):
             return StateChange.from_json(json.loads(raw)).state
         except (ValueError, KvspError) as exc:
             raise BadGateway(f"PUT {url}: the answer is not a state") from exc
+
+    async def put_checkpoint(self, checkpoint: SessionCheckpoint) -> int:
+        """``PUT sessions/{session}/checkpoint`` (CK1); the output_offset the PC
+        holds for the session, which acknowledges every token below it (CK3)."""
+        url = urljoin(self.controller_uri, f"sessions/{checkpoint.session}/checkpoint")
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        body = json.dumps(checkpoint.to_json()).encode()
+        _, _, raw = await self._request("PUT", url, expect=[200], data=body, headers=headers)
+        try:
+            answer = json.loads(raw)
+            if answer["epoch"] != checkpoint.epoch:
+                return 0
+            return int(answer["output_offset"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadGateway(f"PUT {url}: the answer is not an acknowledgement") from exc
+
+    async def end_session(self, session: str) -> None:
+        """``DELETE sessions/{session}`` (ours): the owner's session is over."""
+        url = urljoin(self.controller_uri, f"sessions/{session}")
+        with contextlib.suppress(NotFound):
+            await self._request("DELETE", url, expect=[200, 204])
+
+    async def session(self, session: str) -> tuple[str, int]:
+        """``GET sessions/{session}`` (ours): its owner and epoch now."""
+        url = urljoin(self.controller_uri, f"sessions/{session}")
+        _, _, raw = await self._request("GET", url, expect=[200])
+        try:
+            answer = json.loads(raw)
+            return str(answer["instance"]), int(answer["epoch"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadGateway(f"GET {url}: the answer is not a session") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class OutputToken:
+    """One output token of a session: its index in the output and the epoch
+    of the instance that produced it (CK4)."""
+
+    index: int
+    token: int
+    epoch: int
+    logprob: float | None = None
+
+
+class FrontEnd(_Http):
+    """A front end's client of generation: starts a session on an instance
+    (our ``POST generate``) and follows it, across migrations, to its end.
+
+    Every output index is delivered once, in order (CK3: what a resumed
+    instance regenerates is dropped by index), and tokens of an epoch lower
+    than one already seen are dropped (CK4). When the stream breaks or the
+    instance reports the session moved, the PC says where the session is now
+    (``GET sessions/{session}``) and the stream goes on there from the next
+    index."""
+
+    def __init__(
+        self,
+        controller_uri: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        follow_timeout_s: float = 60.0,
+        idle_timeout_s: float = 30.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(ssl_context, **kw)
+        self.controller = ControllerClient(controller_uri, ssl_context) if controller_uri else None
+        self.follow_timeout_s, self.idle_timeout_s = follow_timeout_s, idle_timeout_s
+        #: What the last session's end said (stats), and every event seen.
+        self.last_end: dict[str, Any] = {}
+        self.events: list[dict[str, Any]] = []
+
+    async def close(self) -> None:
+        if self.controller is not None:
+            await self.controller.close()
+        await super().close()
+
+    async def _lines(
+        self, method: str, url: str, **kw: Any
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=self.idle_timeout_s)
+        async with self._http().request(method, url, timeout=timeout, **kw) as response:
+            if response.status != 200:
+                body = await response.read()
+                headers = {k.lower(): v for k, v in response.headers.items()}
+                raise _error(response.status, headers, body)
+            async for line in response.content:
+                if line.strip():
+                    yield json.loads(line)
+
+    async def generate(self, instance: str, request: dict[str, Any]) -> AsyncIterator[OutputToken]:
+        """The output of a new session started at ``instance`` with the body
+        ``request`` (``scope_id``, ``tokens``, ``max_tokens``, ``sampler``...;
+        a ``session`` UUID is added when missing)."""
+        body = dict(request)
+        session = body.setdefault("session", str(uuid.uuid4()))
+        self.session = session
+        owner, epoch, next_index = instance, 0, 0
+        self.events = []
+        started = False
+        deadline = None
+        while True:
+            if started:
+                stream = self._lines("GET", urljoin(_base(owner), f"sessions/{session}/tokens"),
+                                     params={"from": str(next_index)})  # fmt: skip
+            else:
+                stream = self._lines("POST", urljoin(_base(owner), "generate"),
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": JSON_MEDIA_TYPE})  # fmt: skip
+            ended = None
+            try:
+                async with contextlib.aclosing(stream):
+                    async for event in stream:
+                        self.events.append(event)
+                        started = True
+                        if event.get("epoch", 0) < epoch:
+                            continue  # CK4: an instance fenced off by a newer epoch
+                        epoch = event.get("epoch", epoch)
+                        if "index" in event:
+                            if event["index"] != next_index:
+                                continue  # CK3: delivered already (or a gap: refetched)
+                            next_index += 1
+                            deadline = None
+                            yield OutputToken(event["index"], event["token"], event["epoch"],
+                                              event.get("logprob"))  # fmt: skip
+                        elif event.get("event") in ("done", "moved", "error"):
+                            ended = event
+                            break
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.info("session %s: stream from %s broke: %r", session, owner, exc)
+            except KvspError:
+                if not started:
+                    raise  # refused outright (a problem answer): nothing to follow
+            if ended is not None and ended["event"] == "done":
+                self.last_end = ended
+                return
+            if ended is not None and ended["event"] == "error":
+                raise KvspError(f"session {session} failed: {ended.get('detail')}")
+            if not started or self.controller is None:
+                raise KvspError(f"session {session}: the stream from {owner} ended early")
+            deadline = deadline or time.monotonic() + self.follow_timeout_s
+            owner, epoch = await self._owner(session, owner, epoch, deadline)
+
+    async def _owner(self, session: str, last: str, epoch: int, deadline: float) -> tuple[str, int]:
+        """Where the session is now: the PC's owner once its epoch moved past
+        ``epoch``, else the last instance again (it may still be there)."""
+        assert self.controller is not None
+        while True:
+            if time.monotonic() > deadline:
+                raise KvspError(f"session {session}: lost (no instance took it over in time)")
+            try:
+                owner, current = await self.controller.session(session)
+            except NotFound:
+                owner, current = last, epoch  # ended: the last instance has its end
+            except KvspError as exc:
+                log.info("session %s: asking the PC: %s", session, exc.detail)
+                owner, current = last, epoch
+            if current > epoch or owner != last:
+                return owner, current
+            await asyncio.sleep(0.2)
+            if await self._reachable(last, session):
+                return last, epoch
+
+    async def _reachable(self, instance: str, session: str) -> bool:
+        url = urljoin(_base(instance), f"sessions/{session}")
+        try:
+            _, _, raw = await self._request(
+                "GET", url, expect=[200], timeout=aiohttp.ClientTimeout(total=2)
+            )
+            return json.loads(raw).get("state") in ("running", "done")
+        except (KvspError, ValueError):
+            return False
 
 
 def _error(status: int, headers: dict[str, str], body: bytes) -> KvspError:

@@ -75,6 +75,22 @@ A holder's file, with every key and its default::
     decode_tokens_per_s = 0.0
                                       # (its blocks live in [storage]; with --roles
                                       # holder,instance the holder serves them)
+    engine = ""                       # "reference": sessions on the reference engine
+    engine_dir = ""                   # its weights and tokenizer (made on first use)
+    engine_seed = 0
+    engine_device = "cpu"             # or "cuda"
+    block_tokens = 16
+    scope_keys = []                   # files, each a scope key in hex (>= 32 octets)
+    store_blocks_to = []              # holder URIs every completed block goes to (CK1)
+    checkpoint_tokens = 32            # at most 64 (CK1)
+    release_tokens = 4                # non-deterministic samplers: tokens per ack (CK3)
+    max_sessions = 64
+    max_running = 8                   # sessions decoding at once; the rest queue
+    max_prompt_tokens = 4096
+    max_output_tokens = 2048
+    resume_deadline_ms = 4000         # a resume's restore (under the PC's 5 s)
+    token_interval_ms = 0.0           # least time between a session's tokens
+    greedy_deterministic = true       # claim greedy output bit-identical (R4)
 
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
@@ -181,6 +197,22 @@ class InstanceConfig:
     max_pending_directives: int = 16
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    engine: str = ""
+    engine_dir: str = ""
+    engine_seed: int = 0
+    engine_device: str = "cpu"
+    block_tokens: int = 16
+    scope_keys: tuple[str, ...] = ()
+    store_blocks_to: tuple[str, ...] = ()
+    checkpoint_tokens: int = 32
+    release_tokens: int = 4
+    max_sessions: int = 64
+    max_running: int = 8
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 2048
+    resume_deadline_ms: int = 4000
+    token_interval_ms: float = 0.0
+    greedy_deterministic: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +256,10 @@ _PATH_KEYS = {
     "encryption_key_file",
     "client_certfile",
     "client_keyfile",
+    "engine_dir",
 }
+#: Arrays of URIs, not of paths.
+_URI_LISTS = {"store_blocks_to"}
 
 
 def _section(cls: type, data: Any, where: str, root: Path) -> Any:
@@ -240,7 +275,9 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
         if expected is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{where}.{key}: must be an array of strings")
-            value = tuple(str(root / v) for v in value)
+            value = tuple(v if key in _URI_LISTS else str(root / v) for v in value)
+        elif expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ConfigError(f"{where}.{key}: must be {expected.__name__}, got {value!r}")
         if key in _PATH_KEYS and value:

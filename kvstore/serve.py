@@ -184,17 +184,78 @@ def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[
                             max_pending=cfg.max_pending_directives)  # fmt: skip
     lifecycle = Lifecycle()
     settings = InstanceSettings(cfg.uri, allow_anonymous=config.server.insecure_http)
-    app = create_app(settings, prefetcher, Policy.load(cfg.policy), lifecycle)
-    parts: list[Any] = [prefetcher, holders] + ([index] if index is not None else [])
-    if cfg.controller_uri:
-        controller = ControllerClient(cfg.controller_uri, context)
-        load = Load(prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-                    decode_tokens_per_s=cfg.decode_tokens_per_s)  # fmt: skip
+    load = Load(prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+                decode_tokens_per_s=cfg.decode_tokens_per_s)  # fmt: skip
+    controller = ControllerClient(cfg.controller_uri, context) if cfg.controller_uri else None
+    sessions = None
+    if cfg.engine:
+        sessions = build_sessions(config, store, publisher, prefetcher, holders, controller,
+                                  lifecycle, load)  # fmt: skip
+    app = create_app(settings, prefetcher, Policy.load(cfg.policy), lifecycle, sessions)
+    # Closed in this order: sessions before the prefetcher and clients they use.
+    parts: list[Any] = [*([sessions] if sessions is not None else []), prefetcher, holders]
+    parts += [index] if index is not None else []
+    if controller is not None:
         reporter = StatusReporter(cfg.uri, controller, lifecycle, load, store,
                                   ttl_ms=cfg.status_ttl_ms,
                                   idle_s=cfg.sleep_idle_s or None)  # fmt: skip
         parts += [reporter, controller]
     return app, parts
+
+
+def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
+    """Scope keys from files of hex text (at least 32 octets each), by scope ID."""
+    from .protocol.keys import scope_id
+
+    keys: dict[str, bytes] = {}
+    for file in files:
+        try:
+            key = bytes.fromhex(Path(file).read_text().strip())
+            keys[scope_id(key).hex()] = key
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"instance.scope_keys: {file}: {exc}") from exc
+    return keys
+
+
+def build_sessions(
+    config: Config, store: TieredStore, publisher: Any, prefetcher: Any, holders: Any,
+    controller: Any, lifecycle: Any, load: Any,
+) -> Any:  # fmt: skip
+    """The instance's engine and its sessions ([instance] engine)."""
+    from .instance.sessions import Sessions, SessionSettings
+
+    cfg = config.instance
+    if cfg.engine != "reference":
+        raise ConfigError(f"instance.engine: {cfg.engine!r}; available: reference")
+    if not 1 <= cfg.checkpoint_tokens <= 64:
+        raise ConfigError("instance.checkpoint_tokens: 1 to 64 (CK1)")
+    if cfg.release_tokens < 1 or cfg.max_sessions < 1 or cfg.max_running < 1:
+        raise ConfigError("instance.release_tokens, max_sessions, max_running: at least 1")
+    if cfg.block_tokens < 1:
+        raise ConfigError("instance.block_tokens: at least 1")
+    try:
+        from .instance.reference import ReferenceEngine
+    except ImportError as exc:
+        raise ConfigError(f"instance.engine: the engine extra is not installed ({exc})") from exc
+    directory = cfg.engine_dir or str(config.root / ".kvstore" / "engine")
+    engine = ReferenceEngine(directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed,
+                             device=cfg.engine_device)  # fmt: skip
+    log.warning("engine %s, compat_id %s", engine.descriptor.model,
+                engine.descriptor.compat_id_hex)  # fmt: skip
+    scope_keys = read_scope_keys(cfg.scope_keys)
+    if not scope_keys:
+        log.warning("instance.scope_keys: none; no session can start")
+    settings = SessionSettings(
+        cfg.uri, checkpoint_tokens=cfg.checkpoint_tokens, release_tokens=cfg.release_tokens,
+        max_sessions=cfg.max_sessions, max_running=cfg.max_running,
+        max_prompt_tokens=cfg.max_prompt_tokens, max_output_tokens=cfg.max_output_tokens,
+        resume_deadline_s=cfg.resume_deadline_ms / 1000, store_to=cfg.store_blocks_to,
+        token_interval_s=cfg.token_interval_ms / 1000,
+        greedy_deterministic=cfg.greedy_deterministic,
+    )  # fmt: skip
+    return Sessions(settings, engine, store, scope_keys, lifecycle, load,
+                    prefetcher=prefetcher, publisher=publisher, controller=controller,
+                    holders=holders)  # fmt: skip
 
 
 def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:

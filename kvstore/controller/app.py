@@ -27,7 +27,15 @@ from ..http import base_path, empty_response, json_response, principal, read_jso
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, Link, SessionCheckpoint, ShardMap, StateChange
-from ..protocol.problems import BadGateway, BadRequest, Forbidden, InvalidState, KvspError
+from ..protocol.problems import (
+    BadGateway,
+    BadRequest,
+    Forbidden,
+    InvalidState,
+    KvspError,
+    NotFound,
+    ScopeDenied,
+)
 from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
 from ..security import Grant, Policy
@@ -283,6 +291,21 @@ def create_app(
         await state.end_session(request.path_params["session"].lower(), instance)
         return empty_response()
 
+    async def get_session(request: Request) -> Response:
+        # Ours: where a session is now (a front end following it across a
+        # migration, CK4). Only for principals of its scope; "absent" and
+        # "not yours" read the same (L3).
+        try:
+            entry = await state.session(request.path_params["session"].lower())
+            if entry.checkpoint is None:
+                raise NotFound("unknown session")
+            policy.require_read(who(request), entry.checkpoint.scope_id)
+        except (Forbidden, ScopeDenied) as exc:
+            raise NotFound("unknown session") from exc
+        return json_response({"session": entry.session, "epoch": entry.epoch,
+                              "instance": entry.owner,
+                              "output_offset": entry.checkpoint.output_offset})  # fmt: skip
+
     metrics = Metrics(counters=counters, counters_prefix="kvstore_controller")
 
     routes = [
@@ -290,6 +313,7 @@ def create_app(
         Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
         Route("/sessions/{session}", end_session, methods=["DELETE"]),
+        Route("/sessions/{session}", get_session, methods=["GET"]),
         Route("/maps/{map}", put_map, methods=["PUT"]),
         Route("/maps/{map}", get_map, methods=["GET"]),
         Route("/maps/{map}/reshard", post_reshard, methods=["POST"]),

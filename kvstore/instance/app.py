@@ -1,28 +1,41 @@
 """The Inference Instance's ASGI app: the KVSP resources the PC drives.
 
-``POST prefetch`` (202 + ``Location``) and ``GET prefetch/{id}`` (PF1, PF3),
-``PUT state`` (S3, S6). Each is accepted only from a principal with the
-``pc`` role (SEC1, PF5: directives only from the PC). Resume and reshard
-come with the rest of the instance role.
+KVSP's ``POST prefetch`` (202 + ``Location``) and ``GET prefetch/{id}``
+(PF1, PF3), ``POST sessions/{session}/resume`` (CK5) and ``PUT state`` (S3,
+S6), each accepted only from a principal with the ``pc`` role (SEC1, PF5:
+directives only from the PC). Ours, for front ends of a scope: ``POST
+generate`` starts a session and streams its output as NDJSON events (each
+token with its index and epoch, CK4), ``GET sessions/{session}/tokens?from=N``
+streams it again from index N (after a reconnect or a migration), and
+``GET sessions/{session}`` says how it stands.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..http import base_path, json_response, principal, read_json, role_app
 from ..metrics import Metrics
-from ..protocol.control import StateChange
-from ..protocol.problems import BadRequest, InvalidState
+from ..protocol._json import check_int
+from ..protocol.control import ResumeRequest, StateChange
+from ..protocol.problems import BadRequest, InvalidState, KvspError, NotFound
 from ..protocol.records import PrefetchDirective
 from ..protocol.wire import NO_STORE
 from ..security import Policy
 from .prefetch import Prefetcher
+
+if TYPE_CHECKING:
+    from .sessions import Session, Sessions
+
+NDJSON = "application/x-ndjson"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +66,74 @@ class Lifecycle:
 
 
 def create_app(
-    settings: InstanceSettings, prefetcher: Prefetcher, policy: Policy, lifecycle: Lifecycle
+    settings: InstanceSettings,
+    prefetcher: Prefetcher,
+    policy: Policy,
+    lifecycle: Lifecycle,
+    sessions: Sessions | None = None,
 ) -> Starlette:
     def from_pc(request: Request) -> None:
         policy.require_role(principal(request, settings.allow_anonymous), "pc")
+
+    def engine() -> Sessions:
+        if sessions is None:
+            raise NotFound("this instance runs no engine")
+        return sessions
+
+    def stream(session: Session, start: int) -> StreamingResponse:
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in engine().follow(session, start):
+                yield json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type=NDJSON,
+                                 headers={"Cache-Control": NO_STORE})  # fmt: skip
+
+    def readable(request: Request) -> Session:
+        session = engine().get(request.path_params["session"].lower())
+        # "absent" and "not yours" read the same (L3).
+        try:
+            policy.require_read(principal(request, settings.allow_anonymous), session.scope_id)
+        except KvspError as exc:
+            raise NotFound("unknown session") from exc
+        return session
+
+    async def generate(request: Request) -> Response:
+        from .sessions import GenerateRequest
+
+        found = engine()
+        body = GenerateRequest.from_json(
+            await read_json(request, settings.max_json_octets),
+            max_prompt=found.settings.max_prompt_tokens,
+            max_output=found.settings.max_output_tokens,
+        )
+        policy.require_read(principal(request, settings.allow_anonymous), body.scope_id)
+        return stream(found.begin(body), 0)
+
+    async def get_tokens(request: Request) -> Response:
+        session = readable(request)
+        start = check_int(int_param(request, "from"), "from", lo=0)
+        return stream(session, start)
+
+    async def get_session(request: Request) -> Response:
+        session = readable(request)
+        return json_response({
+            "session": session.id, "epoch": session.epoch, "state": session.state,
+            "released": session.released, "output_tokens": len(session.generated),
+            "checkpointed": session.checkpointed, "stats": session.stats,
+        })  # fmt: skip
+
+    async def resume(request: Request) -> Response:
+        # CK5, CK6: the PC moves a session here; answered once restored.
+        from_pc(request)
+        found = engine()
+        body = ResumeRequest.from_json(await read_json(request, settings.max_json_octets))
+        session = await found.resume(body, request.path_params["session"].lower())
+        return json_response({
+            "session": session.id, "epoch": session.epoch,
+            "output_offset": body.checkpoint.output_offset,
+            "loaded_tokens": session.stats.get("loaded_tokens", 0),
+            "computed_tokens": session.stats.get("computed_tokens", 0),
+        })  # fmt: skip
 
     async def post_prefetch(request: Request) -> Response:
         from_pc(request)
@@ -90,8 +167,21 @@ def create_app(
         Route("/prefetch", post_prefetch, methods=["POST"]),
         Route("/prefetch/{directive}", get_prefetch, methods=["GET"]),
         Route("/state", put_state, methods=["PUT"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/sessions/{session}", get_session, methods=["GET"]),
+        Route("/sessions/{session}/tokens", get_tokens, methods=["GET"]),
+        Route("/sessions/{session}/resume", resume, methods=["POST"]),
     ]
     app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
     app.state.prefetcher = prefetcher
     app.state.lifecycle = lifecycle
+    app.state.sessions = sessions
     return app
+
+
+def int_param(request: Request, name: str) -> Any:
+    value = request.query_params.get(name, "0")
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise BadRequest(f"{name}: must be an integer") from exc

@@ -19,11 +19,12 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.container import decode
+from ..protocol.control import Link
 from ..protocol.problems import (
     BadRequest,
     DigestMismatch,
@@ -36,6 +37,30 @@ from ..protocol.records import LookupRequest, PrefetchDirective, PrefetchStatus,
 from ..storage import BlockRef, TieredStore
 
 log = logging.getLogger("kvstore.instance")
+
+
+MAX_METERS = 256
+
+
+@dataclass
+class LinkMeter:
+    """A holder's round trip and transfer rate, as moving averages: the
+    lease request's time is one round trip; a block's GET is one more plus
+    its octets at the link's rate."""
+
+    rtt_s: float = 0.0
+    mbit_per_s: float = 0.0
+    samples: int = 0
+
+    def observe(self, rtt_s: float, get_s: float, octets: int) -> None:
+        weight = 1.0 if self.samples == 0 else 0.2
+        self.rtt_s += weight * (rtt_s - self.rtt_s)
+        transfer = max(get_s - rtt_s, 1e-6)
+        self.mbit_per_s += weight * (8 * octets / transfer / 1e6 - self.mbit_per_s)
+        self.samples += 1
+
+    def link(self, holder: str) -> Link:
+        return Link(holder, max(self.mbit_per_s, 1e-3), self.rtt_s * 1e6)
 
 
 class TooManyDirectives(LeaseQuota):
@@ -55,6 +80,8 @@ class DirectiveRun:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     #: What the directive was, to tell a repeat from another one under its id.
     fingerprint: int = 0
+    #: The PC's ``request_ref``: the request it was sent ahead of.
+    request_ref: str | None = None
 
     def status(self) -> PrefetchStatus:
         return PrefetchStatus(self.directive_id, self.state, tuple(self.loaded))
@@ -79,6 +106,8 @@ class Prefetcher:
         self.store, self.holders, self.publisher, self.index = store, holders, publisher, index
         self.max_pending, self.keep, self.clock = max_pending, keep, clock
         self.runs: OrderedDict[str, DirectiveRun] = OrderedDict()
+        #: Measured rtt and rate per holder (what status reports as links).
+        self.meters: dict[str, LinkMeter] = {}
 
     @property
     def pending(self) -> int:
@@ -100,8 +129,9 @@ class Prefetcher:
                 break
             del self.runs[finished]
         run = self.runs[directive.directive] = DirectiveRun(
-            directive.directive, directive, fingerprint=fingerprint
-        )
+            directive.directive, directive, fingerprint=fingerprint,
+            request_ref=directive.request_ref,
+        )  # fmt: skip
         run.task = asyncio.create_task(self._run(run), name=f"prefetch-{directive.directive}")
         return run
 
@@ -110,6 +140,59 @@ class Prefetcher:
         if run is None:
             raise NotFound("unknown directive")
         return run.status()
+
+    async def settled(self, request_ref: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the pending directives sent ahead
+        of the request ``request_ref``: its prefix is then in the tiers."""
+        tasks = [
+            r.task
+            for r in self.runs.values()
+            if r.request_ref == request_ref and r.state == "pending" and r.task is not None
+        ]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def load(
+        self, scope_id: str, compat_id: str, keys: Sequence[str], *, deadline_s: float,
+        lease_ms: int = 2000,
+    ) -> int:  # fmt: skip
+        """Make the longest prefix of ``keys`` resident here: blocks held
+        already, then those the IS lists (each from the first of its holders
+        that serves it, verified, placed and published as a directive's).
+        Returns how many leading keys are resident. Without an IS, only what
+        is held counts."""
+        held = 0
+        for key in keys:
+            if BlockRef(compat_id, scope_id, key) not in self.store:
+                break
+            held += 1
+        if held == len(keys) or self.index is None:
+            return held
+        loaded: list[str] = []
+        try:
+            async with asyncio.timeout(deadline_s):
+                rest = tuple(keys[held:])
+                answer = await self.index.lookup(LookupRequest(scope_id, compat_id, rest))
+                for key, group in zip(rest[: answer.matched], answer.replicas, strict=False):
+                    ref = BlockRef(compat_id, scope_id, key)
+                    if ref in self.store:
+                        loaded.append(key)
+                        continue
+                    records = {(r.block_key, r.holder): r for r in group}
+                    before = len(loaded)
+                    await self._fetch(ref, tuple(r.holder for r in group), records, lease_ms,
+                                      loaded)  # fmt: skip
+                    if len(loaded) == before:
+                        break  # the chain stops at the first block not loaded
+        except TimeoutError:
+            log.info("loading %d blocks: deadline after %d", len(keys) - held, len(loaded))
+        except KvspError as exc:
+            log.info("loading %d blocks: %s", len(keys) - held, exc.detail)
+        return held + len(loaded)
+
+    def links(self) -> tuple[Link, ...]:
+        """The measured path to each holder fetched from (R3 ``links``)."""
+        return tuple(meter.link(holder) for holder, meter in self.meters.items())
 
     async def close(self) -> None:
         for run in self.runs.values():
@@ -186,6 +269,7 @@ class Prefetcher:
                 # layer be checked are taken (a Repr-Digest alone is the
                 # holder's word for whatever it sends).
                 continue
+            started = self.clock()
             try:
                 grant = await self.holders.lease(
                     source, [ref.block_key], lease_ms,
@@ -194,10 +278,16 @@ class Prefetcher:
             except KvspError as exc:
                 log.info("no lease for %s at %s: %s", ref.block_key[:12], source, exc.detail)
                 continue
+            leased = self.clock()
             try:
                 body = await self.holders.get_block(
                     source, ref.compat_id, ref.scope_id, ref.block_key, record=record
                 )
+                meter = self.meters.get(source)
+                if meter is None and len(self.meters) < MAX_METERS:
+                    meter = self.meters[source] = LinkMeter()
+                if meter is not None:
+                    meter.observe(leased - started, self.clock() - leased, len(body))
                 if record is not None and decode(body).codec != record.codec:
                     # The layer digests describe the record's codec only.
                     raise DigestMismatch("the holder answered in another codec")

@@ -70,7 +70,7 @@ class StatusReporter(Background):
         idle = load.running == 0 and load.queued == 0
         self._idle_since = (self._idle_since or now) if idle else None
         state = self.lifecycle.state
-        if state == "draining" and load.running == 0:
+        if state == "draining" and load.running == 0 and load.queued == 0:
             state = self.lifecycle.state = "sleeping"  # S5: nothing left in flight
         requested = None
         if (

@@ -206,8 +206,13 @@ def hex32_list(obj: Obj, name: str, max_items: int = 1 << 20) -> tuple[str, ...]
     )
 
 
-def token_list(obj: Obj, name: str) -> tuple[int, ...]:
-    return tuple(check_int(item, path, 0, UINT32_MAX) for item, path in obj.items(name))
+def token_list(
+    obj: Obj, name: str, default: Any = _MISSING, max_items: int = 1 << 20
+) -> tuple[int, ...]:
+    return tuple(
+        check_int(item, path, 0, UINT32_MAX)
+        for item, path in obj.items(name, default=default, max_items=max_items)
+    )
 
 
 def drop_none(obj: dict[str, Any]) -> dict[str, Any]:

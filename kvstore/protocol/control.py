@@ -151,6 +151,30 @@ class Sampler:
         }
 
 
+MAX_STOP_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationLimits:
+    """Ours, carried in a checkpoint as the member ``kvstore_limits`` (other
+    implementations ignore it, R4): where the session's output ends, so
+    that a resumed session ends where the first instance would have."""
+
+    max_tokens: int
+    stop_tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def from_json(cls, value: Any, path: str) -> GenerationLimits:
+        obj = Obj(value, path)
+        return cls(
+            max_tokens=obj.integer("max_tokens", lo=1, hi=UINT32_MAX),
+            stop_tokens=token_list(obj, "stop_tokens", default=[], max_items=MAX_STOP_TOKENS),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "stop_tokens": list(self.stop_tokens)}
+
+
 @dataclass(frozen=True, slots=True)
 class SessionCheckpoint:
     """Session Checkpoint (R4), sent with ``PUT sessions/{session}/checkpoint``."""
@@ -164,6 +188,7 @@ class SessionCheckpoint:
     generated: tuple[int, ...]
     output_offset: int
     sampler: Sampler
+    limits: GenerationLimits | None = None
 
     @classmethod
     def from_json(cls, value: Any) -> SessionCheckpoint:
@@ -178,6 +203,13 @@ class SessionCheckpoint:
             generated=token_list(obj, "generated"),
             output_offset=obj.integer("output_offset"),
             sampler=Sampler.from_json(obj.value.get("sampler"), "checkpoint.sampler"),
+            limits=(
+                None
+                if obj.value.get("kvstore_limits") is None
+                else GenerationLimits.from_json(
+                    obj.value["kvstore_limits"], "checkpoint.kvstore_limits"
+                )
+            ),
         )
         # output_offset counts the output tokens the checkpoint covers; it
         # cannot cover fewer tokens than it lists.
@@ -196,6 +228,7 @@ class SessionCheckpoint:
             "generated": list(self.generated),
             "output_offset": self.output_offset,
             "sampler": self.sampler.to_json(),
+            **({} if self.limits is None else {"kvstore_limits": self.limits.to_json()}),
         }
 
 

@@ -1,0 +1,702 @@
+"""Sessions: generation on the instance's engine, with checkpoints and resume.
+
+A session starts from a prompt (our ``POST generate``) or from the PC's
+``POST sessions/{session}/resume`` (CK5). Either way the instance makes the
+longest prefix of the sequence's blocks resident (held already, prefetched
+by a directive sent ahead of the request, or fetched through the IS), feeds
+their KV to the engine and recomputes only the rest (CK6). While it decodes:
+
+- every completed block, of the prompt or of the output, becomes a block
+  container placed in the instance's tiers (published by its holder role)
+  and written to the configured holders, so that it survives the instance
+  (CK1);
+- a checkpoint goes to the PC at each completed output block and at least
+  every ``checkpoint_tokens`` (at most 64) tokens (CK1), the first one right
+  after the prefill so that the PC knows the session at once;
+- each output token carries its index and the session's epoch (CK4). With a
+  deterministic sampler (greedy) a token is released at once, and a resumed
+  instance regenerates the same tokens, which the front end drops by index
+  (CK3). Otherwise a token is released only after the PC acknowledged a
+  checkpoint covering it, ``release_tokens`` at a time (CK3).
+- a checkpoint the PC refuses for its epoch (409 ``kvsp-stale-epoch``) or
+  owner (403) means the session was moved: it stops here (CK7).
+
+Engine calls run one at a time on a worker thread, so prefetch directives,
+status reports and token streams go on while the model computes (PF1).
+
+Checkpoints list as ``prompt_blocks`` the complete blocks before the
+prompt's last token and the rest of the prompt as ``prompt_tail``: a
+resuming instance has only the checkpoint's tokens, and it needs the
+prompt's last token itself (for the logits after it) when no output was
+checkpointed yet. For a prompt whose length is not a multiple of the block
+size this is exactly the draft's definition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol._json import Obj, token_list
+from ..protocol.control import (
+    MAX_STOP_TOKENS,
+    GenerationLimits,
+    ResumeRequest,
+    Sampler,
+    SessionCheckpoint,
+)
+from ..protocol.keys import BlockKeyChain
+from ..protocol.problems import (
+    BadRequest,
+    Forbidden,
+    Incompatible,
+    InvalidState,
+    KvspError,
+    LeaseQuota,
+    NotFound,
+    PreconditionFailed,
+    StaleEpoch,
+)
+from ..storage import BlockRef, TieredStore
+from .app import Lifecycle
+from .engine import Engine, Generation, block_container, load_blocks, sample
+from .prefetch import Prefetcher
+from .reporter import Load
+
+log = logging.getLogger("kvstore.instance")
+
+SAMPLERS = ("greedy", "top-p")
+PLACEHOLDER = 0  # stands for prompt tokens a resumed session has only as KV
+
+
+class TooManySessions(LeaseQuota):
+    """The instance's bound on open sessions (429)."""
+
+    title = "Too many sessions"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Body of our ``POST generate`` (not KVSP)."""
+
+    session: str
+    scope_id: str
+    tokens: tuple[int, ...]
+    max_tokens: int
+    sampler: Sampler
+    stop_tokens: tuple[int, ...] = ()
+    request_ref: str | None = None
+    logprobs: bool = False
+
+    @classmethod
+    def from_json(cls, value: Any, *, max_prompt: int, max_output: int) -> GenerateRequest:
+        obj = Obj(value, "generate")
+        session = obj.uuid("session") if "session" in obj else str(uuid.uuid4())
+        tokens = token_list(obj, "tokens", max_items=max_prompt)
+        if not tokens:
+            raise BadRequest("generate.tokens: at least one prompt token")
+        sampler = obj.value.get("sampler") or {"method": "greedy"}
+        spec = Obj(sampler, "generate.sampler")
+        method = spec.name("method", frozenset(SAMPLERS))
+        params = sampler.get("params") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("generate.sampler.params: must be a JSON object")
+        if method == "top-p":
+            p = Obj(params, "generate.sampler.params")
+            params = {
+                "p": p.number("p", default=1.0, lo=1e-6, hi=1.0),
+                "temperature": p.number("temperature", default=1.0, lo=1e-3, hi=100.0),
+            }
+        request_ref = obj.text("request_ref", None, max_len=256)
+        return cls(
+            session=session,
+            scope_id=obj.hex16("scope_id"),
+            tokens=tokens,
+            max_tokens=obj.integer("max_tokens", default=min(64, max_output), lo=1, hi=max_output),
+            sampler=Sampler(
+                method,
+                spec.integer("seed", default=0, lo=0, hi=2**63 - 1),
+                0,
+                method == "greedy",
+                dict(params),
+            ),
+            stop_tokens=token_list(obj, "stop_tokens", default=[], max_items=MAX_STOP_TOKENS),
+            request_ref=request_ref,
+            logprobs=obj.flag("logprobs", default=False),
+        )
+
+
+@dataclass
+class Session:
+    id: str
+    scope_id: str
+    compat_id: str
+    epoch: int
+    sampler: Sampler
+    limits: GenerationLimits
+    #: The sequence so far: prompt, then output (``PLACEHOLDER`` where a
+    #: resumed session has only the KV of prompt blocks).
+    tokens: list[int]
+    prompt_tokens: int
+    block_tokens: int
+    #: Blocks before the prompt's last token (the checkpoint's prompt_blocks).
+    prompt_blocks: int
+    #: Output tokens computed so far (all of them, from index 0).
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    #: Output tokens the followers may see (index < released).
+    released: int = 0
+    #: The highest output_offset the PC acknowledged (CK3).
+    checkpointed: int = 0
+    #: running, done, moved (a newer epoch elsewhere, CK7) or failed.
+    state: str = "running"
+    detail: str = ""
+    #: Block keys of the sequence's complete blocks, hex, in order.
+    keys: list[str] = field(default_factory=list)
+    chain: BlockKeyChain | None = field(default=None, repr=False)
+    generation: Generation | None = field(default=None, repr=False)
+    stats: dict[str, Any] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def checkpoint(self) -> SessionCheckpoint:
+        start = self.prompt_blocks * self.block_tokens
+        return SessionCheckpoint(
+            session=self.id, epoch=self.epoch, compat_id=self.compat_id, scope_id=self.scope_id,
+            prompt_blocks=tuple(self.keys[: self.prompt_blocks]),
+            prompt_tail=tuple(self.tokens[start : self.prompt_tokens]),
+            generated=tuple(self.generated), output_offset=len(self.generated),
+            sampler=Sampler(self.sampler.method, self.sampler.seed, len(self.generated),
+                            self.sampler.deterministic, dict(self.sampler.params)),
+            limits=self.limits,
+        )  # fmt: skip
+
+    def head(self) -> dict[str, Any]:
+        return {"event": "session", "session": self.id, "epoch": self.epoch,
+                "resumed_from": self.stats.get("resumed_from")}  # fmt: skip
+
+    def end(self) -> dict[str, Any]:
+        if self.state == "done":
+            return {"event": "done", "epoch": self.epoch, "output_tokens": len(self.generated),
+                    "stats": dict(self.stats)}  # fmt: skip
+        if self.state == "moved":
+            return {"event": "moved", "epoch": self.epoch, "detail": self.detail}
+        return {"event": "error", "epoch": self.epoch, "detail": self.detail}
+
+    def event(self, index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index, "epoch": self.epoch, "token": self.generated[index]}
+        logprob = self.logprobs[index] if index < len(self.logprobs) else None
+        if logprob is not None:
+            out["logprob"] = logprob
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self.state != "running"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    instance_uri: str
+    #: At most 64 (CK1); non-deterministic sessions use ``release_tokens``.
+    checkpoint_tokens: int = 32
+    release_tokens: int = 4
+    max_sessions: int = 64
+    max_running: int = 8
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 2048
+    #: Finished sessions kept for followers that reconnect.
+    keep_finished: int = 256
+    #: Loading a prefix through the IS, and a resume's whole restore.
+    load_deadline_s: float = 2.0
+    resume_deadline_s: float = 4.0
+    #: Holders every completed block is also written to (CK1: so that the
+    #: KV of the session survives the instance).
+    store_to: tuple[str, ...] = ()
+    #: Least time between two tokens of a session (0: none): for demos and
+    #: tests that must catch a session in the middle.
+    token_interval_s: float = 0.0
+    #: Claim greedy decoding deterministic (R4 ``sampler.deterministic``):
+    #: only true where every instance that may resume a session computes
+    #: bit-identical logits.
+    greedy_deterministic: bool = True
+
+
+class EngineRunner:
+    """Engine calls one at a time on a worker thread (PF1: the event loop
+    never waits on the model)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-engine")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BlockWriter:
+    """Writes completed blocks to the configured holders in the background,
+    a bounded queue ahead of them (the oldest is dropped when full)."""
+
+    def __init__(self, holders: Any, targets: Sequence[str], limit: int = 256) -> None:
+        self.holders, self.targets, self.limit = holders, tuple(targets), limit
+        self.queue: asyncio.Queue[tuple[BlockRef, bytes]] = asyncio.Queue()
+        self.written = self.failed = self.dropped = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def write(self, ref: BlockRef, body: bytes) -> None:
+        if not self.targets:
+            return
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvstore-block-writer")
+        while self.queue.qsize() >= self.limit:
+            self.queue.get_nowait()
+            self.dropped += 1
+        self.queue.put_nowait((ref, body))
+
+    async def flush(self) -> None:
+        await self.queue.join()
+
+    async def _run(self) -> None:
+        while True:
+            ref, body = await self.queue.get()
+            try:
+                for target in self.targets:
+                    try:
+                        await self.holders.put_block(
+                            target, ref.compat_id, ref.scope_id, ref.block_key, body
+                        )
+                        self.written += 1
+                    except PreconditionFailed:
+                        self.written += 1  # it has the block already
+                    except KvspError as exc:
+                        self.failed += 1
+                        log.warning("block %s to %s: %s", ref.block_key[:12], target, exc.detail)
+            finally:
+                self.queue.task_done()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class Sessions:
+    """The instance's sessions over one engine."""
+
+    def __init__(
+        self,
+        settings: SessionSettings,
+        engine: Engine,
+        store: TieredStore,
+        scope_keys: Mapping[str, bytes],
+        lifecycle: Lifecycle,
+        load: Load,
+        *,
+        prefetcher: Prefetcher,
+        publisher: Any = None,
+        controller: Any = None,
+        holders: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``controller``: a :class:`~kvstore.client.ControllerClient` for
+        checkpoints (None: a standalone instance; tokens are released at once
+        and sessions cannot be resumed elsewhere)."""
+        if not 1 <= settings.checkpoint_tokens <= 64:
+            raise ValueError("checkpoint_tokens: 1 to 64 (CK1)")
+        self.settings, self.engine, self.store = settings, engine, store
+        self.scope_keys, self.lifecycle, self.load = dict(scope_keys), lifecycle, load
+        self.prefetcher, self.publisher, self.controller = prefetcher, publisher, controller
+        self.clock = clock
+        self.runner = EngineRunner(engine)
+        self.writer = BlockWriter(holders, settings.store_to if holders is not None else ())
+        self.descriptor = engine.descriptor
+        self.compat_id = self.descriptor.compat_id_hex
+        self.block_tokens = self.descriptor.block_tokens
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self._admit = asyncio.Semaphore(settings.max_running)
+        self._placing: set[asyncio.Task[None]] = set()
+        self.counters = {"sessions": 0, "resumed": 0, "moved": 0, "failed": 0,
+                         "loaded_tokens": 0, "computed_tokens": 0, "output_tokens": 0,
+                         "checkpoints": 0, "checkpoint_failures": 0}  # fmt: skip
+
+    # --- admission ----------------------------------------------------------
+
+    def _open(self) -> int:
+        return sum(1 for s in self.sessions.values() if not s.finished)
+
+    def _check_admission(self, scope_id: str, compat_id: str) -> bytes:
+        if self.lifecycle.state != "active":
+            raise InvalidState(f"the instance is {self.lifecycle.state} (S4, S5)")
+        if compat_id != self.compat_id:
+            raise Incompatible("the session's compat_id is not this engine's (C3)")
+        key = self.scope_keys.get(scope_id)
+        if key is None:
+            raise Forbidden("this instance does not hold the scope's key")
+        if self._open() >= self.settings.max_sessions:
+            raise TooManySessions(f"{self.settings.max_sessions} sessions are open")
+        return key
+
+    def _keep(self, session: Session) -> None:
+        self.sessions[session.id] = session
+        while len(self.sessions) > self.settings.max_sessions + self.settings.keep_finished:
+            done = next((k for k, s in self.sessions.items() if s.finished), None)
+            if done is None:
+                break
+            del self.sessions[done]
+
+    def _update_load(self) -> None:
+        open_ = self._open()
+        self.load.running = min(open_, self.settings.max_running)
+        self.load.queued = max(0, open_ - self.settings.max_running)
+        self.load.links = self.prefetcher.links()
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound("unknown session")
+        return session
+
+    # --- starting -----------------------------------------------------------
+
+    def begin(self, request: GenerateRequest) -> Session:
+        """A new session (our ``POST generate``); it runs in the background."""
+        scope_key = self._check_admission(request.scope_id, self.compat_id)
+        known = self.sessions.get(request.session)
+        if known is not None:
+            raise InvalidState("the session exists already")
+        sampler = request.sampler
+        if sampler.method == "greedy" and not self.settings.greedy_deterministic:
+            sampler = Sampler("greedy", sampler.seed, 0, False, dict(sampler.params))
+        chain = BlockKeyChain(scope_key, bytes.fromhex(self.compat_id), self.block_tokens)
+        prompt = list(request.tokens)
+        session = Session(
+            id=request.session, scope_id=request.scope_id, compat_id=self.compat_id, epoch=1,
+            sampler=sampler, limits=GenerationLimits(request.max_tokens, request.stop_tokens),
+            tokens=prompt, prompt_tokens=len(prompt), block_tokens=self.block_tokens,
+            prompt_blocks=(len(prompt) - 1) // self.block_tokens, chain=chain,
+            keys=[k.hex() for k in chain.extend(prompt)],
+        )  # fmt: skip
+        session.stats.update(prompt_tokens=len(prompt), logprobs=request.logprobs,
+                             requested=self.clock())  # fmt: skip
+        self._keep(session)
+        self.counters["sessions"] += 1
+        self._update_load()
+        session.task = asyncio.create_task(
+            self._run(session, request.request_ref), name=f"session-{session.id}"
+        )
+        return session
+
+    async def resume(self, request: ResumeRequest, session_id: str) -> Session:
+        """CK5, CK6: take over a session from its checkpoint at a new epoch.
+        Returns once the sequence is restored (its blocks loaded, the rest
+        recomputed): an error leaves the PC free to try another instance."""
+        checkpoint = request.checkpoint
+        if checkpoint.session != session_id:
+            raise BadRequest("the checkpoint's session is not the path's session")
+        scope_key = self._check_admission(checkpoint.scope_id, checkpoint.compat_id)
+        if checkpoint.sampler.method not in SAMPLERS:
+            raise BadRequest(f"sampler {checkpoint.sampler.method!r}: greedy or top-p")
+        known = self.sessions.get(session_id)
+        if known is not None and known.epoch >= request.epoch:
+            raise StaleEpoch(f"the session is at epoch {known.epoch} here (CK7)")
+        limits = checkpoint.limits or GenerationLimits(self.settings.max_output_tokens)
+        if checkpoint.output_offset != len(checkpoint.generated):
+            raise BadRequest("the checkpoint must list every output token (output_offset)")
+        size = self.block_tokens
+        last = bytes.fromhex(checkpoint.prompt_blocks[-1]) if checkpoint.prompt_blocks else None
+        chain = BlockKeyChain(scope_key, bytes.fromhex(self.compat_id), size,
+                              *([last] if last is not None else []))  # fmt: skip
+        known_tokens = [*checkpoint.prompt_tail, *checkpoint.generated]
+        if not known_tokens:
+            # The logits after the prompt need its last token, which the
+            # checkpoint has only inside a block's key.
+            raise BadRequest("the checkpoint has no token after its prompt blocks")
+        keys = [*checkpoint.prompt_blocks, *(k.hex() for k in chain.extend(known_tokens))]
+        prompt_blocks = len(checkpoint.prompt_blocks)
+        tokens = [PLACEHOLDER] * (prompt_blocks * size) + known_tokens
+        session = Session(
+            id=session_id, scope_id=checkpoint.scope_id, compat_id=self.compat_id,
+            epoch=request.epoch, sampler=checkpoint.sampler, limits=limits, tokens=tokens,
+            prompt_tokens=prompt_blocks * size + len(checkpoint.prompt_tail), block_tokens=size,
+            prompt_blocks=prompt_blocks, generated=list(checkpoint.generated),
+            logprobs=[None] * checkpoint.output_offset, chain=chain, keys=keys,
+        )  # fmt: skip
+        session.stats.update(prompt_tokens=session.prompt_tokens, requested=self.clock(),
+                             resumed_from=checkpoint.output_offset)  # fmt: skip
+        # The tokens the checkpoint covers were delivered or may be again (CK3).
+        session.released = session.checkpointed = checkpoint.output_offset
+        async with asyncio.timeout(self.settings.resume_deadline_s):
+            loaded = await self._restore(session, minimum=prompt_blocks)
+        if known is not None and not known.finished:
+            self._fence(known, f"resumed here at epoch {request.epoch}")
+        self._keep(session)
+        self.counters["resumed"] += 1
+        self._update_load()
+        session.task = asyncio.create_task(self._decode(session, loaded),
+                                           name=f"session-{session.id}")  # fmt: skip
+        return session
+
+    # --- running ------------------------------------------------------------
+
+    async def _restore(self, session: Session, minimum: int = 0) -> int:
+        """Load the longest resident prefix of the session's blocks, prefill
+        the rest; returns the number of blocks loaded."""
+        wanted = session.keys
+        held = await self.prefetcher.load(session.scope_id, session.compat_id, wanted,
+                                          deadline_s=self.settings.load_deadline_s)  # fmt: skip
+        if held < minimum:
+            raise InvalidState(
+                f"only {held} of the {minimum} prompt blocks the checkpoint names could be loaded"
+            )
+        containers: list[bytes] = []
+        for key in wanted[:held]:
+            try:
+                containers.append(
+                    await self.store.get(BlockRef(session.compat_id, session.scope_id, key))
+                )
+            except NotFound:
+                break  # evicted meanwhile: the rest is recomputed  # fmt: skip
+        if len(containers) < minimum:
+            raise InvalidState("prompt blocks were evicted while being loaded")
+        loaded = len(containers)
+        kv = load_blocks(containers, self.descriptor) if containers else None
+        started = self.clock()
+        session.generation = generation = await self.runner.call(
+            self.engine.prefill, session.tokens, kv
+        )
+        elapsed = max(self.clock() - started, 1e-6)
+        loaded_tokens = len(session.tokens) - generation.computed
+        session.stats.update(loaded_tokens=loaded_tokens, computed_tokens=generation.computed,
+                             loaded_blocks=loaded)  # fmt: skip
+        self.counters["loaded_tokens"] += loaded_tokens
+        self.counters["computed_tokens"] += generation.computed
+        self._rate("prefill_tokens_per_s", generation.computed / elapsed)
+        return loaded
+
+    def _rate(self, name: str, value: float) -> None:
+        old = getattr(self.load, name)
+        setattr(self.load, name, value if old <= 0 else old + 0.2 * (value - old))
+
+    async def _run(self, session: Session, request_ref: str | None) -> None:
+        try:
+            async with self._admit:
+                if request_ref is not None:
+                    # The PC sent a directive ahead of this request (PL2):
+                    # its blocks are the prefix to load.
+                    await self.prefetcher.settled(request_ref, self.settings.load_deadline_s)
+                loaded = await self._restore(session)
+                await self._decode(session, loaded, admitted=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(session, exc)
+
+    async def _decode(self, session: Session, loaded: int, admitted: bool = False) -> None:
+        if not admitted:
+            try:
+                async with self._admit:
+                    await self._decode(session, loaded, admitted=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._fail(session, exc)
+            return
+        generation = session.generation
+        assert generation is not None
+        self._store_blocks(session, loaded)
+        stored = len(session.tokens) // self.block_tokens
+        if not await self._checkpoint(session):  # the PC knows the session at once
+            return
+        deterministic = session.sampler.deterministic or self.controller is None
+        every = self.settings.checkpoint_tokens if deterministic else self.settings.release_tokens
+        since = 0
+        limits = session.limits
+        while len(session.generated) < limits.max_tokens and session.state == "running":
+            step = len(session.generated)
+            token = sample(generation.logits, session.sampler, step)
+            session.generated.append(token)
+            session.logprobs.append(self._logprob(session, generation, token))
+            if session.stats.get("first_token_s") is None:
+                session.stats["first_token_s"] = self.clock()
+            if deterministic:
+                session.released = len(session.generated)
+                session.changed()
+            self.counters["output_tokens"] += 1
+            since += 1
+            last = token in limits.stop_tokens or len(session.generated) >= limits.max_tokens
+            if not last:
+                started = self.clock()
+                await self.runner.call(self.engine.extend, generation, token)
+                self._rate("decode_tokens_per_s", 1 / max(self.clock() - started, 1e-6))
+                session.keys.extend(k.hex() for k in session.chain.extend([token]))  # type: ignore[union-attr]
+                if len(generation.tokens) // self.block_tokens > stored:
+                    self._store_blocks(session, stored)  # CK1: a completed output block
+                    stored = len(generation.tokens) // self.block_tokens
+                    since = every
+            if since >= every or last:
+                since = 0
+                if not await self._checkpoint(session):
+                    return
+            lagging = last or len(session.generated) - session.released >= 64
+            # CK3: no token out before an acknowledged checkpoint covers it;
+            # while the PC does not answer, the session waits for it.
+            if not deterministic and lagging and not await self._acknowledged(session):
+                return
+            if self.settings.token_interval_s and not last:
+                await asyncio.sleep(self.settings.token_interval_s)
+            if last:
+                break
+        if session.state != "running":
+            return
+        session.released = len(session.generated)
+        session.state = "done"
+        self._finish_stats(session)
+        session.changed()
+        self._update_load()
+        if self.controller is not None:
+            with contextlib.suppress(KvspError):
+                await self.controller.end_session(session.id)
+
+    def _logprob(self, session: Session, generation: Generation, token: int) -> float | None:
+        if not session.stats.get("logprobs"):
+            return None
+        import torch
+
+        return float(torch.log_softmax(generation.logits.double(), dim=-1)[token].item())
+
+    def _finish_stats(self, session: Session) -> None:
+        requested = session.stats.pop("requested", None)
+        first = session.stats.pop("first_token_s", None)
+        if requested is not None and first is not None:
+            session.stats["ttft_ms"] = round((first - requested) * 1000, 3)
+        session.stats.pop("logprobs", None)
+
+    def _store_blocks(self, session: Session, start: int) -> None:
+        """Blocks ``start..`` of the sequence that are complete: into the
+        tiers (published as the instance's replicas) and to the holders."""
+        generation = session.generation
+        assert generation is not None
+        end = len(generation.tokens) // self.block_tokens
+        for index in range(start, min(end, len(session.keys))):
+            ref = BlockRef(session.compat_id, session.scope_id, session.keys[index])
+            body = bytes(block_container(self.engine, generation, index))
+            task = asyncio.create_task(self._place(ref, body), name=f"place-{ref.block_key[:12]}")
+            self._placing.add(task)
+            task.add_done_callback(self._placing.discard)
+            self.writer.write(ref, body)
+
+    async def _place(self, ref: BlockRef, body: bytes) -> None:
+        try:
+            await self.store.put(ref, body)
+        except PreconditionFailed:
+            return
+        except KvspError as exc:
+            log.warning("block %s not placed: %s", ref.block_key[:12], exc.detail)
+            return
+        if self.publisher is not None:
+            await self.publisher.published(ref)
+
+    async def _checkpoint(self, session: Session) -> bool:
+        """CK1, CK3: checkpoint at the PC; False when the session must stop here."""
+        if self.controller is None:
+            return True
+        checkpoint = session.checkpoint()
+        for attempt in range(3):
+            try:
+                acked = await self.controller.put_checkpoint(checkpoint)
+            except (StaleEpoch, Forbidden) as exc:
+                # CK7: a newer epoch owns the session now; nothing more here.
+                self._fence(session, exc.detail)
+                return False
+            except KvspError as exc:
+                self.counters["checkpoint_failures"] += 1
+                log.warning("checkpoint of %s failed: %s", session.id, exc.detail)
+                await asyncio.sleep(0.1 * (attempt + 1))
+                continue
+            self.counters["checkpoints"] += 1
+            session.checkpointed = max(session.checkpointed, acked)
+            if not session.sampler.deterministic and session.checkpointed > session.released:
+                session.released = min(session.checkpointed, len(session.generated))
+                session.changed()
+            return True
+        return True  # the PC is unreachable: go on; held tokens wait for an ack
+
+    async def _acknowledged(self, session: Session, patience_s: float = 60.0) -> bool:
+        deadline = self.clock() + patience_s
+        while session.checkpointed < len(session.generated):
+            if session.state != "running":
+                return False
+            if self.clock() > deadline:
+                self._fail(session, KvspError("the PC acknowledged no checkpoint in time (CK3)"))
+                return False
+            await asyncio.sleep(0.5)
+            if not await self._checkpoint(session):
+                return False
+        return True
+
+    def _fence(self, session: Session, detail: str) -> None:
+        if session.finished:
+            return
+        session.state, session.detail = "moved", detail
+        self.counters["moved"] += 1
+        log.warning("session %s stops here: %s", session.id, detail)
+        if session.task is not None and session.task is not asyncio.current_task():
+            session.task.cancel()
+        session.changed()
+        self._update_load()
+
+    def _fail(self, session: Session, exc: Exception) -> None:
+        if session.finished:
+            return
+        detail = exc.detail if isinstance(exc, KvspError) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, KvspError):
+            log.error("session %s failed", session.id, exc_info=exc)
+        session.state, session.detail = "failed", detail
+        self.counters["failed"] += 1
+        session.changed()
+        self._update_load()
+
+    # --- following ----------------------------------------------------------
+
+    async def follow(self, session: Session, start: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """The session's events from output index ``start``: its head, each
+        released token (index, epoch, CK4), then how it ended."""
+        yield session.head()
+        index = start
+        while True:
+            changed = session._changed
+            while index < session.released:
+                yield session.event(index)
+                index += 1
+            if session.finished and index >= session.released:
+                yield session.end()
+                return
+            await changed.wait()
+
+    async def close(self) -> None:
+        for session in self.sessions.values():
+            if session.task is not None:
+                session.task.cancel()
+        for session in self.sessions.values():
+            if session.task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await session.task
+        await self.writer.close()
+        self.runner.close()
