@@ -4,7 +4,7 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck unit bench demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ unit: $(VENV)/.installed-test
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# Scenarios 1 and 2 of the instance role on real processes (kvstore demo).
+demo: $(VENV)/.installed-test
+	$(BIN)/kvstore demo
 
 # Every benchmark, each against its same-run baseline (several minutes; the
 # store, index and holder suites use the Redis on 127.0.0.1:6379 and start

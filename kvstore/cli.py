@@ -199,6 +199,17 @@ def cmd_certs_init(args: argparse.Namespace) -> Any:
     }
 
 
+def cmd_demo(args: argparse.Namespace) -> Any:
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
+        raise CliError("the demo needs the engine extra: pip install 'kvstore[engine]'")
+    from .demo import main as demo
+
+    demo(args.directory)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore",
@@ -248,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--principal", action="append", help="client name (repeatable)")
     init.add_argument("--host", action="append", help="server host name or IP (repeatable)")
     init.set_defaults(func=cmd_certs_init)
+
+    demo = sub.add_parser(
+        "demo", help="prefix reuse and a migration after SIGKILL, on real processes"
+    )
+    demo.add_argument("directory", nargs="?", help="for certificates, configs and logs")
+    demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks, each against a same-run baseline")
     bsub = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)

@@ -332,9 +332,37 @@ class Sessions:
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._admit = asyncio.Semaphore(settings.max_running)
         self._placing: set[asyncio.Task[None]] = set()
+        self._calibration: asyncio.Task[None] | None = None
         self.counters = {"sessions": 0, "resumed": 0, "moved": 0, "failed": 0,
                          "loaded_tokens": 0, "computed_tokens": 0, "output_tokens": 0,
                          "checkpoints": 0, "checkpoint_failures": 0}  # fmt: skip
+
+    # --- rates ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Measure the engine's prefill and decode rates once (in the
+        background), so that the first status reports real numbers (R3) and
+        the PC can estimate recompute times before any session ran."""
+        self._calibration = asyncio.create_task(self.calibrate(), name="kvstore-calibrate")
+
+    async def calibrate(self, tokens: int = 128, steps: int = 8) -> None:
+        def measure() -> tuple[float, float]:
+            prompt = [(7 * i + 3) % 256 for i in range(tokens)]
+            started = time.perf_counter()
+            run = self.engine.prefill(prompt)
+            prefilled = time.perf_counter()
+            for i in range(steps):
+                self.engine.extend(run, (11 * i + 5) % 256)
+            done = time.perf_counter()
+            return tokens / max(prefilled - started, 1e-6), steps / max(done - prefilled, 1e-6)
+
+        try:
+            prefill, decode = await self.runner.call(measure)
+        except Exception:
+            log.exception("measuring the engine's rates failed")
+            return
+        self.load.prefill_tokens_per_s, self.load.decode_tokens_per_s = prefill, decode
+        log.info("engine: %.0f prefill and %.0f decode tokens/s", prefill, decode)
 
     # --- admission ----------------------------------------------------------
 
@@ -691,6 +719,8 @@ class Sessions:
             await changed.wait()
 
     async def close(self) -> None:
+        if self._calibration is not None:
+            self._calibration.cancel()
         for session in self.sessions.values():
             if session.task is not None:
                 session.task.cancel()

@@ -1,0 +1,85 @@
+"""End-to-end scenarios with real processes over mutual TLS (issue 7):
+a holder, an IS+PC process and two inference instances on the reference
+engine (:class:`kvstore.demo.Cluster`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.demo import Cluster, migration, prefix_reuse
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with Cluster(tmp_path, token_interval_ms=40, block_tokens=16) as running:
+        yield running
+
+
+def logs(cluster: Cluster) -> str:
+    return "\n".join(f"--- {n.name}\n{n.log.read_text()[-3000:]}" for n in cluster.nodes.values())
+
+
+async def test_prefix_reuse_then_migration_after_sigkill(cluster: Cluster) -> None:
+    # 1. Prefix reuse (PL1, PL2, PF1-PF3, P1): b is placed for a prompt that
+    # shares a's prefix, prefetches it and recomputes only the rest.
+    reuse = await prefix_reuse(cluster, n=12)
+    first, second = reuse["first"], reuse["second"]
+    assert first["stats"]["loaded_tokens"] == 0
+    assert reuse["placement"]["instance"] == cluster.uris["b"], reuse["placement"]
+    assert reuse["placement"]["matched"] >= reuse["shared_blocks"] > 0
+    assert reuse["placement"]["prefetch"]["blocks"] >= reuse["shared_blocks"], logs(cluster)
+    shared_tokens = reuse["shared_blocks"] * 16
+    assert second["stats"]["loaded_tokens"] == shared_tokens, logs(cluster)
+    assert second["stats"]["computed_tokens"] == second["prompt_tokens"] - shared_tokens
+    # The same greedy tokens as a full recompute, with the chosen tokens'
+    # log-probabilities within 1e-4 of it (fp32 on CPU).
+    prompt = second["prompt"]
+    assert second["tokens"] == cluster.uninterrupted(prompt, 12, {})
+    run = cluster.engine.prefill(prompt)
+    for token, logprob in zip(second["tokens"], second["logprobs"], strict=True):
+        expected = torch.log_softmax(run.logits.double(), dim=-1)[token].item()
+        assert abs(logprob - expected) < 1e-4
+        cluster.engine.extend(run, token)
+
+    # 2. Migration (CK3-CK7): a is killed mid-session; the PC moves the
+    # session to b at epoch 2; the front end's output is the uninterrupted
+    # greedy output, each index once.
+    moved = await migration(cluster, n=64, kill_after=12)
+    assert not cluster.nodes["a"].alive
+    assert moved["tokens"] == cluster.uninterrupted(moved["prompt"], 64, {}), logs(cluster)
+    assert moved["indexes"] == list(range(64))
+    assert moved["resumed"] is not None and moved["resumed"]["epoch"] == 2
+    assert set(moved["epochs"][:12]) == {1} and moved["epochs"][-1] == 2
+    # b restored from the checkpoint: the prompt's blocks (at least) loaded.
+    stats = moved["end"]["stats"]
+    assert stats["resumed_from"] == moved["resumed"]["resumed_from"] > 0
+    assert stats["loaded_tokens"] >= 16 * ((len(moved["prompt"]) - 1) // 16)
+    # Events from b below its checkpoint (already delivered by a) were dropped.
+    raw = [(e["index"], e["epoch"]) for e in moved["events"] if "index" in e]
+    assert len(raw) >= 64 and len({i for i, _ in raw}) == 64
+
+
+async def test_a_non_deterministic_session_never_shows_an_unacknowledged_token(
+    cluster: Cluster,
+) -> None:
+    # CK3: with top-p, a releases a token only once the PC acknowledged a
+    # checkpoint covering it; after the kill, b resumes from the PC's latest
+    # checkpoint, so nothing a showed is ever regenerated differently.
+    sampler = {"method": "top-p", "params": {"p": 0.9}, "seed": 11}
+    moved = await migration(cluster, n=48, kill_after=10, sampler=sampler)
+    assert moved["indexes"] == list(range(48)), logs(cluster)
+    from_a = [e["index"] for e in moved["events"] if "index" in e and e["epoch"] == 1]
+    resumed_from = moved["resumed"]["resumed_from"]
+    # Every token a released was covered by the checkpoint b resumed from.
+    assert from_a and max(from_a) < resumed_from
+    # Our sampler draws from (seed, step), so the whole output is the
+    # uninterrupted one too.
+    assert moved["tokens"] == cluster.uninterrupted(moved["prompt"], 48, sampler)
+    assert json.dumps(moved["end"]["stats"])  # b's end carries its stats
