@@ -100,6 +100,7 @@ class Cluster:
     token_interval_ms: float = 0.0
     status_ttl_ms: int = 1500
     block_tokens: int = 16
+    instances: tuple[str, ...] = INSTANCES
     nodes: dict[str, Node] = field(default_factory=dict)
     uris: dict[str, str] = field(default_factory=dict)
     engine: Any = None
@@ -114,18 +115,18 @@ class Cluster:
 
         root = self.root
         root.mkdir(parents=True, exist_ok=True)
-        create_dev_certificates(root / "certs", ["pc", "h1", "a", "b", "frontend", "ops"])
+        create_dev_certificates(root / "certs", ["pc", "h1", *self.instances, "frontend", "ops"])
         # One set of weights for every instance: same files, same compat_id.
         self.engine = ReferenceEngine(root / "engine", block_tokens=self.block_tokens)
         descriptor = self.engine.descriptor.to_json()
         (root / "descriptor.json").write_text(json.dumps(descriptor))
         (root / "scope.key").write_text(SCOPE_KEY.hex() + "\n")
-        ports = {name: free_port() for name in ("control", "h1", *INSTANCES)}
+        ports = {name: free_port() for name in ("control", "h1", *self.instances)}
         base = {name: f"https://127.0.0.1:{port}" for name, port in ports.items()}
         uris = self.uris
         uris.update(index=f"{base['control']}/is/", pc=f"{base['control']}/pc/",
                     h1=f"{base['h1']}/kvsp/")  # fmt: skip
-        for name in INSTANCES:
+        for name in self.instances:
             uris[name] = f"{base[name]}/ii/"
             uris[f"{name}-holder"] = f"{base[name]}/kvsp/"
         principals: dict[str, Any] = {
@@ -134,7 +135,7 @@ class Cluster:
             "urn:kvstore:frontend": {"read_scopes": ["*"], "write_scopes": ["*"]},
             "urn:kvstore:ops": {"roles": ["admin"], "read_scopes": ["*"]},
         }
-        for name in INSTANCES:
+        for name in self.instances:
             principals[f"urn:kvstore:{name}"] = {
                 "roles": ["instance", "holder"], "instance": uris[name],
                 "holder": uris[f"{name}-holder"], "read_scopes": ["*"], "write_scopes": ["*"],
@@ -163,7 +164,7 @@ class Cluster:
             + f'[holder]\nuri = "{uris["h1"]}"\npolicy = "policy.json"\n'
             + f'index_uri = "{uris["index"]}"\n' + cert("h1") + tiers,
         }  # fmt: skip
-        for name in INSTANCES:
+        for name in self.instances:
             configs[name] = (
                 server(ports[name])
                 + f'[holder]\nuri = "{uris[name + "-holder"]}"\npolicy = "policy.json"\n'
@@ -369,6 +370,110 @@ async def migration(
         "events": events, "end": end, "killed_at_s": (killed_at or started) - started,
         "wall_s": time.monotonic() - started, "resumed": resumed_at, "kill_after": kill_after,
         "moved_after_s": None if moved_at is None or killed_at is None else moved_at - killed_at,
+    }  # fmt: skip
+
+
+async def as_pc(cluster: Cluster, method: str, instance: str, path: str, body: Any = None) -> Any:
+    """A request to an instance with the PC's identity (SEC1)."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(ssl=cluster.context("pc"))
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.request(method, cluster.uris[instance] + path, json=body) as response,
+    ):
+        answer = await response.json(content_type=None)
+        if response.status >= 300:
+            raise RuntimeError(f"{method} {instance} {path}: {response.status} {answer}")
+        return answer
+
+
+def layout(cluster: Cluster, map_id: str, version: int, shards: list[tuple[int, int, str]]) -> Any:
+    return {
+        "map": map_id,
+        "version": version,
+        "shards": [{"tokens": [a, b], "instance": cluster.uris[n]} for a, b, n in shards],
+    }
+
+
+async def resharding(cluster: Cluster, blocks: int = 8) -> dict[str, Any]:
+    """Scenario 4 (RS1-RS7): a context of ``blocks`` blocks sharded over a
+    and b is resharded to a, b and c, back to a and b, and then once more
+    with c stopped (SIGSTOP), which aborts."""
+    from .client import IndexClient
+    from .instance.reference import encode_text
+    from .protocol.records import LookupRequest
+
+    size = cluster.block_tokens
+    names = cluster.instances
+    await cluster.wait_active(names)
+    text = PROMPT * (1 + blocks * size // len(PROMPT))
+    prompt = encode_text(text)[: blocks * size + 1]
+    await generate(cluster, "a", prompt, 1)  # its blocks: in a's tiers and on h1
+    keys = cluster.keys(prompt)[:blocks]
+    compat = cluster.engine.descriptor.compat_id_hex
+    async with IndexClient(cluster.uris["index"], cluster.context("frontend")) as index:
+        deadline = time.monotonic() + 20
+        while (await index.lookup(LookupRequest(cluster.scope_id, compat, tuple(keys)))
+               ).matched < blocks:  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError("the context's blocks were never published")
+            await asyncio.sleep(0.1)
+    map_id = str(uuid.uuid4())
+    half = blocks // 2 * size
+    v1 = [(0, half, "a"), (half, blocks * size, "b")]
+    third = blocks * size // 3 // size * size
+    v2 = [(0, third, "a"), (third, 2 * third, "b"), (2 * third, blocks * size, "c")]
+    owned = {n: [[a, b] for a, b, m in v1 if m == n] for n in names}
+    for name in names:
+        await as_pc(cluster, "PUT", name, f"contexts/{map_id}", {
+            "scope_id": cluster.scope_id, "compat_id": compat, "block_keys": keys,
+            "version": 1, "ranges": owned[name]})  # fmt: skip
+    await cluster.admin("PUT", f"maps/{map_id}", layout(cluster, map_id, 1, v1))
+
+    async def held() -> dict[str, Any]:
+        return {n: await as_pc(cluster, "GET", n, f"contexts/{map_id}") for n in names}
+
+    before = await held()
+    started = time.monotonic()
+    out = await cluster.admin(
+        "POST",
+        f"maps/{map_id}/reshard",
+        {"target": layout(cluster, map_id, 2, v2), "deadline_ms": 10000},
+    )
+    split_s = time.monotonic() - started
+    after_split = await held()
+    started = time.monotonic()
+    back = await cluster.admin(
+        "POST",
+        f"maps/{map_id}/reshard",
+        {"target": layout(cluster, map_id, 3, v1), "deadline_ms": 10000},
+    )
+    merge_s = time.monotonic() - started
+    after_merge = await held()
+    # An abort: c does not answer (stopped), the others drop what they fetched.
+    node = cluster.nodes["c"]
+    assert node.process is not None
+    node.process.send_signal(signal.SIGSTOP)
+    try:
+        aborted: Any
+        try:
+            aborted = await cluster.admin(
+                "POST", f"maps/{map_id}/reshard",
+                {"target": layout(cluster, map_id, 4, v2), "deadline_ms": 1500})  # fmt: skip
+        except RuntimeError as exc:
+            aborted = str(exc)
+        after_abort = {n: await as_pc(cluster, "GET", n, f"contexts/{map_id}")
+                       for n in names if n != "c"}  # fmt: skip
+        current = await cluster.admin("GET", f"maps/{map_id}")
+    finally:
+        node.process.send_signal(signal.SIGCONT)
+    block_octets = cluster.engine.descriptor.block_octets
+    return {
+        "map": map_id, "v1": v1, "v2": v2, "block_octets": block_octets,
+        "before": before, "split": out, "after_split": after_split, "split_s": split_s,
+        "merge": back, "after_merge": after_merge, "merge_s": merge_s,
+        "aborted": aborted, "after_abort": after_abort, "current": current,
     }  # fmt: skip
 
 

@@ -191,7 +191,11 @@ def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[
     if cfg.engine:
         sessions = build_sessions(config, store, publisher, prefetcher, holders, controller,
                                   lifecycle, load)  # fmt: skip
-    app = create_app(settings, prefetcher, Policy.load(cfg.policy), lifecycle, sessions)
+    from .instance.shards import Shards
+
+    policy = Policy.load(cfg.policy)
+    shards = Shards(store, prefetcher, policy, cfg.block_tokens)
+    app = create_app(settings, prefetcher, policy, lifecycle, sessions, shards)
     # Closed in this order: sessions before the prefetcher and clients they use.
     parts: list[Any] = [*([sessions] if sessions is not None else []), prefetcher, holders]
     parts += [index] if index is not None else []

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from ..http import base_path, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
-from ..protocol.control import ResumeRequest, StateChange
+from ..protocol.control import ResumeRequest, StateChange, parse_reshard
 from ..protocol.problems import BadRequest, InvalidState, KvspError, NotFound
 from ..protocol.records import PrefetchDirective
 from ..protocol.wire import NO_STORE
@@ -34,6 +34,7 @@ from .prefetch import Prefetcher
 
 if TYPE_CHECKING:
     from .sessions import Session, Sessions
+    from .shards import Shards
 
 NDJSON = "application/x-ndjson"
 
@@ -71,6 +72,7 @@ def create_app(
     policy: Policy,
     lifecycle: Lifecycle,
     sessions: Sessions | None = None,
+    shards: Shards | None = None,
 ) -> Starlette:
     def from_pc(request: Request) -> None:
         policy.require_role(principal(request, settings.allow_anonymous), "pc")
@@ -162,6 +164,32 @@ def create_app(
         lifecycle.set_by_pc(change.state)
         return json_response(change.to_json())
 
+    def sharded() -> Shards:
+        if shards is None:
+            raise NotFound("this instance holds no sharded contexts")
+        return shards
+
+    async def put_context(request: Request) -> Response:
+        # Ours: the PC tells a member which context it holds ranges of.
+        from .shards import ContextDefinition
+
+        from_pc(request)
+        definition = ContextDefinition.from_json(await read_json(request, settings.max_json_octets))
+        map_id = request.path_params["map"]
+        await sharded().define(map_id, definition, deadline_s=30.0)
+        return json_response(sharded().answer(map_id))
+
+    async def get_context(request: Request) -> Response:
+        from_pc(request)
+        return json_response(sharded().answer(request.path_params["map"]))
+
+    async def reshard(request: Request) -> Response:
+        # RS2-RS6: a plan (200 once its fetch ranges are loaded), a commit
+        # or an abort.
+        from_pc(request)
+        message = parse_reshard(await read_json(request, settings.max_json_octets))
+        return json_response(await sharded().reshard(message))
+
     metrics = Metrics()
     routes = [
         Route("/prefetch", post_prefetch, methods=["POST"]),
@@ -171,11 +199,15 @@ def create_app(
         Route("/sessions/{session}", get_session, methods=["GET"]),
         Route("/sessions/{session}/tokens", get_tokens, methods=["GET"]),
         Route("/sessions/{session}/resume", resume, methods=["POST"]),
+        Route("/reshard", reshard, methods=["POST"]),
+        Route("/contexts/{map}", put_context, methods=["PUT"]),
+        Route("/contexts/{map}", get_context, methods=["GET"]),
     ]
     app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
     app.state.prefetcher = prefetcher
     app.state.lifecycle = lifecycle
     app.state.sessions = sessions
+    app.state.shards = shards
     return app
 
 

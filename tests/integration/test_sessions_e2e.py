@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from kvstore.demo import Cluster, migration, prefix_reuse
+from kvstore.demo import Cluster, migration, prefix_reuse, resharding
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,3 +84,40 @@ async def test_a_non_deterministic_session_never_shows_an_unacknowledged_token(
     # uninterrupted one too.
     assert moved["tokens"] == cluster.uninterrupted(moved["prompt"], 48, sampler)
     assert json.dumps(moved["end"]["stats"])  # b's end carries its stats
+
+
+async def test_reshard_two_to_three_and_back_then_an_abort(tmp_path: Path) -> None:
+    # Scenario 4 (RS1-RS7): retained ranges never move (RS3), members answer
+    # once loaded (RS4), release after the commit (RS5), and a member that
+    # does not answer (SIGSTOP) aborts the reshard for everyone (RS6).
+    with Cluster(tmp_path, block_tokens=16, instances=("a", "b", "c")) as cluster:
+        out = await resharding(cluster, blocks=8)
+    container = 20 + 16 * 4 + out["block_octets"]  # header, layer table, data
+
+    def moved(snapshot: dict[str, Any]) -> tuple[int, int]:
+        return (sum(s["blocks_fetched"] for s in snapshot.values()),
+                sum(s["octets_fetched"] for s in snapshot.values()))  # fmt: skip
+
+    assert moved(out["before"]) == (0, 0)
+    assert out["split"]["committed"] and out["split"]["version"] == 2
+    after = out["after_split"]
+    # v1 a [0,64) b [64,128) -> v2 a [0,32) b [32,64) c [64,128): a keeps
+    # [0,32) in place, b fetches [32,64) from a, c fetches [64,128) from b.
+    assert after["a"]["held"] == [[0, 32]] and after["a"]["blocks_fetched"] == 0
+    assert after["b"]["held"] == [[32, 64]] and after["b"]["blocks_fetched"] == 2
+    assert after["c"]["held"] == [[64, 128]] and after["c"]["blocks_fetched"] == 4
+    assert moved(after) == (6, 6 * container)
+    assert after["a"]["blocks_released"] == 2 and after["b"]["blocks_released"] == 4
+    # Back to v1's layout: a fetches [32,64) from b, b fetches [64,128) from c.
+    assert out["merge"]["committed"] and out["merge"]["version"] == 3
+    merged = out["after_merge"]
+    assert merged["a"]["held"] == [[0, 64]] and merged["b"]["held"] == [[64, 128]]
+    assert merged["c"]["held"] == [] and merged["c"]["blocks_released"] == 4
+    assert moved(merged) == (12, 12 * container)
+    # c stopped: no ack by the deadline, so the PC aborted (RS6) and v3 stays.
+    assert "Reshard aborted" in out["aborted"] or "502" in out["aborted"]
+    assert out["current"]["version"] == 3 and out["current"]["resharding_to"] is None
+    for name in ("a", "b"):
+        state = out["after_abort"][name]
+        assert state["version"] == 3 and state["resharding_to"] is None
+        assert state["fetched"] == [] and state["held"] == merged[name]["held"]
