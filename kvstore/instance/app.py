@@ -190,7 +190,8 @@ def create_app(
         message = parse_reshard(await read_json(request, settings.max_json_octets))
         return json_response(await sharded().reshard(message))
 
-    metrics = Metrics()
+    metrics = Metrics(counters=sessions.counters if sessions is not None else None,
+                      counters_prefix="kvstore_instance")  # fmt: skip
     routes = [
         Route("/prefetch", post_prefetch, methods=["POST"]),
         Route("/prefetch/{directive}", get_prefetch, methods=["GET"]),

@@ -234,6 +234,21 @@ class SessionSettings:
     greedy_deterministic: bool = True
 
 
+@dataclass(slots=True)
+class SessionCounters:
+    """OPS1 figures of the instance: fetched (loaded) versus recomputed tokens."""
+
+    sessions: int = 0
+    resumed: int = 0
+    moved: int = 0
+    failed: int = 0
+    loaded_tokens: int = 0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    checkpoints: int = 0
+    checkpoint_failures: int = 0
+
+
 class EngineRunner:
     """Engine calls one at a time on a worker thread (PF1: the event loop
     never waits on the model)."""
@@ -333,9 +348,7 @@ class Sessions:
         self._admit = asyncio.Semaphore(settings.max_running)
         self._placing: set[asyncio.Task[None]] = set()
         self._calibration: asyncio.Task[None] | None = None
-        self.counters = {"sessions": 0, "resumed": 0, "moved": 0, "failed": 0,
-                         "loaded_tokens": 0, "computed_tokens": 0, "output_tokens": 0,
-                         "checkpoints": 0, "checkpoint_failures": 0}  # fmt: skip
+        self.counters = SessionCounters()
 
     # --- rates ----------------------------------------------------------------
 
@@ -424,7 +437,7 @@ class Sessions:
         session.stats.update(prompt_tokens=len(prompt), logprobs=request.logprobs,
                              requested=self.clock())  # fmt: skip
         self._keep(session)
-        self.counters["sessions"] += 1
+        self.counters.sessions += 1
         self._update_load()
         session.task = asyncio.create_task(
             self._run(session, request.request_ref), name=f"session-{session.id}"
@@ -475,7 +488,7 @@ class Sessions:
         if known is not None and not known.finished:
             self._fence(known, f"resumed here at epoch {request.epoch}")
         self._keep(session)
-        self.counters["resumed"] += 1
+        self.counters.resumed += 1
         self._update_load()
         session.task = asyncio.create_task(self._decode(session, loaded),
                                            name=f"session-{session.id}")  # fmt: skip
@@ -513,8 +526,8 @@ class Sessions:
         loaded_tokens = len(session.tokens) - generation.computed
         session.stats.update(loaded_tokens=loaded_tokens, computed_tokens=generation.computed,
                              loaded_blocks=loaded)  # fmt: skip
-        self.counters["loaded_tokens"] += loaded_tokens
-        self.counters["computed_tokens"] += generation.computed
+        self.counters.loaded_tokens += loaded_tokens
+        self.counters.computed_tokens += generation.computed
         self._rate("prefill_tokens_per_s", generation.computed / elapsed)
         return loaded
 
@@ -566,7 +579,7 @@ class Sessions:
             if deterministic:
                 session.released = len(session.generated)
                 session.changed()
-            self.counters["output_tokens"] += 1
+            self.counters.output_tokens += 1
             since += 1
             last = token in limits.stop_tokens or len(session.generated) >= limits.max_tokens
             if not last:
@@ -654,11 +667,11 @@ class Sessions:
                 self._fence(session, exc.detail)
                 return False
             except KvspError as exc:
-                self.counters["checkpoint_failures"] += 1
+                self.counters.checkpoint_failures += 1
                 log.warning("checkpoint of %s failed: %s", session.id, exc.detail)
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
-            self.counters["checkpoints"] += 1
+            self.counters.checkpoints += 1
             session.checkpointed = max(session.checkpointed, acked)
             if not session.sampler.deterministic and session.checkpointed > session.released:
                 session.released = min(session.checkpointed, len(session.generated))
@@ -683,7 +696,7 @@ class Sessions:
         if session.finished:
             return
         session.state, session.detail = "moved", detail
-        self.counters["moved"] += 1
+        self.counters.moved += 1
         log.warning("session %s stops here: %s", session.id, detail)
         if session.task is not None and session.task is not asyncio.current_task():
             session.task.cancel()
@@ -697,7 +710,7 @@ class Sessions:
         if not isinstance(exc, KvspError):
             log.error("session %s failed", session.id, exc_info=exc)
         session.state, session.detail = "failed", detail
-        self.counters["failed"] += 1
+        self.counters.failed += 1
         session.changed()
         self._update_load()
 

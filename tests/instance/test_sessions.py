@@ -320,3 +320,32 @@ def test_generate_requests_are_validated() -> None:
     ):
         with pytest.raises(BadRequest):
             parse(bad)
+
+
+async def test_a_draining_instance_finishes_its_sessions_then_sleeps(
+    engine: ReferenceEngine,
+) -> None:
+    # S4, S5: draining admits no new session, completes the running one, and
+    # reports sleeping once none is left; Load follows the sessions.
+    from kvstore.instance.reporter import StatusReporter
+
+    sessions = make(engine, token_interval_s=0.01)
+    reporter = StatusReporter(A, None, sessions.lifecycle, sessions.load)
+    session = sessions.begin(request(PROMPT, 30))
+    assert sessions.load.running == 1
+    sessions.lifecycle.set_by_pc("draining")
+    with pytest.raises(InvalidState):
+        sessions.begin(request(PROMPT, 2))
+    assert reporter.status().state == "draining"
+    events = await output(sessions, session)
+    assert events[-1]["event"] == "done" and len(tokens(events)) == 30
+    assert sessions.load.running == 0 and reporter.status().state == "sleeping"
+    await sessions.close()
+
+
+async def test_engine_rates_are_measured(engine: ReferenceEngine) -> None:
+    # R3: the status reports measured prefill and decode rates.
+    sessions = make(engine)
+    await sessions.calibrate(tokens=32, steps=2)
+    assert sessions.load.prefill_tokens_per_s > 0 and sessions.load.decode_tokens_per_s > 0
+    await sessions.close()
