@@ -374,6 +374,9 @@ class ControllerClient(_Http):
             raise BadGateway(f"GET {url}: the answer is not a session") from exc
 
 
+MAX_EVENTS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class OutputToken:
     """One output token of a session: its index in the output and the epoch
@@ -408,7 +411,8 @@ class FrontEnd(_Http):
         super().__init__(ssl_context, **kw)
         self.controller = ControllerClient(controller_uri, ssl_context) if controller_uri else None
         self.follow_timeout_s, self.idle_timeout_s = follow_timeout_s, idle_timeout_s
-        #: What the last session's end said (stats), and every event seen.
+        #: What the last session's end said (stats), and the events seen (the
+        #: first MAX_EVENTS); one session at a time per FrontEnd.
         self.last_end: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
 
@@ -453,14 +457,17 @@ class FrontEnd(_Http):
             try:
                 async with contextlib.aclosing(stream):
                     async for event in stream:
-                        self.events.append(event)
+                        if len(self.events) < MAX_EVENTS:
+                            self.events.append(event)
                         started = True
                         if event.get("epoch", 0) < epoch:
                             continue  # CK4: an instance fenced off by a newer epoch
                         epoch = event.get("epoch", epoch)
                         if "index" in event:
-                            if event["index"] != next_index:
-                                continue  # CK3: delivered already (or a gap: refetched)
+                            if event["index"] > next_index:
+                                break  # a gap: read again from the next index
+                            if event["index"] < next_index:
+                                continue  # CK3: delivered already
                             next_index += 1
                             deadline = None
                             yield OutputToken(event["index"], event["token"], event["epoch"],
@@ -474,8 +481,10 @@ class FrontEnd(_Http):
                 if not started:
                     raise  # refused outright (a problem answer): nothing to follow
             if ended is not None and ended["event"] == "done":
-                self.last_end = ended
-                return
+                if ended.get("output_tokens", next_index) <= next_index:
+                    self.last_end = ended
+                    return
+                ended = None  # tokens are missing: read them again
             if ended is not None and ended["event"] == "error":
                 raise KvspError(f"session {session} failed: {ended.get('detail')}")
             if not started or self.controller is None:
@@ -509,7 +518,8 @@ class FrontEnd(_Http):
             _, _, raw = await self._request(
                 "GET", url, expect=[200], timeout=aiohttp.ClientTimeout(total=2)
             )
-            return json.loads(raw).get("state") in ("running", "done")
+            # A failed session is reached too: its stream ends with its error.
+            return json.loads(raw).get("state") in ("running", "done", "failed")
         except (KvspError, ValueError):
             return False
 

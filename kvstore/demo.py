@@ -311,21 +311,23 @@ async def prefix_reuse(cluster: Cluster, n: int = 16) -> dict[str, Any]:
                 raise RuntimeError("the prompt's blocks were never published")
             await asyncio.sleep(0.1)
     await cluster.set_state("a", "draining")  # so that the PC places on b
-    request_ref = str(uuid.uuid4())
-    connector = aiohttp.TCPConnector(ssl=cluster.context("frontend"))
-    async with aiohttp.ClientSession(connector=connector) as http:
-        body = {"scope_id": cluster.scope_id, "compat_id": compat, "block_keys": keys,
-                "tokens": len(second), "request_ref": request_ref}  # fmt: skip
-        async with http.post(cluster.uris["pc"] + "place", json=body) as response:
-            placement = await response.json()
-            if response.status != 200:
-                raise RuntimeError(f"place: {placement}")
-    chosen = next(name for name in INSTANCES if cluster.uris[name] == placement["instance"])
-    started = time.monotonic()
-    out_b, end_b, _ = await generate(cluster, chosen, second, n, request_ref=request_ref,
-                                     logprobs=True)  # fmt: skip
-    wall_b = time.monotonic() - started
-    await cluster.set_state("a", "active")
+    try:
+        request_ref = str(uuid.uuid4())
+        connector = aiohttp.TCPConnector(ssl=cluster.context("frontend"))
+        async with aiohttp.ClientSession(connector=connector) as http:
+            body = {"scope_id": cluster.scope_id, "compat_id": compat, "block_keys": keys,
+                    "tokens": len(second), "request_ref": request_ref}  # fmt: skip
+            async with http.post(cluster.uris["pc"] + "place", json=body) as response:
+                placement = await response.json()
+                if response.status != 200:
+                    raise RuntimeError(f"place: {placement}")
+        chosen = next(n for n in cluster.instances if cluster.uris[n] == placement["instance"])
+        started = time.monotonic()
+        out_b, end_b, _ = await generate(cluster, chosen, second, n, request_ref=request_ref,
+                                         logprobs=True)  # fmt: skip
+        wall_b = time.monotonic() - started
+    finally:
+        await cluster.set_state("a", "active")
     return {
         "first": {"instance": "a", "prompt_tokens": len(first), "stats": end_a["stats"],
                   "tokens": [t.token for t in out_a], "wall_s": wall_a, "ttft_ms": ttft_a},

@@ -295,15 +295,22 @@ def create_app(
         # Ours: where a session is now (a front end following it across a
         # migration, CK4). Only for principals of its scope; "absent" and
         # "not yours" read the same (L3).
+        name = request.path_params["session"].lower()
+        ended = False
         try:
-            entry = await state.session(request.path_params["session"].lower())
+            try:
+                entry = await state.session(name)
+            except NotFound:
+                # Ended: its last owner holds its end (a front end that lost
+                # the stream finds it there).
+                entry, ended = await state.ended(name), True
             if entry.checkpoint is None:
                 raise NotFound("unknown session")
             policy.require_read(who(request), entry.checkpoint.scope_id)
         except (Forbidden, ScopeDenied) as exc:
             raise NotFound("unknown session") from exc
         return json_response({"session": entry.session, "epoch": entry.epoch,
-                              "instance": entry.owner,
+                              "instance": entry.owner, "ended": ended,
                               "output_offset": entry.checkpoint.output_offset})  # fmt: skip
 
     metrics = Metrics(counters=counters, counters_prefix="kvstore_controller")

@@ -207,6 +207,10 @@ class RedisControllerState(ControllerState):
                 return
         raise TierUnavailable("controller Redis: the session entry kept changing")
 
+    async def _ended_entry(self, session: str) -> SessionEntry | None:
+        raw = await self._call(self._client.get(self._ended_prefix + session))
+        return None if raw is None else SessionEntry.from_json(json.loads(raw))
+
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
         names = await self._call(self._client.smembers(self._owner_prefix + role_id(owner)))
         if not names:

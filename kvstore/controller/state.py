@@ -88,6 +88,10 @@ class ControllerState:
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
         raise NotImplementedError
 
+    async def _ended_entry(self, session: str) -> SessionEntry | None:
+        """The entry of a session that ended (while its tombstone lasts)."""
+        raise NotImplementedError
+
     async def _map(self, map_id: str) -> MapEntry | None:
         raise NotImplementedError
 
@@ -220,6 +224,13 @@ class ControllerState:
             raise NotFound("unknown session")
         return entry
 
+    async def ended(self, session: str) -> SessionEntry:
+        """A session that ended: its last owner, epoch and checkpoint."""
+        entry = await self._ended_entry(session)
+        if entry is None:
+            raise NotFound("unknown session")
+        return entry
+
     async def sessions_of(self, instance: str) -> list[SessionEntry]:
         return await self._sessions_of(instance)
 
@@ -265,6 +276,7 @@ class MemoryControllerState(ControllerState):
     maps: dict[str, MapEntry] = field(default_factory=dict)
     _per_owner: dict[str, int] = field(default_factory=dict)
     _ended: dict[str, float] = field(default_factory=dict)  # session -> remembered until
+    _ended_entries: dict[str, SessionEntry] = field(default_factory=dict)
 
     # Nothing below awaits: each change is atomic within the event loop.
 
@@ -314,12 +326,20 @@ class MemoryControllerState(ControllerState):
             if len(self._ended) >= self.max_sessions:  # bounded: the oldest go
                 for name in [n for n, until in self._ended.items() if until <= now]:
                     del self._ended[name]
+                    self._ended_entries.pop(name, None)
                 while len(self._ended) >= self.max_sessions:
-                    del self._ended[next(iter(self._ended))]
+                    self._ended_entries.pop(oldest := next(iter(self._ended)), None)
+                    del self._ended[oldest]
             self._ended[session] = now + self.ended_ttl_s
+            self._ended_entries[session] = entry
 
     async def _sessions_of(self, owner: str) -> list[SessionEntry]:
         return [s for s in self.sessions.values() if s.owner == owner]
+
+    async def _ended_entry(self, session: str) -> SessionEntry | None:
+        if self._ended.get(session, 0.0) <= self.clock():
+            return None
+        return self._ended_entries.get(session)
 
     async def _map(self, map_id: str) -> MapEntry | None:
         return self.maps.get(map_id)

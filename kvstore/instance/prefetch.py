@@ -53,9 +53,13 @@ class LinkMeter:
     samples: int = 0
 
     def observe(self, rtt_s: float, get_s: float, octets: int) -> None:
+        if get_s <= rtt_s or rtt_s <= 0:
+            return  # the lease paid for the connection: no rate to tell
         weight = 1.0 if self.samples == 0 else 0.2
         self.rtt_s += weight * (rtt_s - self.rtt_s)
-        transfer = max(get_s - rtt_s, 1e-6)
+        # At least a tenth of the GET is transfer: no rate beyond ten times
+        # what the whole GET shows.
+        transfer = max(get_s - rtt_s, get_s / 10)
         self.mbit_per_s += weight * (8 * octets / transfer / 1e6 - self.mbit_per_s)
         self.samples += 1
 

@@ -83,6 +83,19 @@ class TooManySessions(LeaseQuota):
     title = "Too many sessions"
 
 
+def check_sampler(method: str, params: dict[str, Any], path: str) -> dict[str, Any]:
+    """The sampler's params, checked (BadRequest otherwise)."""
+    if method not in SAMPLERS:
+        raise BadRequest(f"{path}.method: greedy or top-p, not {method!r}")
+    if method == "greedy":
+        return {}
+    p = Obj(params, f"{path}.params")
+    return {
+        "p": p.number("p", default=1.0, lo=1e-6, hi=1.0),
+        "temperature": p.number("temperature", default=1.0, lo=1e-3, hi=100.0),
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """Body of our ``POST generate`` (not KVSP)."""
@@ -109,12 +122,7 @@ class GenerateRequest:
         params = sampler.get("params") or {}
         if not isinstance(params, dict):
             raise BadRequest("generate.sampler.params: must be a JSON object")
-        if method == "top-p":
-            p = Obj(params, "generate.sampler.params")
-            params = {
-                "p": p.number("p", default=1.0, lo=1e-6, hi=1.0),
-                "temperature": p.number("temperature", default=1.0, lo=1e-3, hi=100.0),
-            }
+        params = check_sampler(method, params, "generate.sampler")
         request_ref = obj.text("request_ref", None, max_len=256)
         return cls(
             session=session,
@@ -229,9 +237,11 @@ class SessionSettings:
     #: tests that must catch a session in the middle.
     token_interval_s: float = 0.0
     #: Claim greedy decoding deterministic (R4 ``sampler.deterministic``):
-    #: only true where every instance that may resume a session computes
-    #: bit-identical logits.
-    greedy_deterministic: bool = True
+    #: only where every instance that may resume a session computes
+    #: bit-identical logits, batch-invariant kernels included (a resume
+    #: recomputes in one batch what was decoded token by token). Off, greedy
+    #: tokens wait for acknowledged checkpoints like sampled ones (CK3).
+    greedy_deterministic: bool = False
 
 
 @dataclass(slots=True)
@@ -280,35 +290,43 @@ class BlockWriter:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="kvstore-block-writer")
         while self.queue.qsize() >= self.limit:
-            self.queue.get_nowait()
+            self.queue.get_nowait()  # output blocks only: a lost one is recomputed
+            self.queue.task_done()
             self.dropped += 1
         self.queue.put_nowait((ref, body))
 
     async def flush(self) -> None:
         await self.queue.join()
 
+    async def write_now(self, ref: BlockRef, body: bytes) -> None:
+        """Write to every target before returning (prompt blocks: a
+        checkpoint names them, so they must survive the instance)."""
+        await asyncio.gather(*(self._put(target, ref, body) for target in self.targets))
+
+    async def _put(self, target: str, ref: BlockRef, body: bytes) -> None:
+        try:
+            await self.holders.put_block(target, ref.compat_id, ref.scope_id, ref.block_key, body)
+            self.written += 1
+        except PreconditionFailed:
+            self.written += 1  # it has the block already
+        except Exception as exc:  # the writer never dies of one holder's answer
+            self.failed += 1
+            detail = exc.detail if isinstance(exc, KvspError) else repr(exc)
+            log.warning("block %s to %s: %s", ref.block_key[:12], target, detail)
+
     async def _run(self) -> None:
         while True:
             ref, body = await self.queue.get()
             try:
                 for target in self.targets:
-                    try:
-                        await self.holders.put_block(
-                            target, ref.compat_id, ref.scope_id, ref.block_key, body
-                        )
-                        self.written += 1
-                    except PreconditionFailed:
-                        self.written += 1  # it has the block already
-                    except KvspError as exc:
-                        self.failed += 1
-                        log.warning("block %s to %s: %s", ref.block_key[:12], target, exc.detail)
+                    await self._put(target, ref, body)
             finally:
                 self.queue.task_done()
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
 
 
@@ -346,8 +364,10 @@ class Sessions:
         self.block_tokens = self.descriptor.block_tokens
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._admit = asyncio.Semaphore(settings.max_running)
-        self._placing: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._calibration: asyncio.Task[None] | None = None
+        #: Sessions being restored by a resume (not yet in ``sessions``).
+        self._resuming: set[str] = set()
         self.counters = SessionCounters()
 
     # --- rates ----------------------------------------------------------------
@@ -380,7 +400,7 @@ class Sessions:
     # --- admission ----------------------------------------------------------
 
     def _open(self) -> int:
-        return sum(1 for s in self.sessions.values() if not s.finished)
+        return sum(1 for s in self.sessions.values() if not s.finished) + len(self._resuming)
 
     def _check_admission(self, scope_id: str, compat_id: str) -> bytes:
         if self.lifecycle.state != "active":
@@ -452,14 +472,20 @@ class Sessions:
         if checkpoint.session != session_id:
             raise BadRequest("the checkpoint's session is not the path's session")
         scope_key = self._check_admission(checkpoint.scope_id, checkpoint.compat_id)
-        if checkpoint.sampler.method not in SAMPLERS:
-            raise BadRequest(f"sampler {checkpoint.sampler.method!r}: greedy or top-p")
+        sampler = checkpoint.sampler
+        params = check_sampler(sampler.method, sampler.params, "checkpoint.sampler")
+        if sampler.step != checkpoint.output_offset:
+            raise BadRequest("checkpoint.sampler.step: must be the output_offset")
+        if checkpoint.output_offset != len(checkpoint.generated):
+            raise BadRequest("the checkpoint must list every output token (output_offset)")
         known = self.sessions.get(session_id)
         if known is not None and known.epoch >= request.epoch:
             raise StaleEpoch(f"the session is at epoch {known.epoch} here (CK7)")
+        if session_id in self._resuming:
+            raise InvalidState("a resume of this session is in progress here")
         limits = checkpoint.limits or GenerationLimits(self.settings.max_output_tokens)
-        if checkpoint.output_offset != len(checkpoint.generated):
-            raise BadRequest("the checkpoint must list every output token (output_offset)")
+        limits = GenerationLimits(min(limits.max_tokens, self.settings.max_output_tokens),
+                                  limits.stop_tokens)  # fmt: skip
         size = self.block_tokens
         last = bytes.fromhex(checkpoint.prompt_blocks[-1]) if checkpoint.prompt_blocks else None
         chain = BlockKeyChain(scope_key, bytes.fromhex(self.compat_id), size,
@@ -474,7 +500,10 @@ class Sessions:
         tokens = [PLACEHOLDER] * (prompt_blocks * size) + known_tokens
         session = Session(
             id=session_id, scope_id=checkpoint.scope_id, compat_id=self.compat_id,
-            epoch=request.epoch, sampler=checkpoint.sampler, limits=limits, tokens=tokens,
+            epoch=request.epoch,
+            sampler=Sampler(sampler.method, sampler.seed, sampler.step, sampler.deterministic,
+                            params),
+            limits=limits, tokens=tokens,
             prompt_tokens=prompt_blocks * size + len(checkpoint.prompt_tail), block_tokens=size,
             prompt_blocks=prompt_blocks, generated=list(checkpoint.generated),
             logprobs=[None] * checkpoint.output_offset, chain=chain, keys=keys,
@@ -483,16 +512,35 @@ class Sessions:
                              resumed_from=checkpoint.output_offset)  # fmt: skip
         # The tokens the checkpoint covers were delivered or may be again (CK3).
         session.released = session.checkpointed = checkpoint.output_offset
-        async with asyncio.timeout(self.settings.resume_deadline_s):
-            loaded = await self._restore(session, minimum=prompt_blocks)
-        if known is not None and not known.finished:
-            self._fence(known, f"resumed here at epoch {request.epoch}")
-        self._keep(session)
-        self.counters.resumed += 1
-        self._update_load()
+        generated = checkpoint.generated
+        if len(generated) >= limits.max_tokens or (
+            generated and generated[-1] in limits.stop_tokens
+        ):
+            # It had ended; the end did not reach the PC. Nothing to compute.
+            self._install(session, known, request.epoch)
+            await self._finish(session)
+            return session
+        self._resuming.add(session_id)
+        try:
+            async with asyncio.timeout(self.settings.resume_deadline_s):
+                loaded = await self._restore(session, minimum=prompt_blocks)
+        finally:
+            self._resuming.discard(session_id)
+        known = self.sessions.get(session_id)
+        if known is not None and known.epoch >= request.epoch:
+            self._release(session)
+            raise StaleEpoch(f"the session is at epoch {known.epoch} here (CK7)")
+        self._install(session, known, request.epoch)
         session.task = asyncio.create_task(self._decode(session, loaded),
                                            name=f"session-{session.id}")  # fmt: skip
         return session
+
+    def _install(self, session: Session, known: Session | None, epoch: int) -> None:
+        if known is not None and not known.finished:
+            self._fence(known, f"resumed here at epoch {epoch}")
+        self._keep(session)
+        self.counters.resumed += 1
+        self._update_load()
 
     # --- running ------------------------------------------------------------
 
@@ -517,7 +565,9 @@ class Sessions:
         if len(containers) < minimum:
             raise InvalidState("prompt blocks were evicted while being loaded")
         loaded = len(containers)
-        kv = load_blocks(containers, self.descriptor) if containers else None
+        kv = (
+            await self.runner.call(load_blocks, containers, self.descriptor) if containers else None
+        )
         started = self.clock()
         session.generation = generation = await self.runner.call(
             self.engine.prefill, session.tokens, kv
@@ -561,7 +611,9 @@ class Sessions:
             return
         generation = session.generation
         assert generation is not None
-        self._store_blocks(session, loaded)
+        # The checkpoint names the prompt blocks: they are in place, and on
+        # the holders they are written to, before it goes (CK1, CK6).
+        await self._store_blocks(session, loaded, durable=True)
         stored = len(session.tokens) // self.block_tokens
         if not await self._checkpoint(session):  # the PC knows the session at once
             return
@@ -571,9 +623,9 @@ class Sessions:
         limits = session.limits
         while len(session.generated) < limits.max_tokens and session.state == "running":
             step = len(session.generated)
-            token = sample(generation.logits, session.sampler, step)
+            token, logprob = await self.runner.call(self._sample, session, generation, step)
             session.generated.append(token)
-            session.logprobs.append(self._logprob(session, generation, token))
+            session.logprobs.append(logprob)
             if session.stats.get("first_token_s") is None:
                 session.stats["first_token_s"] = self.clock()
             if deterministic:
@@ -588,7 +640,7 @@ class Sessions:
                 self._rate("decode_tokens_per_s", 1 / max(self.clock() - started, 1e-6))
                 session.keys.extend(k.hex() for k in session.chain.extend([token]))  # type: ignore[union-attr]
                 if len(generation.tokens) // self.block_tokens > stored:
-                    self._store_blocks(session, stored)  # CK1: a completed output block
+                    await self._store_blocks(session, stored)  # CK1: a completed output block
                     stored = len(generation.tokens) // self.block_tokens
                     since = every
             if since >= every or last:
@@ -606,21 +658,45 @@ class Sessions:
                 break
         if session.state != "running":
             return
+        await self._finish(session)
+
+    async def _finish(self, session: Session) -> None:
         session.released = len(session.generated)
         session.state = "done"
         self._finish_stats(session)
+        self._release(session)
         session.changed()
         self._update_load()
-        if self.controller is not None:
-            with contextlib.suppress(KvspError):
-                await self.controller.end_session(session.id)
+        await self._end_at_pc(session)
 
-    def _logprob(self, session: Session, generation: Generation, token: int) -> float | None:
+    async def _end_at_pc(self, session: Session) -> None:
+        """The session is over: the PC forgets it (it is never resumed)."""
+        if self.controller is None:
+            return
+        for attempt in range(3):
+            try:
+                await self.controller.end_session(session.id)
+                return
+            except (StaleEpoch, Forbidden):
+                return  # moved on, or ended already
+            except KvspError as exc:
+                log.warning("ending %s at the PC: %s", session.id, exc.detail)
+                await asyncio.sleep(0.2 * (attempt + 1))
+
+    def _release(self, session: Session) -> None:
+        """A finished session's engine state goes (a real engine's KV memory)."""
+        session.generation = None
+        session.chain = None
+
+    @staticmethod
+    def _sample(session: Session, generation: Generation, step: int) -> tuple[int, float | None]:
+        token = sample(generation.logits, session.sampler, step)
         if not session.stats.get("logprobs"):
-            return None
+            return token, None
         import torch
 
-        return float(torch.log_softmax(generation.logits.double(), dim=-1)[token].item())
+        logprob = torch.log_softmax(generation.logits.double(), dim=-1)[token].item()
+        return token, float(logprob)
 
     def _finish_stats(self, session: Session) -> None:
         requested = session.stats.pop("requested", None)
@@ -629,19 +705,21 @@ class Sessions:
             session.stats["ttft_ms"] = round((first - requested) * 1000, 3)
         session.stats.pop("logprobs", None)
 
-    def _store_blocks(self, session: Session, start: int) -> None:
+    async def _store_blocks(self, session: Session, start: int, durable: bool = False) -> None:
         """Blocks ``start..`` of the sequence that are complete: into the
-        tiers (published as the instance's replicas) and to the holders."""
+        tiers (published as the instance's replicas) and to the holders
+        (``durable``: awaited, else queued)."""
         generation = session.generation
         assert generation is not None
-        end = len(generation.tokens) // self.block_tokens
-        for index in range(start, min(end, len(session.keys))):
+        end = min(len(generation.tokens) // self.block_tokens, len(session.keys))
+        for index in range(start, end):
             ref = BlockRef(session.compat_id, session.scope_id, session.keys[index])
-            body = bytes(block_container(self.engine, generation, index))
-            task = asyncio.create_task(self._place(ref, body), name=f"place-{ref.block_key[:12]}")
-            self._placing.add(task)
-            task.add_done_callback(self._placing.discard)
-            self.writer.write(ref, body)
+            body = bytes(await self.runner.call(block_container, self.engine, generation, index))
+            await self._place(ref, body)
+            if durable:
+                await self.writer.write_now(ref, body)
+            else:
+                self.writer.write(ref, body)
 
     async def _place(self, ref: BlockRef, body: bytes) -> None:
         try:
@@ -662,9 +740,13 @@ class Sessions:
         for attempt in range(3):
             try:
                 acked = await self.controller.put_checkpoint(checkpoint)
-            except (StaleEpoch, Forbidden) as exc:
+            except StaleEpoch as exc:
                 # CK7: a newer epoch owns the session now; nothing more here.
                 self._fence(session, exc.detail)
+                return False
+            except (Forbidden, BadRequest, NotFound) as exc:
+                # The PC will not take this session's checkpoints at all.
+                self._fail(session, KvspError(f"the PC refused the checkpoint: {exc.detail}"))
                 return False
             except KvspError as exc:
                 self.counters.checkpoint_failures += 1
@@ -672,6 +754,11 @@ class Sessions:
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
             self.counters.checkpoints += 1
+            if acked > checkpoint.output_offset:
+                # The PC holds more output for this session and epoch than
+                # this run produced: its id names another run (a reused id).
+                self._fail(session, KvspError("the PC holds another run under this session id"))
+                return False
             session.checkpointed = max(session.checkpointed, acked)
             if not session.sampler.deterministic and session.checkpointed > session.released:
                 session.released = min(session.checkpointed, len(session.generated))
@@ -696,6 +783,7 @@ class Sessions:
         if session.finished:
             return
         session.state, session.detail = "moved", detail
+        self._release(session)
         self.counters.moved += 1
         log.warning("session %s stops here: %s", session.id, detail)
         if session.task is not None and session.task is not asyncio.current_task():
@@ -710,9 +798,15 @@ class Sessions:
         if not isinstance(exc, KvspError):
             log.error("session %s failed", session.id, exc_info=exc)
         session.state, session.detail = "failed", detail
+        self._release(session)
         self.counters.failed += 1
         session.changed()
         self._update_load()
+        if self.controller is not None:
+            # Not to be resumed elsewhere: its client was told it failed.
+            task = asyncio.create_task(self._end_at_pc(session), name=f"end-{session.id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # --- following ----------------------------------------------------------
 
@@ -732,14 +826,12 @@ class Sessions:
             await changed.wait()
 
     async def close(self) -> None:
-        if self._calibration is not None:
-            self._calibration.cancel()
-        for session in self.sessions.values():
-            if session.task is not None:
-                session.task.cancel()
-        for session in self.sessions.values():
-            if session.task is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await session.task
+        tasks = [s.task for s in list(self.sessions.values()) if s.task is not None]
+        tasks += [*self._background, *([self._calibration] if self._calibration else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         await self.writer.close()
         self.runner.close()

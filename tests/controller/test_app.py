@@ -171,3 +171,24 @@ async def test_place_without_a_reachable_index(certs: Path, pc: ControllerState)
     assert response.status_code == 200
     assert response.json()["index"] == "unavailable" and response.json()["matched"] == 0
     assert response.json()["instance"] == II1
+
+
+async def test_front_ends_find_a_session_and_its_end(
+    as_: Callable[[str], httpx.AsyncClient], pc: ControllerState
+) -> None:
+    # Ours (CK4's front end): where a session is now, also after it ended
+    # (its last owner has the end); only for readers of its scope (L3).
+    alice, ii1, ii2 = as_("alice"), as_("ii1"), as_("ii2")
+    session = str(uuid.uuid4())
+    assert (await alice.get(f"sessions/{session}")).status_code == 404
+    await ii1.put(f"sessions/{session}/checkpoint", json=checkpoint(session, 1, 4).to_json())
+    found = (await alice.get(f"sessions/{session}")).json()
+    assert (found["instance"], found["epoch"], found["ended"]) == (II1, 1, False)
+    await pc.assign(session, II2, epoch=2)
+    await ii2.put(f"sessions/{session}/checkpoint", json=checkpoint(session, 2, 6).to_json())
+    assert (await ii2.delete(f"sessions/{session}")).status_code == 204
+    ended = (await alice.get(f"sessions/{session}")).json()
+    assert (ended["instance"], ended["epoch"], ended["ended"]) == (II2, 2, True)
+    assert ended["output_offset"] == 6
+    # ii1 may write the scope but not read it: "absent" and "not yours" match.
+    assert (await ii1.get(f"sessions/{session}")).status_code == 404

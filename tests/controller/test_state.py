@@ -14,7 +14,13 @@ import pytest
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.controller.state import ControllerState, MemoryControllerState, SleepPolicy
 from kvstore.protocol.control import InstanceStatus, Sampler, SessionCheckpoint
-from kvstore.protocol.problems import Forbidden, InsufficientStorage, InvalidState, StaleEpoch
+from kvstore.protocol.problems import (
+    Forbidden,
+    InsufficientStorage,
+    InvalidState,
+    NotFound,
+    StaleEpoch,
+)
 
 II1, II2 = "https://ii1.test/kvsp/", "https://ii2.test/kvsp/"
 
@@ -294,6 +300,11 @@ async def test_an_ended_session_stays_ended(make: Make) -> None:
         await pc.assign(session, II1)
     assert await pc.sessions_of(II1) == [] and await pc.sessions_of(II2) == []
     await pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 1, 1), II1)  # new ones are fine
+    # Its tombstone tells where it ended (a front end that lost the stream).
+    last = await pc.ended(session)
+    assert (last.owner, last.epoch) == (II2, 2)
+    with pytest.raises(NotFound):
+        await pc.ended(str(uuid.uuid4()))
 
 
 async def test_a_restart_is_remembered_until_its_sessions_moved(make: Make) -> None:

@@ -349,3 +349,80 @@ async def test_engine_rates_are_measured(engine: ReferenceEngine) -> None:
     await sessions.calibrate(tokens=32, steps=2)
     assert sessions.load.prefill_tokens_per_s > 0 and sessions.load.decode_tokens_per_s > 0
     await sessions.close()
+
+
+async def test_deterministic_greedy_releases_at_once(engine: ReferenceEngine) -> None:
+    # CK3's deterministic case (greedy_deterministic = true: an operator's
+    # claim of batch-invariant kernels): tokens go out before any ack.
+    pc = Controller(A)
+    pc.delay_s = 0.05
+    sessions = make(engine, controller=pc, greedy_deterministic=True, checkpoint_tokens=8)
+    session = sessions.begin(request(PROMPT, 12))
+    assert session.sampler.deterministic
+    early = None
+    async with asyncio.timeout(60):
+        async for event in sessions.follow(session):
+            if event.get("index") == 3:
+                early = max((o for _, o in pc.acks), default=0)
+    assert early is not None and early < 4  # index 3 was out before an ack covered it
+    await sessions.close()
+
+
+async def test_review_fixes_for_resume(engine: ReferenceEngine) -> None:
+    sessions = make(engine)
+    base = SessionCheckpoint(str(uuid.uuid4()), 1, sessions.compat_id, SCOPE, (), tuple(PROMPT),
+                             (), 0, GREEDY)  # fmt: skip
+    # A checkpoint whose output already ended (the end never reached the PC)
+    # finishes at once: nothing past the stop token (or max_tokens).
+    from kvstore.protocol.control import GenerationLimits
+
+    ended = dataclasses.replace(base, session=str(uuid.uuid4()), generated=(5, 9), output_offset=2,
+                                sampler=dataclasses.replace(GREEDY, step=2),
+                                limits=GenerationLimits(10, (9,)))  # fmt: skip
+    done = await sessions.resume(ResumeRequest(2, ended), ended.session)
+    events = await output(sessions, done)
+    assert tokens(events) == [5, 9] and events[-1]["event"] == "done"
+    assert done.stats.get("computed_tokens") is None  # nothing was recomputed
+    # Bad samplers and steps are refused before anything runs.
+    for bad in (
+        dataclasses.replace(base, sampler=Sampler("top-p", 1, 0, False, {"p": 0})),
+        dataclasses.replace(base, sampler=dataclasses.replace(GREEDY, step=3)),
+        dataclasses.replace(base, sampler=Sampler("beam", 1, 0, False)),
+    ):
+        with pytest.raises(BadRequest):
+            await sessions.resume(ResumeRequest(2, bad), base.session)
+    # Two resumes of one session at once: the second is refused while the
+    # first restores, so no orphan decodes beside it.
+    first = asyncio.create_task(sessions.resume(ResumeRequest(2, base), base.session))
+    await asyncio.sleep(0)
+    with pytest.raises(InvalidState, match="in progress"):
+        await sessions.resume(ResumeRequest(3, base), base.session)
+    resumed = await first
+    await output(sessions, resumed)
+    assert resumed.generation is None  # a finished session lets its KV go
+    await sessions.close()
+
+
+async def test_a_reused_session_id_at_the_pc_fails_the_run(engine: ReferenceEngine) -> None:
+    # The PC holds a longer checkpoint of the same id and epoch (an earlier
+    # run, before a restart): its ack must not release this run's tokens.
+    pc = Controller(A)
+    sessions = make(engine, controller=pc)
+    session_id = str(uuid.uuid4())
+    old = SessionCheckpoint(
+        session_id,
+        1,
+        sessions.compat_id,
+        SCOPE,
+        (),
+        tuple(PROMPT),
+        tuple(range(33)),
+        33,
+        dataclasses.replace(TOP_P, step=33),
+    )
+    await pc.put_checkpoint(old)
+    session = sessions.begin(dataclasses.replace(request(PROMPT, 40, TOP_P), session=session_id))
+    events = await output(sessions, session)
+    assert events[-1]["event"] == "error" and "another run" in events[-1]["detail"]
+    assert not tokens(events)
+    await sessions.close()
