@@ -163,8 +163,19 @@ def cmd_serve(args: argparse.Namespace) -> Any:
     from .serve import run
 
     try:
-        config = load(args.config)
-        run(config, tuple(r.strip() for r in args.roles.split(",")))
+        if args.config is None:
+            # First use: a development server with everything under one
+            # directory, made once (kvstore.firstuse).
+            from .firstuse import prepare
+
+            first = prepare(args.directory, port=args.port)
+            print(first.banner(), flush=True)
+            config = load(str(first.config))
+            roles = args.roles or "holder,index,pc"
+        else:
+            config = load(args.config)
+            roles = args.roles or "holder"
+        run(config, tuple(r.strip() for r in roles.split(",")))
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
     except KeyboardInterrupt:
@@ -197,6 +208,52 @@ def cmd_certs_init(args: argparse.Namespace) -> Any:
         "principals": uris,
         "policy": str(directory / "policy.json"),
     }
+
+
+def cmd_config_check(args: argparse.Namespace) -> Any:
+    """Validate a configuration as ``serve`` would read it (environment
+    overrides included), building what can be built without serving."""
+    from .config import ConfigError, load
+
+    try:
+        config = load(args.file)
+        roles = tuple(r.strip() for r in args.roles.split(","))
+        problems = check_roles(config, roles)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    if problems:
+        raise CliError(problems[0])
+    return f"{args.file}: ok for roles {','.join(roles)}"
+
+
+def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
+    """What a role needs that the configuration lacks (the first one found)."""
+    from .security import Policy
+
+    known = {"holder": "holder", "index": "index", "pc": "controller", "instance": "instance"}
+    out: list[str] = []
+    for role in roles:
+        if role not in known:
+            return [f"roles: {role!r} unknown; available: {', '.join(known)}"]
+        section = getattr(config, known[role])
+        if not section.policy:
+            out.append(f"{known[role]}.policy: a policy file is required")
+            continue
+        try:
+            Policy.load(section.policy)
+        except (OSError, ValueError) as exc:
+            out.append(f"{known[role]}.policy: {exc}")
+    if ("holder" in roles or "instance" in roles) and not config.storage.tiers:
+        out.append("storage.tiers: at least one [[storage.tiers]] is required")
+    server = config.server
+    if not server.insecure_http:
+        for key in ("certfile", "keyfile", "cafile"):
+            value = getattr(server, key)
+            if not value:
+                out.append(f"server.{key}: required unless insecure_http = true")
+            elif not Path(value).exists():
+                out.append(f"server.{key}: {value} does not exist")
+    return out
 
 
 def cmd_demo(args: argparse.Namespace) -> Any:
@@ -246,10 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.set_defaults(func=cmd_digest)
 
     serve = sub.add_parser("serve", help="run KVSP roles (holder, index, pc, instance)")
-    serve.add_argument("--config", required=True, help="TOML configuration file")
     serve.add_argument(
-        "--roles", default="holder", help="comma-separated: holder, index, pc, instance"
+        "--config",
+        help="TOML configuration file; without it, a development server (holder, IS and PC) "
+        "with everything under --directory, made on the first start",
     )
+    serve.add_argument(
+        "--roles",
+        help="comma-separated: holder, index, pc, instance (default: holder; "
+        "without --config: holder,index,pc)",
+    )
+    serve.add_argument("--directory", default=".kvstore", help="without --config: where it lives")
+    serve.add_argument("--port", type=int, default=8443, help="without --config: its port")
     serve.set_defaults(func=cmd_serve)
 
     certs = sub.add_parser("certs", help="development certificates for mutual TLS")
@@ -259,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--principal", action="append", help="client name (repeatable)")
     init.add_argument("--host", action="append", help="server host name or IP (repeatable)")
     init.set_defaults(func=cmd_certs_init)
+
+    config = sub.add_parser("config", help="configuration files")
+    config_sub = config.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = config_sub.add_parser("check", help="validate a file; errors name the key's path")
+    check.add_argument("file")
+    check.add_argument("--roles", default="holder", help="the roles it is for")
+    check.set_defaults(func=cmd_config_check)
 
     demo = sub.add_parser(
         "demo", help="prefix reuse and a migration after SIGKILL, on real processes"

@@ -10,6 +10,7 @@ A holder's file, with every key and its default::
     cafile = "certs/ca.pem"           # CA that signs client certificates
     insecure_http = false             # plain HTTP: loopback only, logged loudly
     http2 = false                     # offer HTTP/2 by ALPN (uvicorn's experimental zttp)
+    shutdown_grace_s = 10.0           # SIGTERM: in-flight requests finish within this
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -111,6 +112,7 @@ Relative paths are resolved against the file's directory.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,7 @@ class ServerConfig:
     cafile: str = ""
     insecure_http: bool = False
     http2: bool = False
+    shutdown_grace_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +332,37 @@ def _asdict(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
-def load(path: str | Path) -> Config:
+ENV_PREFIX = "KVSTORE_"
+_SECTIONS = ("server", "holder", "index", "controller", "instance", "storage")
+
+
+def apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``KVSTORE_<SECTION>_<KEY>=value`` overrides ``[section] key`` (the value
+    read as a TOML value when it is one, else as a string): ``KVSTORE_SERVER_PORT=9443``,
+    ``KVSTORE_HOLDER_INDEX_URI=https://is:8443/is/``. Tiers are set in the file."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
+        if section not in _SECTIONS or not key or key == "tiers":
+            raise ConfigError(f"{name}: not KVSTORE_<SECTION>_<KEY> of a known section "
+                              f"({', '.join(_SECTIONS)})")  # fmt: skip
+        try:
+            value: Any = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        target = out.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"{section}: must be a table")
+        target[key] = value
+    return out
+
+
+def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    """A configuration file, with the environment's overrides (``KVSTORE_...``)."""
+    import os
+
     file = Path(path)
     try:
         data = tomllib.loads(file.read_text())
@@ -337,4 +370,5 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"cannot read {file}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{file}: {exc}") from exc
+    data = apply_environment(data, os.environ if environ is None else environ)
     return parse(data, file.resolve().parent)

@@ -315,6 +315,64 @@ class Dispatcher:
         await self.default(scope, receive, send)
 
 
+class Health:
+    """``/healthz`` (the process answers) and ``/readyz`` (every tier
+    reachable, and for a holder the IS it publishes to), outside every KVSP
+    base path, before the roles' apps; no role is needed (the TLS handshake
+    still asks for a client certificate)."""
+
+    def __init__(self, app: Any, store: TieredStore | None = None, publisher: Any = None) -> None:
+        self.app, self.store, self.publisher = app, store, publisher
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        checks: dict[str, Any] = {}
+        if self.store is not None:
+            checks["tiers"] = {
+                f"{i}:{t['tier']}": "degraded" if t["degraded"] else "ok"
+                for i, t in enumerate(self.store.health())
+            }
+        if self.publisher is not None:
+            checks["index"] = "ok" if self.publisher.index_reachable else "unreachable"
+        flat = [*checks.get("tiers", {}).values(), checks.get("index", "ok")]
+        return all(v == "ok" for v in flat), checks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if path not in ("/healthz", "/readyz"):
+            await self.app(scope, receive, send)
+            return
+        ok, checks = (True, {}) if path == "/healthz" else self.ready()
+        body = json.dumps({"status": "ok" if ok else "unavailable", **checks}).encode()
+        await send({"type": "http.response.start", "status": 200 if ok else 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"cache-control", b"no-store"),
+                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGTERM / SIGINT end ``serve`` rather
+        than the process: uvicorn raises the signal again once it stopped
+        serving, which would kill the process before kvstore's own shutdown
+        (withdrawals, closing the tiers) runs."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                log.warning("stopping (signal %d): in-flight requests get %.0f s", sig,
+                            self.config.timeout_graceful_shutdown or 0)  # fmt: skip
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
+
+
+def _Server(config: Any) -> Any:
+    return _server_class()(config)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -334,6 +392,8 @@ def uvicorn_config(config: Config, app: Any) -> Any:
         "host": server.host,
         "port": server.port,
         "http": TLSHttpToolsProtocol,
+        # SIGTERM: stop accepting, let in-flight requests finish this long.
+        "timeout_graceful_shutdown": server.shutdown_grace_s,
     }
     if server.insecure_http:
         if not _is_loopback(server.host):
@@ -360,8 +420,6 @@ def uvicorn_config(config: Config, app: Any) -> Any:
 async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
     """Run the configured roles on one listener until interrupted."""
     from urllib.parse import urlsplit
-
-    import uvicorn
 
     unknown = set(roles) - {"holder", "index", "pc", "instance"}
     if unknown or not roles:
@@ -403,8 +461,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             index_app, index_state = build_index(config, pc_state)
             apps.append((urlsplit(config.index.uri).path, index_app))
             log.warning("index %s (%s state)", config.index.uri, config.index.state)
-        app = apps[0][1] if len(apps) == 1 else Dispatcher(apps)
-        server = uvicorn.Server(uvicorn_config(config, app))
+        app = Health(apps[0][1] if len(apps) == 1 else Dispatcher(apps), store, publisher)
+        server = _Server(uvicorn_config(config, app))
         if publisher is not None:
             publisher.start()  # its first round republishes what was recovered
         if migrator is not None:
@@ -428,7 +486,16 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         if migrator is not None:
             closes += [migrator.stop, migrator.instances.close]
         if publisher is not None:
-            closes += [publisher.stop, publisher.index.close]
+            closes.append(publisher.stop)
+        if store is not None:
+            # Graceful shutdown: what only memory holds goes down to a
+            # persistent tier while there is room and time (a restart serves
+            # it again) ...
+            closes.append(lambda: store.spill(config.server.shutdown_grace_s))
+        if publisher is not None:
+            # ... and the replicas that still do not survive the process
+            # leave the IS; the rest stays published.
+            closes += [publisher.withdraw_volatile, publisher.index.close]
         for closable in (store, index_state, pc_state):
             if closable is not None:
                 closes.append(closable.close)

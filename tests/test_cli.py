@@ -251,3 +251,20 @@ def test_instance_config_is_checked(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as info:
             build_instance(config, store, None)
         assert f"instance.{key}" in str(info.value)
+
+
+def test_config_check_names_the_key(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[server]\ninsecure_http = true\n[holder]\npolicy = "p.json"\n'
+                    '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n')  # fmt: skip
+    (tmp_path / "p.json").write_text('{"principals": {}}')
+    done = kvstore("config", "check", str(good))
+    assert done.returncode == 0 and "ok for roles holder" in done.stdout, done.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[holder]\nbogus = 1\n")
+    failed = kvstore("config", "check", str(bad))
+    assert failed.returncode == 2 and "holder.bogus: unknown key" in failed.stderr
+    missing = kvstore("config", "check", str(good), "--roles", "holder,pc")
+    assert missing.returncode == 2 and "controller.policy: a policy file is required" in (
+        missing.stderr
+    )

@@ -50,3 +50,53 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("[server\n")
     with pytest.raises(ConfigError):
         load(bad)
+
+
+def test_environment_overrides_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "k.toml"
+    file.write_text('[server]\nport = 1\n[holder]\nuri = "https://a/kvsp/"\n')
+    config = load(file, {"KVSTORE_SERVER_PORT": "9443", "KVSTORE_SERVER_INSECURE_HTTP": "true",
+                         "KVSTORE_HOLDER_INDEX_URI": "https://is.example:8443/is/",
+                         "KVSTORE_INSTANCE_TOKEN_INTERVAL_MS": "5", "OTHER": "x"})  # fmt: skip
+    assert config.server.port == 9443 and config.server.insecure_http is True
+    assert config.holder.uri == "https://a/kvsp/"
+    assert config.holder.index_uri == "https://is.example:8443/is/"
+    assert config.instance.token_interval_ms == 5.0
+    for name, value, message in (
+        ("KVSTORE_SERVER_PORT", "nine", "server.port: must be int"),
+        ("KVSTORE_HOLDER_BOGUS", "1", "holder.bogus: unknown key"),
+        ("KVSTORE_NOPE_X", "1", "KVSTORE_NOPE_X: not KVSTORE_<SECTION>_<KEY>"),
+        ("KVSTORE_STORAGE_TIERS", "[]", "KVSTORE_STORAGE_TIERS"),
+    ):
+        with pytest.raises(ConfigError, match=message.replace("<", ".").replace(">", ".")):
+            load(file, {name: value})
+
+
+def test_every_key_is_documented_with_its_default() -> None:
+    # docs/configuration.md: one row per key of every section, with the
+    # default the code has.
+    import json
+    import re
+    from dataclasses import fields
+
+    from kvstore import config as c
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    sections = {"server": c.ServerConfig, "holder": c.HolderConfig, "index": c.IndexConfig,
+                "controller": c.ControllerConfig, "instance": c.InstanceConfig,
+                "storage": c.StorageConfig}  # fmt: skip
+    for name, cls in sections.items():
+        part = doc.split(f"## [{name}]", 1)[1].split("\n## ", 1)[0]
+        rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", part, re.M))
+        for field in fields(cls):
+            if field.name == "tiers":
+                continue
+            assert field.name in rows, f"{name}.{field.name} is not documented"
+            default = field.default
+            expected = (
+                ("true" if default else "false") if isinstance(default, bool)
+                else "[]" if isinstance(default, tuple)
+                else json.dumps(default) if isinstance(default, str) else repr(default)
+            )  # fmt: skip
+            assert rows[field.name] == expected, f"{name}.{field.name}"
+        assert set(rows) <= {f.name for f in fields(cls)}, f"[{name}] documents unknown keys"

@@ -38,6 +38,10 @@ class PublisherStats:
     rejected: int = 0
 
 
+#: Tiers whose contents do not outlive the process.
+VOLATILE_TIERS = frozenset({"device", "host"})
+
+
 def _permanent(error: KvspError) -> bool:
     """A refusal retrying cannot fix (4xx other than 429); transport errors and
     5xx are worth retrying."""
@@ -77,6 +81,11 @@ class IndexPublisher(Background, Publisher):
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def index_reachable(self) -> bool:
+        """False while the IS is treated as down (its last call failed)."""
+        return self._index_down_until <= self.clock()
 
     async def published(self, ref: BlockRef) -> None:
         self._pending[ref] = "put"
@@ -154,6 +163,37 @@ class IndexPublisher(Background, Publisher):
             if self._pending.get(ref) == action:
                 del self._pending[ref]
         return True
+
+    async def withdraw_volatile(self, timeout_s: float = 5.0) -> int:
+        """At shutdown: withdraw the records of replicas held only in memory
+        tiers (device, host), which do not outlive the process; what LMDB,
+        Redis or S3 hold stays published (a restart republishes it). Returns
+        how many were withdrawn."""
+        volatile = [
+            info.ref for info in self.store.blocks()
+            if all(r.tier in VOLATILE_TIERS for r in self.store.residency(info.ref))
+        ]  # fmt: skip
+        done = 0
+
+        async def one(ref: BlockRef) -> None:
+            nonlocal done
+            await self.index.withdraw(self.holder_uri, ref.block_key)
+            self.stats.withdrawn += 1
+            done += 1
+
+        try:
+            async with asyncio.timeout(timeout_s):
+                for start in range(0, len(volatile), 64):
+                    results = await asyncio.gather(
+                        *(one(r) for r in volatile[start : start + 64]), return_exceptions=True
+                    )
+                    for result in results:
+                        if isinstance(result, BaseException):
+                            self.stats.errors += 1
+        except TimeoutError:
+            log.warning("shutdown: %d of %d volatile replicas withdrawn in time", done,
+                        len(volatile))  # fmt: skip
+        return done
 
     async def refresh_all(self) -> None:
         """Queue a refresh of every held replica (P2: same PUT, about every ttl/3)."""

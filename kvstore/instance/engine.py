@@ -51,7 +51,10 @@ class Engine(Protocol):
 
     def prefill(self, tokens: Sequence[int], loaded: KVLayers | None = None) -> Generation:
         """Process ``tokens``. ``loaded``: the KV of their first tokens (whole
-        blocks, every layer), which the engine uses instead of computing it."""
+        blocks, every layer), which the engine uses instead of computing it.
+        The ids of tokens covered by ``loaded`` are unspecified (a resumed
+        session knows its prompt blocks only by key and KV): an engine must
+        not use them (for example to key a cache of its own)."""
         ...
 
     def extend(self, generation: Generation, token: int) -> None:

@@ -443,6 +443,33 @@ class TieredStore(TierIO):
             info.meta_slots.discard(index)
             await self._quiet_delete(self.slots[index], info.ref.meta_key)
 
+    async def spill(self, timeout_s: float = 10.0) -> int:
+        """At a graceful shutdown: move what only memory tiers hold down to
+        the first persistent tier below (LMDB, Redis, S3), so that it
+        outlives the process, as far as room and ``timeout_s`` allow.
+        Returns the number of segments moved."""
+        if not any(s.tier.persistent for s in self.slots):
+            return 0
+        moved = 0
+        try:
+            async with asyncio.timeout(timeout_s), self._locked():
+                for info in list(self._blocks.values()):
+                    for segment in list(info.segments):
+                        current = segment
+                        while not self.slots[current.slot].tier.persistent:
+                            if not await self._demote(info, current):
+                                break
+                            found = next((x for x in info.segments if x.first == current.first),
+                                         None)  # fmt: skip
+                            if found is None:
+                                break
+                            current = found
+                            moved += 1
+        except TimeoutError:
+            log.warning("shutdown: %d segments moved to persistent tiers before the deadline",
+                        moved)  # fmt: skip
+        return moved
+
     async def delete(self, ref: BlockRef) -> None:
         """Remove a block (an operator action); leased blocks are refused (LE2)."""
         async with self._locked():

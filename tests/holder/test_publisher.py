@@ -154,3 +154,21 @@ async def test_a_hanging_index_delays_evictions_once(index: StandInIndex) -> Non
         assert 0.3 <= elapsed < 0.6  # one timeout, not three
         assert publisher.pending == 3
         hang.set()
+
+
+async def test_shutdown_withdraws_only_what_does_not_survive(
+    index: StandInIndex, client: IndexClient, lmdb_path: str
+) -> None:
+    # Graceful shutdown: a replica only in host memory is gone with the
+    # process, so its record goes first; one in LMDB stays published (a
+    # restart serves it and republishes it).
+    store = TieredStore([(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())])
+    publisher = wire(store, client)
+    for n in (1, 2):  # the second pushes the first down to LMDB
+        await store.put(ref(n), block())
+        await publisher.published(ref(n))
+    assert await publisher.flush() and len(index.records) == 2
+    assert [r.tier for r in store.residency(ref(1))] == ["local-storage"]
+    assert await publisher.withdraw_volatile() == 1
+    assert sorted(index.records) == [ref(1).block_key]
+    await store.close()

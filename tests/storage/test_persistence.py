@@ -299,3 +299,24 @@ async def test_layer_tables_leave_with_their_block(lmdb_path: str) -> None:
     await store.delete(ref(1))
     assert [k async for k in tier.keys()] == []
     await store.close()
+
+
+async def test_spill_moves_memory_only_blocks_down_before_a_restart(lmdb_path: str) -> None:
+    # Graceful shutdown: what only host memory holds goes to LMDB, so a
+    # restart serves it; nothing is lost on the way.
+    store = TieredStore([(HostTier(), 10 * size_of()), (LmdbTier(lmdb_path), 10 * size_of())])
+    bodies = {n: block() for n in range(3)}
+    for n, body in bodies.items():
+        await store.put(ref(n), body)
+    assert {r.tier for n in bodies for r in store.residency(ref(n))} == {"host"}
+    assert await store.spill() == 3
+    assert {r.tier for n in bodies for r in store.residency(ref(n))} == {"local-storage"}
+    await store.close()
+    again = TieredStore([(HostTier(), 10 * size_of()), (LmdbTier(lmdb_path), 10 * size_of())])
+    assert await again.recover() == 3
+    for n, body in bodies.items():
+        assert await again.get(ref(n)) == body
+    await again.close()
+    only_memory = TieredStore([(HostTier(), 10 * size_of())])
+    await only_memory.put(ref(9), block())
+    assert await only_memory.spill() == 0  # nowhere to go

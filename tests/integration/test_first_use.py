@@ -1,0 +1,70 @@
+"""First use (``kvstore serve`` without a config, what ``make run`` starts):
+a holder, an IS and a PC on one TLS listener with host and LMDB tiers under
+one directory; the printed ``curl`` works; ``/healthz`` and ``/readyz``;
+SIGTERM ends it cleanly and a second start serves the stored block again."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..conftest import free_port, wait_for_port
+
+
+def start(directory: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory),
+             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    wait_for_port(port, timeout=30)
+    return process
+
+
+def curl(command: str) -> tuple[int, str]:
+    """Run one of the banner's curl commands, adding -s and the status code."""
+    args = shlex.split(command.replace("\\\n", " "))
+    done = subprocess.run([args[0], "-s", "-w", "%{http_code}", *args[1:]], capture_output=True,
+                          text=True, timeout=30, check=False)  # fmt: skip
+    return int(done.stdout[-3:]), done.stdout[:-3]
+
+
+def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
+    tmp_path: Path,
+) -> None:
+    directory, port, log = tmp_path / ".kvstore", free_port(), tmp_path / "serve.log"
+    process = start(directory, port, log)
+    try:
+        banner = log.read_text()
+        assert f"https://127.0.0.1:{port}/kvsp/" in banner and "made" in banner
+        commands = re.findall(r"^    (curl .*?)(?=^    curl|\n\n)", banner, re.M | re.S)
+        assert len(commands) == 2, banner
+        put, get = commands[0], commands[1].split(" && ")[0]
+        assert curl(put)[0] == 201
+        assert curl(get)[0] == 200
+        fetched = Path("/tmp/fetched.kvb").read_bytes()
+        assert fetched == (directory / "example" / "block.kvb").read_bytes()
+        tls = put.split(" -X ")[0]
+        code, body = curl(f"{tls} https://127.0.0.1:{port}/readyz")
+        assert code == 200 and '"index": "ok"' in body and "local-storage" in body
+        assert curl(f"{tls} https://127.0.0.1:{port}/healthz")[0] == 200
+        # SIGTERM: a clean stop within the grace period.
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        process = start(directory, port, log)
+        assert "reused" in log.read_text().split("kvstore: development server")[-1]
+        # The block survived in LMDB: served again; a second PUT keeps it (412).
+        deadline = time.monotonic() + 10
+        while curl(get)[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert curl(put)[0] == 412
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
