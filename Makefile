@@ -18,8 +18,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
+# A holder, an Index Service and a Placement Controller on https://127.0.0.1:8443,
+# everything (certificates, config, LMDB) under ./.kvstore/, made once.
 run: $(VENV)/.installed
-	$(BIN)/kvstore --help
+	$(BIN)/kvstore serve
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check kvstore backends tests
