@@ -49,8 +49,12 @@ class S3Tier(Tier):
         secret_access_key: str | None = None,
         read_mbit_per_s: float | None = None,
         timeout_s: float = 10.0,
+        create_bucket: bool = False,
     ) -> None:
+        """``create_bucket``: make the bucket on first use when it is missing
+        (a development store such as moto or MinIO)."""
         self.bucket = bucket
+        self.create_bucket = create_bucket
         self.prefix = prefix
         self.read_mbit_per_s = read_mbit_per_s
         self._options: dict[str, Any] = {
@@ -73,7 +77,17 @@ class S3Tier(Tier):
         async with self._opening:  # one client, even when the first calls race
             if self._client is None:
                 context = get_session().create_client("s3", **self._options)
-                self._client = await context.__aenter__()
+                client = await context.__aenter__()
+                if self.create_bucket:
+                    try:
+                        try:
+                            await client.head_bucket(Bucket=self.bucket)
+                        except ClientError:
+                            await client.create_bucket(Bucket=self.bucket)
+                    except BaseException:
+                        await context.__aexit__(None, None, None)
+                        raise
+                self._client = client
                 self._context = context
         return self._client
 

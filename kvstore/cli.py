@@ -168,7 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> Any:
             # directory, made once (kvstore.firstuse).
             from .firstuse import prepare
 
-            first = prepare(args.directory, port=args.port)
+            first = prepare(args.directory, port=args.port, host=args.host)
             print(first.banner(), flush=True)
             config = load(str(first.config))
             roles = args.roles or "holder,index,pc"
@@ -256,6 +256,26 @@ def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
     return out
 
 
+def cmd_health(args: argparse.Namespace) -> Any:
+    """A probe for containers and load balancers (``HEALTHCHECK``)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    certs = Path(args.certs)
+    context = None
+    if args.url.startswith("https:"):
+        context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        context.load_cert_chain(str(certs / "client-client.pem"), str(certs / "client-client.key"))
+    try:
+        with urllib.request.urlopen(args.url, timeout=args.timeout, context=context) as answer:
+            return answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        raise CliError(f"{args.url}: {exc.code} {exc.read().decode(errors='replace')}") from exc
+    except (OSError, ssl.SSLError) as exc:
+        raise CliError(f"{args.url}: {exc}") from exc
+
+
 def cmd_demo(args: argparse.Namespace) -> Any:
     import importlib.util
 
@@ -315,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--directory", default=".kvstore", help="without --config: where it lives")
     serve.add_argument("--port", type=int, default=8443, help="without --config: its port")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="without --config: the address to listen on"
+    )
+
+    health = sub.add_parser("health", help="GET /healthz or /readyz; exit 0 when it answers 200")
+    health.add_argument("url", help="e.g. https://127.0.0.1:8443/readyz")
+    health.add_argument(
+        "--certs", default=".kvstore/certs",
+        help="directory with ca.pem and client-client.pem/.key (kvstore serve's first use)",
+    )  # fmt: skip
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=cmd_health)
     serve.set_defaults(func=cmd_serve)
 
     certs = sub.add_parser("certs", help="development certificates for mutual TLS")

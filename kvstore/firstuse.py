@@ -82,7 +82,10 @@ def prepare(root: str | Path = DIRECTORY, port: int = 8443, host: str = "127.0.0
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     created = not (root / "kvstore.toml").exists()
-    base = f"https://{host}:{port}"
+    # Listening on every address (a container): the roles reach each other,
+    # and a published port reaches them, on loopback.
+    public = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"https://{public}:{port}"
     if not (root / "certs" / "ca.pem").exists():
         create_dev_certificates(root / "certs", ["client", "holder", "pc"],
                                 hosts=("localhost", "127.0.0.1", "::1", host))  # fmt: skip

@@ -268,3 +268,13 @@ def test_config_check_names_the_key(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "controller.policy: a policy file is required" in (
         missing.stderr
     )
+
+
+def test_health_fails_when_nothing_answers(tmp_path: Path) -> None:
+    from kvstore.security import create_dev_certificates
+
+    from .conftest import free_port
+
+    create_dev_certificates(tmp_path, ["client"])
+    done = kvstore("health", f"https://127.0.0.1:{free_port()}/healthz", "--certs", str(tmp_path))
+    assert done.returncode == 2 and "healthz" in done.stderr

@@ -320,3 +320,21 @@ async def test_spill_moves_memory_only_blocks_down_before_a_restart(lmdb_path: s
     only_memory = TieredStore([(HostTier(), 10 * size_of())])
     await only_memory.put(ref(9), block())
     assert await only_memory.spill() == 0  # nowhere to go
+
+
+async def test_s3_tier_can_make_its_bucket(s3_endpoint: str) -> None:
+    # create_bucket (a development store: moto, MinIO): the first use makes
+    # a missing bucket; an existing one is used as it is.
+    import uuid
+
+    name = f"kvstore-new-{uuid.uuid4().hex[:12]}"
+    for _ in range(2):  # made, then found
+        tier = S3Tier(name, endpoint_url=s3_endpoint, create_bucket=True, **S3_CREDENTIALS)
+        await tier.put("k", b"v")
+        assert await tier.get("k") == b"v"
+        await tier.close()
+    missing = S3Tier(f"kvstore-absent-{uuid.uuid4().hex[:12]}", endpoint_url=s3_endpoint,
+                     **S3_CREDENTIALS)  # fmt: skip
+    with pytest.raises(TierUnavailable):
+        await missing.put("k", b"v")
+    await missing.close()
