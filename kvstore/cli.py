@@ -276,6 +276,63 @@ def cmd_health(args: argparse.Namespace) -> Any:
         raise CliError(f"{args.url}: {exc}") from exc
 
 
+def _ops_context(args: argparse.Namespace) -> Any:
+    import ssl
+
+    if not any(u.startswith("https:") for u in args.url):
+        return None
+    certs = Path(args.certs)
+    cafile = args.cafile or str(certs / "ca.pem")
+    cert = args.cert or str(certs / "client-client.pem")
+    key = args.key or str(certs / "client-client.key")
+    try:
+        context = ssl.create_default_context(cafile=cafile)
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise CliError(f"client certificate: {exc}") from exc
+    return context
+
+
+def cmd_status(args: argparse.Namespace) -> Any:
+    """One summary of each role at the given base URIs."""
+    import asyncio
+
+    from .ops import gather, render
+
+    views = asyncio.run(gather(args.url, _ops_context(args)))
+    if args.json:
+        return [v.summary() for v in views]
+    from rich.console import Console
+
+    Console().print(render(views))
+    if any(v.error for v in views):
+        raise CliError("; ".join(v.error for v in views if v.error))
+    return None
+
+
+def cmd_top(args: argparse.Namespace) -> Any:
+    """The summary, redrawn every ``--interval`` seconds until Ctrl-C."""
+    import asyncio
+    import time
+
+    from rich.live import Live
+
+    from .ops import gather, render
+
+    context = _ops_context(args)
+    rounds = 0
+    try:
+        with Live(refresh_per_second=4, screen=False) as live:
+            while args.rounds == 0 or rounds < args.rounds:
+                live.update(render(asyncio.run(gather(args.url, context))))
+                rounds += 1
+                if args.rounds == 0 or rounds < args.rounds:
+                    time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
+    return None
+
+
 def cmd_demo(args: argparse.Namespace) -> Any:
     import importlib.util
 
@@ -356,6 +413,24 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--principal", action="append", help="client name (repeatable)")
     init.add_argument("--host", action="append", help="server host name or IP (repeatable)")
     init.set_defaults(func=cmd_certs_init)
+
+    def ops(name: str, help_text: str) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help_text)
+        parser.add_argument("url", nargs="+", help="role base URIs, e.g. https://h:8443/kvsp/")
+        parser.add_argument("--certs", default=".kvstore/certs",
+                            help="directory of ca.pem and client-client.pem/.key")  # fmt: skip
+        parser.add_argument("--cafile")
+        parser.add_argument("--cert", help="client certificate (the metrics or admin role)")
+        parser.add_argument("--key")
+        return parser
+
+    status = ops("status", "one summary: tiers, hit ratios, leases, replicas, instances")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+    top = ops("top", "the summary, live, every second until Ctrl-C")
+    top.add_argument("--interval", type=float, default=1.0)
+    top.add_argument("--rounds", type=int, default=0, help="stop after this many (0: never)")
+    top.set_defaults(func=cmd_top)
 
     config = sub.add_parser("config", help="configuration files")
     config_sub = config.add_subparsers(dest="action", metavar="ACTION", required=True)

@@ -175,7 +175,8 @@ def role_app(
     policy: Policy,
     allow_anonymous: bool = False,
 ) -> Starlette:
-    """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them,
+    """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them
+    and ``{base}metrics`` among them,
     problem+json for every error, and request metrics. Store- and role-wide
     figures would be a cross-tenant side channel: only principals with the
     ``metrics`` (or ``admin``) role of ``policy`` may scrape them.
@@ -191,6 +192,9 @@ def role_app(
         )
 
     prefix = base.rstrip("/")
+    # Also at {base}metrics: several roles on one listener each keep theirs
+    # (``/metrics`` goes to the first role only).
+    routes = [*routes, Route("/metrics", get_metrics, methods=["GET"])] if prefix else routes
     inner: list[BaseRoute] = (
         [Mount(prefix, app=Router(routes, redirect_slashes=False))] if prefix else list(routes)
     )

@@ -313,9 +313,15 @@ def create_app(
                               "instance": entry.owner, "ended": ended,
                               "output_offset": entry.checkpoint.output_offset})  # fmt: skip
 
+    async def list_instances(request: Request) -> Response:
+        # Ours: operators see every instance and the state the PC holds.
+        policy.require_any_role(who(request), ("admin", "metrics"))
+        return json_response({"instances": await state.overview()})
+
     metrics = Metrics(counters=counters, counters_prefix="kvstore_controller")
 
     routes = [
+        Route("/instances", list_instances, methods=["GET"]),
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
         Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
 from ..protocol.problems import InsufficientStorage, InvalidState, NotFound, StaleEpoch
@@ -132,6 +133,19 @@ class ControllerState:
         """Instances that may receive requests and directives (S4)."""
         entries, now = await self._instances()
         return [e.status for e in entries if e.state_at(now) == "active"]
+
+    async def overview(self) -> list[dict[str, Any]]:
+        """Every instance the PC knows, with the state it holds and its last
+        report (operators: ``GET instances``, ``kvstore status``)."""
+        entries, now = await self._instances()
+        return [
+            {"instance": e.status.instance, "state": e.state_at(now),
+             "epoch": e.highest_epoch, "expires_in_s": round(e.expires_at - now, 3),
+             **{k: v for k, v in e.status.to_json().items()
+                if k in ("running", "queued", "kv_utilization", "prefill_tokens_per_s",
+                         "decode_tokens_per_s")}}
+            for e in sorted(entries, key=lambda e: e.status.instance)
+        ]  # fmt: skip
 
     async def failed(self) -> list[str]:
         entries, now = await self._instances()

@@ -5,6 +5,7 @@ SIGTERM ends it cleanly and a second start serves the stored block again."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import signal
@@ -53,6 +54,22 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
         code, body = curl(f"{tls} https://127.0.0.1:{port}/readyz")
         assert code == 200 and '"index": "ok"' in body and "local-storage" in body
         assert curl(f"{tls} https://127.0.0.1:{port}/healthz")[0] == 200
+        # kvstore status / top read every role's {base}metrics (OPS1).
+        bases = [f"https://127.0.0.1:{port}/{b}/" for b in ("kvsp", "is", "pc")]
+        certs = ["--certs", str(directory / "certs")]
+        done = subprocess.run([sys.executable, "-m", "kvstore", "status", *bases, *certs,
+                               "--json"], capture_output=True, text=True, timeout=60,
+                              check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        holder, index, pc = json.loads(done.stdout)
+        assert holder["roles"] == ["holder"] and holder["hit_ratio"] == 1.0
+        assert [t["tier"] for t in holder["tiers"]] == ["host#0", "local-storage#1"]
+        assert holder["tiers"][0]["used"] > 0 and holder["ready"]["status"] == "ok"
+        assert index["roles"] == ["index"] and pc["roles"] == ["pc"] and pc["instances"] == []
+        live = subprocess.run([sys.executable, "-m", "kvstore", "top", bases[0], *certs,
+                               "--rounds", "2", "--interval", "0.1"], capture_output=True,
+                              text=True, timeout=60, check=False)  # fmt: skip
+        assert live.returncode == 0 and "host#0" in live.stdout, live.stderr
         # SIGTERM: a clean stop within the grace period.
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0

@@ -49,6 +49,17 @@ async def test_prefix_reuse_then_migration_after_sigkill(cluster: Cluster) -> No
         assert abs(logprob - expected) < 1e-4
         cluster.engine.extend(run, token)
 
+    # Operators see both instances at the PC, active, with measured rates.
+    from kvstore.ops import gather
+
+    views = await gather([cluster.uris["pc"], cluster.uris["b"]], cluster.context("ops"))
+    listed = {i["instance"]: i for i in views[0].summary()["instances"]}
+    assert set(listed) == {cluster.uris["a"], cluster.uris["b"]}
+    assert all(i["state"] == "active" and i["prefill_tokens_per_s"] > 0 for i in listed.values())
+    # OPS1 at b: the prefix it fetched versus what it recomputed.
+    b = views[1].summary()
+    assert b["roles"] == ["instance"] and b["fetched_tokens"] >= shared_tokens
+
     # 2. Migration (CK3-CK7): a is killed mid-session; the PC moves the
     # session to b at epoch 2; the front end's output is the uninterrupted
     # greedy output, each index once.

@@ -1,0 +1,188 @@
+"""``kvstore status`` and ``kvstore top``: what a running server is doing.
+
+Both read each role's ``{base}metrics`` (Prometheus text; the ``metrics`` or
+``admin`` role is needed) and, for a Placement Controller, ``{base}instances``;
+``/readyz`` of the listener says whether its tiers and IS are reachable.
+``status`` prints one summary; ``top`` redraws it every second until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+
+@dataclass
+class RoleView:
+    base: str
+    roles: list[str] = field(default_factory=list)
+    ready: dict[str, Any] = field(default_factory=dict)
+    samples: Samples = field(default_factory=dict)
+    instances: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+
+    def value(self, name: str, **labels: str) -> float:
+        found = self.samples.get(name, {})
+        if not labels:
+            return sum(found.values())
+        return sum(
+            v for k, v in found.items() if all(dict(k).get(a) == b for a, b in labels.items())
+        )
+
+    def by(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, value in self.samples.get(name, {}).items():
+            out[dict(key).get(label, "")] = out.get(dict(key).get(label, ""), 0.0) + value
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The figures ``status`` shows, as JSON."""
+        out: dict[str, Any] = {"base": self.base, "roles": self.roles, "ready": self.ready}
+        if self.error:
+            out["error"] = self.error
+        if "holder" in self.roles:
+            used, capacity = (self.by("kvstore_tier_used_bytes", "tier"),
+                              self.by("kvstore_tier_capacity_bytes", "tier"))  # fmt: skip
+            degraded = self.by("kvstore_tier_degraded", "tier")
+            out["tiers"] = [{"tier": t, "used": int(used.get(t, 0)), "capacity": int(c),
+                             "degraded": bool(degraded.get(t))}
+                            for t, c in capacity.items()]  # fmt: skip
+            hits, misses = (
+                self.value("kvstore_store_hits_total"),
+                self.value("kvstore_store_misses_total"),
+            )
+            out["hit_ratio"] = hits / (hits + misses) if hits + misses else None
+            out["leases"] = int(self.value("kvstore_leases"))
+            out["lease_rejections"] = int(self.value("kvstore_lease_rejections_total"))
+            out["digest_failures"] = int(self.value("kvstore_digest_failures_total"))
+            out["replicas_published"] = int(
+                self.value("kvstore_publish_total", outcome="published")
+            )
+            out["replicas_withdrawn"] = int(
+                self.value("kvstore_publish_total", outcome="withdrawn")
+            )
+        if "index" in self.roles:
+            keys = self.value("kvstore_index_lookup_keys_total")
+            matched = self.value("kvstore_index_lookup_matched_keys_total")
+            out["lookups"] = int(self.value("kvstore_index_lookups_total"))
+            out["lookup_hit_ratio"] = matched / keys if keys else None
+        if "pc" in self.roles:
+            out["placements"] = int(self.value("kvstore_controller_placements_total"))
+            out["migrations"] = int(self.value("kvstore_controller_migrations_total"))
+            out["instances"] = self.instances
+        if "instance" in self.roles:
+            loaded = self.value("kvstore_instance_loaded_tokens_total")
+            computed = self.value("kvstore_instance_computed_tokens_total")
+            out["sessions"] = int(self.value("kvstore_instance_sessions_total"))
+            out["fetched_tokens"], out["recomputed_tokens"] = int(loaded), int(computed)
+            out["output_tokens"] = int(self.value("kvstore_instance_output_tokens_total"))
+        return out
+
+
+def _roles(samples: Samples) -> list[str]:
+    names = " ".join(samples)
+    markers = {"holder": "kvstore_tier_", "index": "kvstore_index_",
+               "pc": "kvstore_controller_", "instance": "kvstore_instance_"}  # fmt: skip
+    return [role for role, marker in markers.items() if marker in names]
+
+
+def parse_metrics(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = tuple(sorted(sample.labels.items()))
+            out.setdefault(sample.name, {})[key] = float(sample.value)
+    return out
+
+
+async def gather(bases: list[str], context: ssl.SSLContext | None) -> list[RoleView]:
+    connector = aiohttp.TCPConnector(ssl=context if context is not None else False)
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        return list(await asyncio.gather(*(_view(http, b) for b in bases)))
+
+
+async def _view(http: aiohttp.ClientSession, base: str) -> RoleView:
+    base = base if base.endswith("/") else base + "/"
+    view = RoleView(base)
+    origin = "{0.scheme}://{0.netloc}/".format(urlsplit(base))
+    try:
+        async with http.get(urljoin(base, "metrics")) as response:
+            text = await response.text()
+            if response.status != 200:
+                view.error = f"{response.status} from {base}metrics: {text[:200]}"
+                return view
+        view.samples = parse_metrics(text)
+        view.roles = _roles(view.samples)
+        async with http.get(urljoin(origin, "readyz")) as response:
+            view.ready = json.loads(await response.text() or "{}")
+        if "pc" in view.roles:
+            async with http.get(urljoin(base, "instances")) as response:
+                if response.status == 200:
+                    view.instances = (await response.json(content_type=None))["instances"]
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        view.error = f"{base}: {exc!r}"
+    return view
+
+
+def _octets(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render(views: list[RoleView]) -> Any:
+    """The summary as rich renderables (a group of tables)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    parts: list[Any] = []
+    for view in views:
+        s = view.summary()
+        title = f"{view.base}  [{', '.join(view.roles) or '?'}]"
+        if view.error:
+            parts.append(f"[red]{title}: {view.error}[/red]")
+            continue
+        ready = s["ready"].get("status", "?")
+        parts.append(f"[bold]{title}[/bold]  ready: "
+                     f"{'[green]' if ready == 'ok' else '[red]'}{ready}[/]")  # fmt: skip
+        if "tiers" in s:
+            table = Table("tier", "used", "capacity", "fill", "state")
+            for tier in s["tiers"]:
+                fill = tier["used"] / tier["capacity"] if tier["capacity"] else 0.0
+                table.add_row(tier["tier"], _octets(tier["used"]), _octets(tier["capacity"]),
+                              f"{fill:.0%}", "degraded" if tier["degraded"] else "ok")  # fmt: skip
+            parts.append(table)
+            ratio = "-" if s["hit_ratio"] is None else f"{s['hit_ratio']:.1%}"
+            parts.append(f"hit ratio {ratio}, leases {s['leases']} (rejected "
+                         f"{s['lease_rejections']}), replicas published "
+                         f"{s['replicas_published']} / withdrawn {s['replicas_withdrawn']}, "
+                         f"digest failures {s['digest_failures']}")  # fmt: skip
+        if "lookups" in s:
+            ratio = "-" if s["lookup_hit_ratio"] is None else f"{s['lookup_hit_ratio']:.1%}"
+            parts.append(f"index: {s['lookups']} lookups, key hit ratio {ratio}")
+        if "placements" in s:
+            parts.append(f"controller: {s['placements']} placements, "
+                         f"{s['migrations']} migrations")  # fmt: skip
+            table = Table("instance", "state", "epoch", "running", "queued", "kv", "prefill/s")
+            for i in s["instances"]:
+                table.add_row(i["instance"], i["state"], str(i["epoch"]), str(i["running"]),
+                              str(i["queued"]), f"{i['kv_utilization']:.0%}",
+                              f"{i['prefill_tokens_per_s']:.0f}")  # fmt: skip
+            parts.append(table)
+        if "sessions" in s:
+            parts.append(f"instance: {s['sessions']} sessions, tokens fetched "
+                         f"{s['fetched_tokens']} / recomputed {s['recomputed_tokens']}, "
+                         f"output {s['output_tokens']}")  # fmt: skip
+    return Group(*parts)
