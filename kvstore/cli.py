@@ -333,6 +333,12 @@ def cmd_top(args: argparse.Namespace) -> Any:
     return None
 
 
+def cmd_openapi(args: argparse.Namespace) -> Any:
+    from .openapi import render
+
+    return render(args.role).rstrip("\n")
+
+
 def cmd_demo(args: argparse.Namespace) -> Any:
     import importlib.util
 
@@ -431,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--rounds", type=int, default=0, help="stop after this many (0: never)")
     top.set_defaults(func=cmd_top)
+
+    openapi = sub.add_parser("openapi", help="a role's OpenAPI 3.1 document (docs/openapi/)")
+    openapi.add_argument("role", choices=["holder", "index", "controller", "instance"])
+    openapi.set_defaults(func=cmd_openapi)
 
     config = sub.add_parser("config", help="configuration files")
     config_sub = config.add_subparsers(dest="action", metavar="ACTION", required=True)

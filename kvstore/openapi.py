@@ -1,0 +1,383 @@
+"""OpenAPI 3.1 documents of every role's resources (``docs/openapi/``).
+
+Built here from shared pieces (records, problems) so that the four
+documents agree; ``kvstore openapi ROLE`` prints one, and
+``tests/test_openapi.py`` checks that docs/openapi/ holds what this builds
+and runs schemathesis against each role's app: no 5xx on any generated
+input, and every response matches its schema. Paths are relative to the
+role's base URI, as in the draft; our own resources (not KVSP) say so.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+JSON = "application/kvsp+json"
+PROBLEM = "application/problem+json"
+BLOCK = "application/kvsp-block"
+ROLES = ("holder", "index", "controller", "instance")
+
+HEX16 = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
+HEX32 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+DIGEST = {"type": "string", "pattern": "^sha-256:[0-9a-f]{64}$"}
+URI = {"type": "string", "format": "uri"}
+UUID = {"type": "string", "format": "uuid"}
+U32 = {"type": "integer", "minimum": 0, "maximum": 4294967295}
+TOKENS = {"type": "array", "items": U32}
+RANGE = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 2, "maxItems": 2}
+
+COMPONENTS: dict[str, Any] = {
+    "Problem": {
+        "type": "object",
+        "description": "RFC 9457 problem details (H3); KVSP types are "
+        "https://iana.org/assignments/kvsp#<suffix>",
+        "properties": {"type": {"type": "string"}, "title": {"type": "string"},
+                       "status": {"type": "integer"}, "detail": {"type": "string"}},
+        "required": ["type", "title", "status"],
+    },
+    "Residency": {
+        "type": "object",
+        "properties": {"tier": {"type": "string"}, "layers": RANGE,
+                       "read_mbit_per_s": {"type": ["number", "null"]}},
+        "required": ["tier", "layers"],
+    },
+    "ReplicaRecord": {
+        "type": "object",
+        "description": "R2",
+        "properties": {
+            "block_key": HEX32, "compat_id": HEX32, "scope_id": HEX16, "holder": URI,
+            "codec": {"type": "integer"}, "size": {"type": "integer"}, "digest": DIGEST,
+            "layer_digests": {"type": ["array", "null"], "items": HEX32},
+            "residency": {"type": "array", "items": {"$ref": "#/components/schemas/Residency"}},
+            "ttl_ms": {"type": "integer"}, "moqt_namespace": {"type": ["string", "null"]},
+        },
+        "required": ["block_key", "compat_id", "scope_id", "holder", "codec", "size", "digest",
+                     "residency", "ttl_ms"],
+    },
+    "LeaseRequest": {
+        "type": "object",
+        "properties": {"block_keys": {"type": "array", "items": HEX32, "minItems": 1},
+                       "ttl_ms": {"type": "integer", "minimum": 1},
+                       "scope_id": HEX16, "compat_id": HEX32},
+        "required": ["block_keys", "ttl_ms"],
+    },
+    "LeaseGrant": {
+        "type": "object",
+        "properties": {"lease": {"type": "string"}, "ttl_ms": {"type": "integer"},
+                       "block_keys": {"type": "array", "items": HEX32}},
+        "required": ["lease", "ttl_ms"],
+    },
+    "LookupRequest": {
+        "type": "object",
+        "description": "L1; shapes_only is ours",
+        "properties": {"scope_id": HEX16, "compat_id": HEX32,
+                       "block_keys": {"type": "array", "items": HEX32},
+                       "targets": {"type": ["array", "null"], "items": URI},
+                       "shapes_only": {"type": ["boolean", "null"]}},
+        "required": ["scope_id", "compat_id", "block_keys"],
+    },
+    "LookupResponse": {
+        "type": "object",
+        "properties": {
+            "matched": {"type": "integer", "minimum": 0},
+            "replicas": {"type": "array", "items": {
+                "type": "array", "items": {"$ref": "#/components/schemas/ReplicaRecord"}}},
+            "targets": {"type": "array", "items": {"type": "object", "properties": {
+                "instance": URI, "fetch_us": {"type": ["number", "null"]},
+                "recompute_us": {"type": ["number", "null"]}}}},
+            "shapes": {"type": "object"},
+        },
+        "required": ["matched"],
+    },
+    "InstanceStatus": {
+        "type": "object",
+        "description": "R3",
+        "properties": {
+            "instance": URI, "epoch": {"type": "integer", "minimum": 0},
+            "state": {"enum": ["active", "draining", "sleeping", "failed"]},
+            "running": U32, "queued": U32, "batch_size": U32,
+            "kv_utilization": {"type": "number", "minimum": 0, "maximum": 1},
+            "prefill_tokens_per_s": {"type": "number", "minimum": 0},
+            "decode_tokens_per_s": {"type": "number", "minimum": 0},
+            "links": {"type": "array", "items": {"type": "object", "properties": {
+                "holder": URI, "mbit_per_s": {"type": "number"}, "rtt_us": {"type": "number"}},
+                "required": ["holder", "mbit_per_s", "rtt_us"]}},
+            "requested_state": {"enum": ["active", "draining", "sleeping", "failed", None]},
+            "ttl_ms": {"type": "integer", "minimum": 1},
+        },
+        "required": ["instance", "epoch", "state", "running", "queued", "batch_size",
+                     "kv_utilization", "prefill_tokens_per_s", "decode_tokens_per_s", "ttl_ms"],
+    },
+    "StateChange": {"type": "object",
+                    "properties": {"state": {"enum": ["active", "draining", "sleeping", "failed"]}},
+                    "required": ["state"]},
+    "Sampler": {"type": "object", "properties": {
+        "method": {"type": "string"}, "params": {"type": ["object", "null"]},
+        "seed": {"type": "integer"}, "step": {"type": "integer", "minimum": 0},
+        "deterministic": {"type": "boolean"}},
+        "required": ["method", "seed", "step", "deterministic"]},
+    "SessionCheckpoint": {
+        "type": "object",
+        "description": "R4; kvstore_limits is ours",
+        "properties": {
+            "session": UUID, "epoch": {"type": "integer", "minimum": 0},
+            "compat_id": HEX32, "scope_id": HEX16,
+            "prompt_blocks": {"type": "array", "items": HEX32},
+            "prompt_tail": TOKENS, "generated": TOKENS,
+            "output_offset": {"type": "integer", "minimum": 0},
+            "sampler": {"$ref": "#/components/schemas/Sampler"},
+            "kvstore_limits": {"type": "object", "properties": {
+                "max_tokens": U32, "stop_tokens": TOKENS}},
+        },
+        "required": ["session", "epoch", "compat_id", "scope_id", "prompt_blocks",
+                     "prompt_tail", "generated", "output_offset", "sampler"],
+    },
+    "ShardMap": {
+        "type": "object",
+        "description": "RS1",
+        "properties": {"map": {"type": "string"}, "version": {"type": "integer", "minimum": 0},
+                       "shards": {"type": "array", "items": {"type": "object", "properties": {
+                           "tokens": RANGE, "instance": URI},
+                           "required": ["tokens", "instance"]}}},
+        "required": ["map", "version", "shards"],
+    },
+    "Reshard": {
+        "type": "object",
+        "description": "RS2 plan {map, from, to, deadline_ms, retain, fetch, release}, "
+        "or {map, commit}, or {map, abort}",
+        "properties": {
+            "map": {"type": "string"}, "from": {"type": "integer"}, "to": {"type": "integer"},
+            "deadline_ms": {"type": "integer"}, "retain": {"type": "array", "items": RANGE},
+            "fetch": {"type": "array", "items": {"type": "object", "properties": {
+                "tokens": RANGE, "from": URI}}},
+            "release": {"type": "array", "items": RANGE},
+            "commit": {"type": "integer"}, "abort": {"type": "integer"},
+        },
+        "required": ["map"],
+    },
+    "PrefetchDirective": {
+        "type": "object",
+        "description": "PF1",
+        "properties": {
+            "directive": UUID, "request_ref": {"type": ["string", "null"]},
+            "scope_id": HEX16, "compat_id": HEX32,
+            "blocks": {"type": "array", "items": {"type": "object", "properties": {
+                "block_key": HEX32, "sources": {"type": "array", "items": URI}},
+                "required": ["block_key", "sources"]}},
+            "layer_order": {"const": "ascending"},
+            "deadline_ms": {"type": "integer", "minimum": 0},
+            "lease_ms": {"type": "integer", "minimum": 0},
+        },
+        "required": ["directive", "scope_id", "compat_id", "blocks", "deadline_ms", "lease_ms"],
+    },
+    "PrefetchStatus": {
+        "type": "object",
+        "properties": {"directive": UUID,
+                       "state": {"enum": ["pending", "partial", "complete", "failed"]},
+                       "loaded": {"type": "array", "items": HEX32}},
+        "required": ["directive", "state", "loaded"],
+    },
+    "Object": {"type": "object", "description": "a JSON object described in the docs"},
+}  # fmt: skip
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str) -> dict[str, Any]:
+    return {"content": {JSON: {"schema": _ref(name)}}}
+
+
+def _op(summary: str, ok: dict[str, Any], body: str | None = None,
+        body_type: str = JSON, ours: bool = False, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """An operation: its 2xx answers in ``ok``, any error a problem (default)."""
+    op: dict[str, Any] = {
+        "summary": summary + (" (ours, not KVSP)" if ours else ""),
+        "responses": {
+            **ok,
+            "default": {
+                "description": "a problem (H3)",
+                "content": {PROBLEM: {"schema": _ref("Problem")}},
+            },
+        },
+        **extra,
+    }
+    if body is not None:
+        schema = _ref(body) if body_type == JSON else {"type": "string", "format": "binary"}
+        op["requestBody"] = {"required": True, "content": {body_type: {"schema": schema}}}
+    return op
+
+
+def _path(*names: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"name": n, "in": "path", "required": True, "schema": s} for n, s in names]
+
+
+def _ok(code: str, name: str | None, description: str = "done") -> dict[str, Any]:
+    return {code: {"description": description, **(_json(name) if name else {})}}
+
+
+def document(role: str) -> dict[str, Any]:
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
+    paths: dict[str, Any] = {}
+    block = _path(("compat", HEX32), ("scope", HEX16), ("block_key", HEX32))
+    if role == "holder":
+        paths["/blocks/{compat}/{scope}/{block_key}"] = {
+            "parameters": block,
+            "get": _op("Retrieve a block, or a layer range of it (BL1-BL4)",
+                       {"200": {"description": "the KV Block Container",
+                                "content": {BLOCK: {"schema": {"type": "string",
+                                                               "format": "binary"}}}}},
+                       parameters=[
+                           {"name": "layers", "in": "query",
+                            "schema": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"}},
+                           {"name": "codec", "in": "query", "schema": {"type": "integer"}}]),
+            "put": _op("Store a block with If-None-Match: * (BL7)",
+                       _ok("201", "ReplicaRecord", "stored; the replica's record"), "Object",
+                       body_type=BLOCK, parameters=[{"name": "If-None-Match", "in": "header",
+                                                     "required": True,
+                                                     "schema": {"const": "*"}}]),
+        }  # fmt: skip
+        paths["/leases"] = {
+            "post": _op("Create a lease (LE1)", _ok("201", "LeaseGrant"), "LeaseRequest")
+        }
+        lease = _path(("lease_id", {"type": "string"}))
+        paths["/leases/{lease_id}"] = {
+            "parameters": lease,
+            "put": _op("Renew a lease", _ok("200", "LeaseGrant"), "Object"),
+            "delete": _op("Release a lease", {"204": {"description": "released"}}),
+        }
+    elif role == "index":
+        paths["/replicas/{holder_id}/{block_key}"] = {
+            "parameters": _path(("holder_id", {"type": "string"}), ("block_key", HEX32)),
+            "put": _op("Publish a replica record (P1, L4)", {
+                "200": {"description": "kept; the granted TTL", **_json("Object")},
+                "204": {"description": "kept"}}, "ReplicaRecord"),
+            "delete": _op("Withdraw a replica record (P3)", {"204": {"description": "gone"}}),
+        }  # fmt: skip
+        paths["/lookup"] = {
+            "post": _op(
+                "Longest-prefix lookup (L1-L3)", _ok("200", "LookupResponse"), "LookupRequest"
+            )
+        }
+    elif role == "controller":
+        instance_id = _path(("instance_id", {"type": "string"}))
+        session = _path(("session", {"type": "string"}))
+        map_id = _path(("map", {"type": "string"}))
+        paths["/instances"] = {
+            "get": _op("Every instance and the state the PC holds", _ok("200", "Object"), ours=True)
+        }
+        paths["/instances/{instance_id}/status"] = {
+            "parameters": instance_id,
+            "put": _op(
+                "Report an instance's status (S1-S3)", _ok("200", "StateChange"), "InstanceStatus"
+            ),
+        }
+        paths["/instances/{instance_id}/state"] = {
+            "parameters": instance_id,
+            "put": _op(
+                "Set an instance active or draining",
+                _ok("200", "StateChange"),
+                "StateChange",
+                ours=True,
+            ),
+        }
+        paths["/sessions/{session}/checkpoint"] = {
+            "parameters": session,
+            "put": _op(
+                "Checkpoint a session (CK1, CK2)", _ok("200", "Object"), "SessionCheckpoint"
+            ),
+        }
+        paths["/sessions/{session}"] = {
+            "parameters": session,
+            "get": _op("Where a session is now", _ok("200", "Object"), ours=True),
+            "delete": _op("The owner ends a session", {"204": {"description": "ended"}}, ours=True),
+        }
+        paths["/maps/{map}"] = {
+            "parameters": map_id,
+            "put": _op("Hold a shard map (RS1)", _ok("200", "ShardMap"), "ShardMap", ours=True),
+            "get": _op("A shard map", _ok("200", "Object"), ours=True),
+        }
+        paths["/maps/{map}/reshard"] = {
+            "parameters": map_id,
+            "post": _op(
+                "Reshard to a target map (RS2-RS7)", _ok("200", "Object"), "Object", ours=True
+            ),
+        }
+        paths["/place"] = {
+            "post": _op(
+                "Place a request (PL1-PL3)", _ok("200", "Object"), "LookupRequest", ours=True
+            )
+        }
+    else:
+        session = _path(("session", {"type": "string"}))
+        paths["/prefetch"] = {"post": _op("A prefetch directive (PF1)", {
+            "202": {"description": "accepted; Location names its status",
+                    **_json("PrefetchStatus")}}, "PrefetchDirective")}  # fmt: skip
+        paths["/prefetch/{directive}"] = {
+            "parameters": _path(("directive", {"type": "string"})),
+            "get": _op("A directive's state (PF3)", _ok("200", "PrefetchStatus")),
+        }
+        paths["/state"] = {
+            "put": _op("Change the state (S3, S6)", _ok("200", "StateChange"), "StateChange")
+        }
+        paths["/sessions/{session}/resume"] = {
+            "parameters": session,
+            "post": _op("Resume a session (CK5, CK6)", _ok("200", "Object"), "Object"),
+        }
+        paths["/reshard"] = {
+            "post": _op(
+                "A reshard plan, commit or abort (RS2-RS6)", _ok("200", "Object"), "Reshard"
+            )
+        }
+        paths["/contexts/{map}"] = {
+            "parameters": _path(("map", {"type": "string"})),
+            "put": _op(
+                "Hold ranges of a sharded context", _ok("200", "Object"), "Object", ours=True
+            ),
+            "get": _op("What is held of a context", _ok("200", "Object"), ours=True),
+        }
+        ndjson = {
+            "200": {
+                "description": "NDJSON events: session, tokens (index, epoch), end",
+                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            }
+        }
+        paths["/generate"] = {
+            "post": _op("Start a session and stream its tokens", ndjson, "Object", ours=True)
+        }
+        paths["/sessions/{session}"] = {
+            "parameters": session,
+            "get": _op("How a session stands", _ok("200", "Object"), ours=True),
+        }
+        paths["/sessions/{session}/tokens"] = {
+            "parameters": session,
+            "get": _op(
+                "A session's tokens again, from an index",
+                ndjson,
+                ours=True,
+                parameters=[
+                    {"name": "from", "in": "query", "schema": {"type": "integer", "minimum": 0}}
+                ],
+            ),
+        }
+    titles = {
+        "holder": "KVSP holder",
+        "index": "KVSP Index Service",
+        "controller": "KVSP Placement Controller",
+        "instance": "KVSP Inference Instance",
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": f"{titles[role]} (kvstore)", "version": "1",
+                 "description": "Paths are relative to the role's base URI. Every request "
+                 "authenticates with a client certificate (mutual TLS 1.3, H1)."},
+        "paths": paths,
+        "components": {"schemas": COMPONENTS},
+    }  # fmt: skip
+
+
+def render(role: str) -> str:
+    return json.dumps(document(role), indent=1, sort_keys=True) + "\n"
