@@ -278,3 +278,19 @@ def test_health_fails_when_nothing_answers(tmp_path: Path) -> None:
     create_dev_certificates(tmp_path, ["client"])
     done = kvstore("health", f"https://127.0.0.1:{free_port()}/healthz", "--certs", str(tmp_path))
     assert done.returncode == 2 and "healthz" in done.stderr
+
+
+def test_the_grafana_dashboard_uses_documented_metrics() -> None:
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    dashboard = json.loads((root / "docker" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    names = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs
+             for n in re.findall(r"\bkvstore_\w+", e)}  # fmt: skip
+    documented = (root / "docs" / "operations.md").read_text()
+    for name in names:
+        stem = name.removesuffix("_total")
+        suffix = stem.rsplit("_", 1)[-1]
+        assert name in documented or stem in documented or f"_{suffix}" in documented, name
+    assert len(dashboard["panels"]) >= 10
