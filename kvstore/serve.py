@@ -410,6 +410,15 @@ def uvicorn_config(config: Config, app: Any) -> Any:
             ssl_ca_certs=server.cafile,
             ssl_cert_reqs=ssl.CERT_REQUIRED,  # H1: both sides authenticate
         )
+    if server.http2:
+        if server.insecure_http:
+            raise ConfigError("server.http2: offered by ALPN, so only with TLS")
+        try:
+            from .tlsscope import http2_protocol
+
+            options["http"] = http2_protocol()  # H1 SHOULD: h2 or http/1.1 by ALPN
+        except ImportError as exc:
+            raise ConfigError(f"server.http2: needs the http2 extra ({exc})") from exc
     uv = uvicorn.Config(app, log_level="warning", lifespan="off", **options)
     uv.load()
     if uv.ssl is not None:

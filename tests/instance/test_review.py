@@ -118,3 +118,28 @@ async def test_a_late_answer_does_not_undo_the_pcs_state_change() -> None:
     gate.set()
     assert await report == "sleeping"
     assert lifecycle.state == "active"
+
+
+async def test_pending_directives_beyond_the_quota_are_429() -> None:
+    # PF5, SEC3: while max_pending directives are pending, another is refused
+    # with 429 (kvsp-lease-quota), and accepted again once they finished.
+    import httpx
+
+    from kvstore.instance.app import InstanceSettings, create_app
+    from kvstore.security import Policy
+
+    store = TieredStore([(HostTier(), 1 << 24)])
+    prefetcher = Prefetcher(store, FakeHolders(block(layers=3), release_s=0.5), max_pending=1)
+    policy = Policy.from_json({"principals": {"anonymous": {"roles": ["pc"]}}})
+    app = create_app(InstanceSettings("http://ii.test/ii/", allow_anonymous=True), prefetcher,
+                     policy, Lifecycle())  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                 base_url="http://ii.test/ii/") as pc:  # fmt: skip
+        first = await pc.post("prefetch", json=directive().to_json())
+        assert first.status_code == 202
+        refused = await pc.post("prefetch", json=directive().to_json())
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["type"].endswith("#kvsp-lease-quota")
+        await finish(prefetcher, first.json()["directive"])
+        assert (await pc.post("prefetch", json=directive().to_json())).status_code == 202
+    await prefetcher.close()

@@ -6,6 +6,7 @@ SIGTERM ends it cleanly and a second start serves the stored block again."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -85,3 +86,30 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
+
+
+def test_http2_is_offered_when_configured(tmp_path: Path) -> None:
+    # H1 SHOULD: server.http2 (here by the environment override) offers h2 by
+    # ALPN on the same TLS 1.3 listener with client certificates.
+    import httpx
+
+    from kvstore.security import client_context
+
+    directory, port, log = tmp_path / ".kvstore", free_port(), tmp_path / "serve.log"
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory),
+             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "KVSTORE_SERVER_HTTP2": "true"},
+        )  # fmt: skip
+    try:
+        wait_for_port(port, timeout=30)
+        certs = directory / "certs"
+        context = client_context(str(certs / "ca.pem"), str(certs / "client-client.pem"),
+                                 str(certs / "client-client.key"))  # fmt: skip
+        with httpx.Client(verify=context, http2=True) as client:
+            response = client.get(f"https://127.0.0.1:{port}/readyz")
+        assert response.http_version == "HTTP/2" and response.json()["status"] == "ok"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
