@@ -82,8 +82,15 @@ class S3Tier(Tier):
                     try:
                         try:
                             await client.head_bucket(Bucket=self.bucket)
-                        except ClientError:
-                            await client.create_bucket(Bucket=self.bucket)
+                        except ClientError as exc:
+                            code = exc.response.get("Error", {}).get("Code")
+                            if code not in ("404", "NoSuchBucket", "NotFound"):
+                                raise  # denied or failing: not ours to create
+                            region = self._options.get("region_name")
+                            extra = ({} if region in (None, "us-east-1") else
+                                     {"CreateBucketConfiguration":
+                                      {"LocationConstraint": region}})  # fmt: skip
+                            await client.create_bucket(Bucket=self.bucket, **extra)
                     except BaseException:
                         await context.__aexit__(None, None, None)
                         raise

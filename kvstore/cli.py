@@ -19,6 +19,11 @@ from .protocol.problems import KvspError
 EXIT_USAGE = 2
 
 
+class Unhealthy(Exception):
+    """``kvstore health``: the server did not answer 200 (exit 1: Docker's
+    HEALTHCHECK reads 1 as unhealthy and reserves 2)."""
+
+
 class CliError(Exception):
     """A user-facing error: printed on one line, exit status 2."""
 
@@ -222,6 +227,8 @@ def cmd_config_check(args: argparse.Namespace) -> Any:
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
     if problems:
+        for problem in problems[1:]:
+            print(f"kvstore: error: {problem}", file=sys.stderr)
         raise CliError(problems[0])
     return f"{args.file}: ok for roles {','.join(roles)}"
 
@@ -245,6 +252,7 @@ def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
             out.append(f"{known[role]}.policy: {exc}")
     if ("holder" in roles or "instance" in roles) and not config.storage.tiers:
         out.append("storage.tiers: at least one [[storage.tiers]] is required")
+    out += _check_parts(config, roles)
     server = config.server
     if not server.insecure_http:
         for key in ("certfile", "keyfile", "cafile"):
@@ -264,16 +272,17 @@ def cmd_health(args: argparse.Namespace) -> Any:
 
     certs = Path(args.certs)
     context = None
-    if args.url.startswith("https:"):
-        context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
-        context.load_cert_chain(str(certs / "client-client.pem"), str(certs / "client-client.key"))
     try:
+        if args.url.startswith("https:"):
+            context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+            context.load_cert_chain(str(certs / "client-client.pem"),
+                                    str(certs / "client-client.key"))  # fmt: skip
         with urllib.request.urlopen(args.url, timeout=args.timeout, context=context) as answer:
             return answer.read().decode()
     except urllib.error.HTTPError as exc:
-        raise CliError(f"{args.url}: {exc.code} {exc.read().decode(errors='replace')}") from exc
+        raise Unhealthy(f"{args.url}: {exc.code} {exc.read().decode(errors='replace')}") from exc
     except (OSError, ssl.SSLError) as exc:
-        raise CliError(f"{args.url}: {exc}") from exc
+        raise Unhealthy(f"{args.url}: {exc}") from exc
 
 
 def _ops_context(args: argparse.Namespace) -> Any:
@@ -337,6 +346,58 @@ def cmd_openapi(args: argparse.Namespace) -> Any:
     from .openapi import render
 
     return render(args.role).rstrip("\n")
+
+
+def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
+    """What ``serve`` would refuse beyond the file's syntax: backends, state
+    names, descriptors, the sealing key, TLS files, plain HTTP off loopback."""
+    import json as json_
+
+    from backends import BACKENDS
+
+    from .protocol.compat import parse_descriptor
+    from .serve import _is_loopback
+
+    out: list[str] = []
+    if "holder" in roles or "instance" in roles:
+        for index, tier in enumerate(config.storage.tiers):
+            if tier.backend not in BACKENDS:
+                out.append(f"storage.tiers[{index}].backend: {tier.backend!r}; known: "
+                           f"{', '.join(sorted(BACKENDS))}")  # fmt: skip
+        key = config.storage.encryption_key_file
+        if key:
+            try:
+                if len(Path(key).read_bytes()) != 32:
+                    out.append("storage.encryption_key_file: must hold exactly 32 octets")
+            except OSError as exc:
+                out.append(f"storage.encryption_key_file: {exc.strerror}: {key}")
+    for section, role in (("index", "index"), ("controller", "pc")):
+        if role in roles and getattr(config, section).state not in ("memory", "redis"):
+            out.append(f"{section}.state: {getattr(config, section).state!r} is not "
+                       "'memory' or 'redis'")  # fmt: skip
+    for section, role in (("holder", "holder"), ("index", "index"), ("controller", "pc")):
+        if role not in roles:
+            continue
+        for file in getattr(config, section).descriptors:
+            try:
+                parse_descriptor(json_.loads(Path(file).read_text()))
+            except (OSError, ValueError, KvspError) as exc:
+                out.append(f"{section}.descriptors: {file}: {exc}")
+    server = config.server
+    if server.insecure_http and not _is_loopback(server.host):
+        out.append("server.insecure_http: refused on a non-loopback address")
+    if not server.insecure_http and all(
+        getattr(server, k) and Path(getattr(server, k)).exists()
+        for k in ("certfile", "keyfile", "cafile")
+    ):
+        import ssl
+
+        try:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=server.cafile)
+            context.load_cert_chain(server.certfile, server.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            out.append(f"server.certfile / keyfile / cafile: {exc}")
+    return out
 
 
 def cmd_demo(args: argparse.Namespace) -> Any:
@@ -485,6 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = args.func(args)
+    except Unhealthy as exc:
+        print(f"kvstore: unhealthy: {exc}", file=sys.stderr)
+        return 1
     except (CliError, KvspError, ValueError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"kvstore: error: {message}", file=sys.stderr)

@@ -10,7 +10,7 @@ A holder's file, with every key and its default::
     cafile = "certs/ca.pem"           # CA that signs client certificates
     insecure_http = false             # plain HTTP: loopback only, logged loudly
     http2 = false                     # offer HTTP/2 by ALPN (uvicorn's experimental zttp)
-    shutdown_grace_s = 10.0           # SIGTERM: in-flight requests finish within this
+    shutdown_grace_s = 7.0            # SIGTERM: the whole stop within about this
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -131,7 +131,7 @@ class ServerConfig:
     cafile: str = ""
     insecure_http: bool = False
     http2: bool = False
-    shutdown_grace_s: float = 10.0
+    shutdown_grace_s: float = 7.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,28 +334,59 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 ENV_PREFIX = "KVSTORE_"
 _SECTIONS = ("server", "holder", "index", "controller", "instance", "storage")
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _section_classes() -> dict[str, type]:
+    return {"server": ServerConfig, "holder": HolderConfig, "index": IndexConfig,
+            "controller": ControllerConfig, "instance": InstanceConfig,
+            "storage": StorageConfig}  # fmt: skip
+
+
+def _env_value(name: str, raw: str, default: Any) -> Any:
+    """``raw`` as the type of the key's default (the key's own type, not a guess)."""
+    try:
+        if isinstance(default, bool):
+            if raw.strip().lower() not in _TRUE | _FALSE:
+                raise ValueError("true or false")
+            return raw.strip().lower() in _TRUE
+        if isinstance(default, int):
+            return int(raw.strip())
+        if isinstance(default, float):
+            value = float(raw.strip())
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError("a finite number")
+            return value
+        if isinstance(default, tuple):
+            return [v.strip() for v in raw.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {raw!r} is not {type(default).__name__} ({exc})") from None
+    return raw
 
 
 def apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    """``KVSTORE_<SECTION>_<KEY>=value`` overrides ``[section] key`` (the value
-    read as a TOML value when it is one, else as a string): ``KVSTORE_SERVER_PORT=9443``,
-    ``KVSTORE_HOLDER_INDEX_URI=https://is:8443/is/``. Tiers are set in the file."""
+    """``KVSTORE_<SECTION>__<KEY>=value`` (two underscores) overrides
+    ``[section] key``, the value read as the key's type (booleans true/false,
+    numbers, arrays as comma-separated lists): ``KVSTORE_SERVER__PORT=9443``,
+    ``KVSTORE_HOLDER__INDEX_URI=https://is:8443/is/``. Other ``KVSTORE_*``
+    names (``KVSTORE_PORT``, which Kubernetes sets for a Service named
+    kvstore) are not ours and are left alone. Tiers are set in the file."""
+    classes = _section_classes()
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for name, raw in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
-        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
-        if section not in _SECTIONS or not key or key == "tiers":
-            raise ConfigError(f"{name}: not KVSTORE_<SECTION>_<KEY> of a known section "
-                              f"({', '.join(_SECTIONS)})")  # fmt: skip
-        try:
-            value: Any = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if section not in _SECTIONS:
+            raise ConfigError(f"{name}: {section!r} is not a section ({', '.join(_SECTIONS)})")
+        known = {f.name: f.default for f in fields(classes[section])}
+        if key not in known or key == "tiers":
+            raise ConfigError(f"{name}: {section}.{key}: unknown key; known: "
+                              f"{sorted(k for k in known if k != 'tiers')}")  # fmt: skip
         target = out.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"{section}: must be a table")
-        target[key] = value
+        target[key] = _env_value(name, raw, known[key])
     return out
 
 

@@ -48,6 +48,7 @@ class FirstUse:
     base: str
     block_url: str
     created: bool
+    note: str = ""
 
     def banner(self) -> str:
         certs = self.root / "certs"
@@ -57,6 +58,7 @@ class FirstUse:
         first = "made" if self.created else "reused"
         return "\n".join([
             f"kvstore: development server ({first} {self.root})",
+            *([f"  {self.note}"] if self.note else []),
             f"  holder            {self.base}/kvsp/",
             f"  index service     {self.base}/is/",
             f"  controller        {self.base}/pc/",
@@ -85,7 +87,19 @@ def prepare(root: str | Path = DIRECTORY, port: int = 8443, host: str = "127.0.0
     # Listening on every address (a container): the roles reach each other,
     # and a published port reaches them, on loopback.
     public = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    base = f"https://{public}:{port}"
+    public = f"[{public}]" if ":" in public else public
+    base, note = f"https://{public}:{port}", ""
+    if not created:
+        # Reused: kvstore.toml says where it serves (it may have been edited).
+        import tomllib
+
+        saved = tomllib.loads((root / "kvstore.toml").read_text())
+        uri = str(saved.get("holder", {}).get("uri", base + "/kvsp/"))
+        base = uri.removesuffix("/").removesuffix("/kvsp")
+        where = (saved.get("server", {}).get("host"), saved.get("server", {}).get("port"))
+        if where != (host, port):
+            note = (f"(--host/--port ignored: {root / 'kvstore.toml'} says "
+                    f"{where[0]}:{where[1]}; edit it, or use another --directory)")  # fmt: skip
     if not (root / "certs" / "ca.pem").exists():
         create_dev_certificates(root / "certs", ["client", "holder", "pc"],
                                 hosts=("localhost", "127.0.0.1", "::1", host))  # fmt: skip
@@ -121,7 +135,7 @@ def prepare(root: str | Path = DIRECTORY, port: int = 8443, host: str = "127.0.0
     if created:
         (root / "kvstore.toml").write_text(_config(base, host, port))
     url = f"{base}/kvsp/" + block_path(descriptor.compat_id_hex, scope_id(scope_key).hex(), key)
-    return FirstUse(root, root / "kvstore.toml", base, url, created)
+    return FirstUse(root, root / "kvstore.toml", base, url, created, note)
 
 
 def _config(base: str, host: str, port: int) -> str:

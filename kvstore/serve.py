@@ -8,6 +8,7 @@ import json
 import logging
 import shlex
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -361,12 +362,29 @@ def _server_class() -> Any:
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
+                self.stop_started = time.monotonic()
                 log.warning("stopping (signal %d): in-flight requests get %.0f s", sig,
                             self.config.timeout_graceful_shutdown or 0)  # fmt: skip
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
     return Server
+
+
+def _ignore_signals() -> None:
+    """During kvstore's own shutdown: SIGTERM / SIGINT are logged, not obeyed
+    (uvicorn restored the default handlers, which would cut it short)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def noted(sig: int, frame: Any) -> None:
+        log.warning("signal %d while stopping: finishing the shutdown first", sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, noted)
 
 
 def _Server(config: Any) -> Any:
@@ -436,6 +454,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc, instance"
         )
     store = publisher = index_state = pc_state = migrator = starter = None
+    stopping: dict[str, Any] = {}
     instance_parts: list[Any] = []
     try:
         apps: list[tuple[str, Any]] = []
@@ -472,18 +491,36 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             log.warning("index %s (%s state)", config.index.uri, config.index.state)
         app = Health(apps[0][1] if len(apps) == 1 else Dispatcher(apps), store, publisher)
         server = _Server(uvicorn_config(config, app))
-        if publisher is not None:
-            publisher.start()  # its first round republishes what was recovered
-        if migrator is not None:
-            migrator.start()
-        for part in instance_parts:
-            if hasattr(part, "start"):
-                part.start()  # the status reporter
+        stopping["server"] = server
+        background: list[Any] = [p for p in (publisher, migrator) if p is not None]
+        background += [p for p in instance_parts if hasattr(p, "start")]
+
+        async def start_when_listening() -> None:
+            # The publisher's first round republishes what was recovered, the
+            # status reporter reports: both may talk to roles of this very
+            # listener, so they start once it listens.
+            while not server.started and not server.should_exit:
+                await asyncio.sleep(0.02)
+            for part in background:
+                part.start()
+
+        starting = asyncio.create_task(start_when_listening(), name="kvstore-start")
+        stopping["starting"] = starting
         scheme = "http" if config.server.insecure_http else "https"
         log.warning("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
                     config.server.port)  # fmt: skip
         await server.serve()
     finally:
+        # One deadline for the whole stop (the signal started it): what the
+        # listener's grace left goes to spilling and withdrawing, at least a
+        # second each. A second signal meanwhile is logged, not obeyed.
+        _ignore_signals()
+        if "starting" in stopping:
+            stopping["starting"].cancel()
+        grace = config.server.shutdown_grace_s
+        began = getattr(stopping.get("server"), "stop_started", None)
+        left = max(0.0, grace - (time.monotonic() - began)) if began is not None else grace
+        spill_s, withdraw_s = max(1.0, 0.6 * left), max(1.0, 0.4 * left)
         # Users first, then what they use: the instance's prefetches and
         # reports, the publisher, and only then the store and states. One
         # failing close does not skip the others.
@@ -500,11 +537,14 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             # Graceful shutdown: what only memory holds goes down to a
             # persistent tier while there is room and time (a restart serves
             # it again) ...
-            closes.append(lambda: store.spill(config.server.shutdown_grace_s))
+            closes.append(lambda: store.spill(spill_s))
         if publisher is not None:
             # ... and the replicas that still do not survive the process
             # leave the IS; the rest stays published.
-            closes += [publisher.withdraw_volatile, publisher.index.close]
+            # (withdrawals queued while the IS was away go too, P3)
+            closes += [lambda: publisher.drain(withdraw_s / 2),
+                       lambda: publisher.withdraw_volatile(withdraw_s / 2),
+                       publisher.index.close]  # fmt: skip
         for closable in (store, index_state, pc_state):
             if closable is not None:
                 closes.append(closable.close)

@@ -264,6 +264,15 @@ def test_config_check_names_the_key(tmp_path: Path) -> None:
     bad.write_text("[holder]\nbogus = 1\n")
     failed = kvstore("config", "check", str(bad))
     assert failed.returncode == 2 and "holder.bogus: unknown key" in failed.stderr
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[server]\nhost = "0.0.0.0"\ninsecure_http = true\n'
+                     '[holder]\npolicy = "p.json"\n[index]\npolicy = "p.json"\nstate = "reddis"\n'
+                     '[[storage.tiers]]\nbackend = "lmbd"\ncapacity = 1024\n')  # fmt: skip
+    refused = kvstore("config", "check", str(wrong), "--roles", "holder,index")
+    assert refused.returncode == 2
+    for message in ("storage.tiers[0].backend: 'lmbd'", "index.state: 'reddis'",
+                    "server.insecure_http: refused on a non-loopback address"):  # fmt: skip
+        assert message in refused.stderr, refused.stderr
     missing = kvstore("config", "check", str(good), "--roles", "holder,pc")
     assert missing.returncode == 2 and "controller.policy: a policy file is required" in (
         missing.stderr
@@ -277,7 +286,9 @@ def test_health_fails_when_nothing_answers(tmp_path: Path) -> None:
 
     create_dev_certificates(tmp_path, ["client"])
     done = kvstore("health", f"https://127.0.0.1:{free_port()}/healthz", "--certs", str(tmp_path))
-    assert done.returncode == 2 and "healthz" in done.stderr
+    assert done.returncode == 1 and "healthz" in done.stderr
+    no_certs = kvstore("health", "https://127.0.0.1:1/healthz", "--certs", str(tmp_path / "x"))
+    assert no_certs.returncode == 1 and "Traceback" not in no_certs.stderr
 
 
 def test_the_grafana_dashboard_uses_documented_metrics() -> None:

@@ -55,20 +55,29 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
     file = tmp_path / "k.toml"
     file.write_text('[server]\nport = 1\n[holder]\nuri = "https://a/kvsp/"\n')
-    config = load(file, {"KVSTORE_SERVER_PORT": "9443", "KVSTORE_SERVER_INSECURE_HTTP": "true",
-                         "KVSTORE_HOLDER_INDEX_URI": "https://is.example:8443/is/",
-                         "KVSTORE_INSTANCE_TOKEN_INTERVAL_MS": "5", "OTHER": "x"})  # fmt: skip
+    config = load(file, {"KVSTORE_SERVER__PORT": "9443", "KVSTORE_SERVER__INSECURE_HTTP": "1",
+                         "KVSTORE_HOLDER__INDEX_URI": "https://is.example:8443/is/",
+                         "KVSTORE_INDEX__REDIS_PREFIX": "2026-01-01",
+                         "KVSTORE_INDEX__DESCRIPTORS": "a.json, b.json",
+                         "KVSTORE_INSTANCE__TOKEN_INTERVAL_MS": "5",
+                         # Not ours: what Kubernetes sets for a Service named kvstore.
+                         "KVSTORE_PORT": "tcp://10.0.0.1:8443",
+                         "KVSTORE_SERVICE_HOST": "10.0.0.1", "OTHER": "x"})  # fmt: skip
     assert config.server.port == 9443 and config.server.insecure_http is True
     assert config.holder.uri == "https://a/kvsp/"
     assert config.holder.index_uri == "https://is.example:8443/is/"
+    assert config.index.redis_prefix == "2026-01-01"  # a string key stays a string
+    assert config.index.descriptors == (str(tmp_path / "a.json"), str(tmp_path / "b.json"))
     assert config.instance.token_interval_ms == 5.0
     for name, value, message in (
-        ("KVSTORE_SERVER_PORT", "nine", "server.port: must be int"),
-        ("KVSTORE_HOLDER_BOGUS", "1", "holder.bogus: unknown key"),
-        ("KVSTORE_NOPE_X", "1", "KVSTORE_NOPE_X: not KVSTORE_<SECTION>_<KEY>"),
-        ("KVSTORE_STORAGE_TIERS", "[]", "KVSTORE_STORAGE_TIERS"),
+        ("KVSTORE_SERVER__PORT", "nine", "KVSTORE_SERVER__PORT: 'nine' is not int"),
+        ("KVSTORE_SERVER__SHUTDOWN_GRACE_S", "nan", "not float"),
+        ("KVSTORE_SERVER__HTTP2", "maybe", "not bool"),
+        ("KVSTORE_HOLDER__BOGUS", "1", "holder.bogus: unknown key"),
+        ("KVSTORE_NOPE__X", "1", "'nope' is not a section"),
+        ("KVSTORE_STORAGE__TIERS", "[]", "unknown key"),
     ):
-        with pytest.raises(ConfigError, match=message.replace("<", ".").replace(">", ".")):
+        with pytest.raises(ConfigError, match=message):
             load(file, {name: value})
 
 

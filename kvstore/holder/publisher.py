@@ -159,10 +159,20 @@ class IndexPublisher(Background, Publisher):
                         del self._pending[ref]
                     continue
                 log.warning("index unreachable, %d updates queued: %s", len(self._pending), exc)
+                self._index_down_until = self.clock() + self.down_backoff_s
                 return False
             if self._pending.get(ref) == action:
                 del self._pending[ref]
         return True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """At shutdown: send what is queued (withdrawals of blocks already
+        gone, publications) within ``timeout_s``; True when all went."""
+        try:
+            return await asyncio.wait_for(self.flush(), timeout_s)
+        except TimeoutError:
+            log.warning("shutdown: %d index updates not sent in time", len(self._pending))
+            return False
 
     async def withdraw_volatile(self, timeout_s: float = 5.0) -> int:
         """At shutdown: withdraw the records of replicas held only in memory

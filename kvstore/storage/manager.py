@@ -308,10 +308,12 @@ class TieredStore(TierIO):
             await self._evict(info, "capacity")
         return slot.used + need <= slot.capacity
 
-    async def _demote(self, info: BlockInfo, segment: Segment) -> bool:
+    async def _demote(self, info: BlockInfo, segment: Segment, make_room: bool = True) -> bool:
         """Move a segment one step down the chain (skipping degraded tiers).
 
         True when the segment left its tier: moved, or dropped as lost.
+        ``make_room``: demote or evict what is below to fit (else only free
+        room is used).
         """
         src = self.slots[segment.slot]
         try:
@@ -324,7 +326,10 @@ class TieredStore(TierIO):
                 continue
             stored, crc = await self._stored_form(dst, info.ref, segment.first, segment.last, plain)
             size = len(memoryview(stored))
-            if not await self._make_room(index, size, exclude=info.ref):
+            if not make_room:
+                if dst.used + size > dst.capacity:
+                    continue
+            elif not await self._make_room(index, size, exclude=info.ref):
                 continue
             moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
             try:
@@ -453,18 +458,31 @@ class TieredStore(TierIO):
         moved = 0
         try:
             async with asyncio.timeout(timeout_s), self._locked():
-                for info in list(self._blocks.values()):
-                    for segment in list(info.segments):
-                        current = segment
-                        while not self.slots[current.slot].tier.persistent:
-                            if not await self._demote(info, current):
-                                break
-                            found = next((x for x in info.segments if x.first == current.first),
-                                         None)  # fmt: skip
-                            if found is None:
-                                break
-                            current = found
-                            moved += 1
+                # The most recently used first; into free room only: nothing
+                # a persistent tier holds is evicted for them.
+                order: list[tuple[BlockRef, int]] = []
+                for slot in self.slots:
+                    if not slot.tier.persistent:
+                        order += reversed(list(slot.policy.candidates()))  # type: ignore[arg-type]
+                for ref, first in order:
+                    info = self._blocks.get(ref)
+                    segment = (
+                        None
+                        if info is None
+                        else next((x for x in info.segments if x.first == first), None)
+                    )
+                    if info is None or segment is None:
+                        continue
+                    current = segment
+                    while not self.slots[current.slot].tier.persistent:
+                        if not await self._demote(info, current, make_room=False):
+                            break
+                        found = next((x for x in info.segments if x.first == current.first),
+                                     None)  # fmt: skip
+                        if found is None:
+                            break
+                        current = found
+                        moved += 1
         except TimeoutError:
             log.warning("shutdown: %d segments moved to persistent tiers before the deadline",
                         moved)  # fmt: skip

@@ -98,8 +98,10 @@ async def test_index_down_then_caught_up(index: StandInIndex, client: IndexClien
     assert ref(1) not in store  # serving goes on
     assert not await publisher.flush()
     assert publisher.pending == 2
+    assert not publisher.index_reachable  # /readyz says so
     await index.start()
     assert await publisher.flush()
+    assert publisher.index_reachable
     assert sorted(index.records) == sorted([ref(2).block_key, ref(3).block_key])
     assert publisher.stats.errors >= 2
 
@@ -171,4 +173,8 @@ async def test_shutdown_withdraws_only_what_does_not_survive(
     assert [r.tier for r in store.residency(ref(1))] == ["local-storage"]
     assert await publisher.withdraw_volatile() == 1
     assert sorted(index.records) == [ref(1).block_key]
+    # Withdrawals queued while the IS was away are sent at shutdown too.
+    await publisher.withdrawn(ref(1))  # (the IS answered: sent at once)
+    publisher._pending[ref(2)] = "delete"
+    assert await publisher.drain(2.0) and publisher.pending == 0
     await store.close()

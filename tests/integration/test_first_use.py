@@ -100,7 +100,7 @@ def test_http2_is_offered_when_configured(tmp_path: Path) -> None:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory),
              "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "KVSTORE_SERVER_HTTP2": "true"},
+            env={**os.environ, "KVSTORE_SERVER__HTTP2": "true"},
         )  # fmt: skip
     try:
         wait_for_port(port, timeout=30)

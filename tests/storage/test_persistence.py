@@ -338,3 +338,19 @@ async def test_s3_tier_can_make_its_bucket(s3_endpoint: str) -> None:
     with pytest.raises(TierUnavailable):
         await missing.put("k", b"v")
     await missing.close()
+
+
+async def test_spill_uses_free_room_only_and_the_most_recent_first(lmdb_path: str) -> None:
+    # Nothing already durable is evicted for memory-only blocks; when room is
+    # short, the most recently used memory-only blocks are the ones kept.
+    store = TieredStore([(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * size_of())])
+    for n in range(8):  # 0-3 pushed down to LMDB by 4-7
+        await store.put(ref(n), block())
+    durable = {n for n in range(8) if store.residency(ref(n))[0].tier == "local-storage"}
+    assert durable == {0, 1, 2, 3}
+    await store.get(ref(4))  # 4 is now the most recently used in host memory
+    assert await store.spill() == 1  # room for one more in LMDB
+    tiers = {n: store.residency(ref(n))[0].tier for n in range(8)}
+    assert {n for n, t in tiers.items() if t == "local-storage"} == {0, 1, 2, 3, 4}
+    assert store.stats.evictions == 0 and len(store) == 8
+    await store.close()
