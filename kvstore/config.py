@@ -100,6 +100,7 @@ A holder's file, with every key and its default::
     promote = true
     lease_max_ttl_ms = 60000
     lease_max_octets_per_client = 8589934592
+    retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
 
     [[storage.tiers]]                 # fastest first
     backend = "host"                  # device | host | lmdb | redis | s3
@@ -233,6 +234,7 @@ class StorageConfig:
     promote: bool = True
     lease_max_ttl_ms: int = 60_000
     lease_max_octets_per_client: int = 8 << 30
+    retention_s: float = 0.0
     tiers: tuple[TierConfig, ...] = ()
 
 

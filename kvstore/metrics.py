@@ -77,6 +77,7 @@ class _StoreCollector(Collector):
         )
         evictions.add_metric(["capacity"], stats.evictions)
         evictions.add_metric(["fault"], stats.fault_evictions)
+        evictions.add_metric(["retention"], stats.expired)
         yield evictions
         moves = CounterMetricFamily("kvstore_store_moves", "Segment moves", labels=["direction"])
         moves.add_metric(["demotion"], stats.demotions)

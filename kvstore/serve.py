@@ -48,6 +48,7 @@ def build_store(config: Config) -> TieredStore:
         ),
         promote=cfg.promote,
         fast_layers=cfg.fast_layers or None,
+        retention_s=cfg.retention_s or None,
     )
 
 
@@ -453,7 +454,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         raise ConfigError(
             f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc, instance"
         )
-    store = publisher = index_state = pc_state = migrator = starter = None
+    store = publisher = index_state = pc_state = migrator = starter = sweeper = None
     stopping: dict[str, Any] = {}
     instance_parts: list[Any] = []
     try:
@@ -492,7 +493,12 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         app = Health(apps[0][1] if len(apps) == 1 else Dispatcher(apps), store, publisher)
         server = _Server(uvicorn_config(config, app))
         stopping["server"] = server
-        background: list[Any] = [p for p in (publisher, migrator) if p is not None]
+        sweeper = None
+        if store is not None and config.storage.retention_s > 0:
+            from .storage.retention import RetentionSweeper
+
+            sweeper = RetentionSweeper(store)
+        background: list[Any] = [p for p in (publisher, migrator, sweeper) if p is not None]
         background += [p for p in instance_parts if hasattr(p, "start")]
 
         async def start_when_listening() -> None:
@@ -533,6 +539,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             closes += [migrator.stop, migrator.instances.close]
         if publisher is not None:
             closes.append(publisher.stop)
+        if sweeper is not None:
+            closes.append(sweeper.stop)
         if store is not None:
             # Graceful shutdown: what only memory holds goes down to a
             # persistent tier while there is room and time (a restart serves

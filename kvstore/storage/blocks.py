@@ -86,6 +86,9 @@ class BlockInfo:
     meta_slots: set[int] = field(default_factory=set)
     #: Repr-Digests of layer ranges already served, (first, last) -> value.
     range_digests: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: When it was stored (this process's wall clock, Unix seconds; kept in
+    #: the layer table so that retention survives a restart). 0: unknown.
+    stored_at: float = 0.0
 
     @property
     def first_layer(self) -> int:
@@ -127,6 +130,7 @@ class BlockInfo:
                 "codec": self.codec,
                 "token_count": self.token_count,
                 "layers": [[i, k, v, d.hex()] for i, (k, v, d) in sorted(self.layers.items())],
+                "stored_at": self.stored_at,
             },
             separators=(",", ":"),
         ).encode()
@@ -137,6 +141,7 @@ class BlockInfo:
             data = json.loads(bytes(raw))
             layers = {int(i): (int(k), int(v), bytes.fromhex(d)) for i, k, v, d in data["layers"]}
             codec, tokens = int(data["codec"]), int(data["token_count"])
+            stored_at = float(data.get("stored_at", 0.0))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"malformed block metadata: {exc}") from exc
         if self.layers and (
@@ -146,6 +151,8 @@ class BlockInfo:
             raise ValueError("block metadata disagrees with its segments")
         self.codec, self.token_count = codec, tokens
         self.layers.update(layers)
+        if stored_at > 0:
+            self.stored_at = stored_at
 
     def verify_segment(self, segment: Segment, plain: BytesLike) -> None:
         """Check a segment's layers against the layer digests taken at put (B3)."""
@@ -175,6 +182,8 @@ class StoreStats:
     promotions: int = 0
     evictions: int = 0
     fault_evictions: int = 0
+    #: Blocks removed for being older than the retention limit (SEC4).
+    expired: int = 0
     integrity_failures: int = 0
     tier_errors: int = 0
 

@@ -72,6 +72,8 @@ class TieredStore(TierIO):
         retry_after_s: float = 5.0,
         on_evict: EvictHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        retention_s: float | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """
         ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
@@ -83,6 +85,8 @@ class TieredStore(TierIO):
         the AES-GCM tag when encryption is on, else a CRC-32 of the stored
         octets kept in memory (detects corruption, not a forger; turn
         encryption on against one).
+        ``retention_s``: blocks stored longer ago than this are removed by
+        :meth:`expire` (SEC4: the retention limit of the originating service).
         """
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -95,6 +99,7 @@ class TieredStore(TierIO):
         self.retry_after_s = retry_after_s
         self.on_evict = on_evict
         self.clock = clock
+        self.retention_s, self.wall_clock = retention_s, wall_clock
         self.stats = StoreStats()
         self._blocks: dict[BlockRef, BlockInfo] = {}
         self._by_key: dict[str, set[BlockRef]] = {}
@@ -212,6 +217,7 @@ class TieredStore(TierIO):
                 if ref in self._blocks:
                     raise PreconditionFailed(f"block {ref.block_key} is already held")
                 info = BlockInfo(ref, container.codec, container.token_count, {}, [])
+                info.stored_at = self.wall_clock()
                 try:
                     for first, last, slot in self._split(container):
                         if (first, last) == (container.first_layer, container.last_layer):
@@ -414,6 +420,8 @@ class TieredStore(TierIO):
         self.leases.forget_block(info.ref)
         if reason == "capacity":
             self.stats.evictions += 1
+        elif reason == "retention":
+            self.stats.expired += 1
         else:
             self.stats.fault_evictions += 1
         log.info("evicted %s (%s)", info.ref.block_key, reason)
@@ -447,6 +455,24 @@ class TieredStore(TierIO):
         for index in sorted(info.meta_slots - want):
             info.meta_slots.discard(index)
             await self._quiet_delete(self.slots[index], info.ref.meta_key)
+
+    async def expire(self) -> int:
+        """Remove every block stored more than ``retention_s`` ago, from every
+        tier, withdrawing it first (the eviction hook, P3); a leased one goes
+        once its lease ends (LE2). Returns how many went."""
+        if not self.retention_s:
+            return 0
+        cutoff = self.wall_clock() - self.retention_s
+        gone = 0
+        async with self._locked():
+            for info in [i for i in self._blocks.values() if i.stored_at < cutoff]:
+                if self._pinned(info.ref):
+                    continue
+                await self._evict(info, "retention")
+                gone += 1
+        if gone:
+            log.warning("retention: %d blocks older than %.0f s removed", gone, self.retention_s)
+        return gone
 
     async def spill(self, timeout_s: float = 10.0) -> int:
         """At a graceful shutdown: move what only memory tiers hold down to
@@ -622,7 +648,12 @@ class TieredStore(TierIO):
         from .startup import recover
 
         async with self._locked():
-            return await recover(self)
+            found = await recover(self)
+            now = self.wall_clock()
+            for info in self._blocks.values():
+                if info.stored_at <= 0:
+                    info.stored_at = now  # stored by a version that kept no time
+            return found
 
     async def close(self) -> None:
         for slot in self.slots:

@@ -354,3 +354,59 @@ async def test_spill_uses_free_room_only_and_the_most_recent_first(lmdb_path: st
     assert {n for n, t in tiers.items() if t == "local-storage"} == {0, 1, 2, 3, 4}
     assert store.stats.evictions == 0 and len(store) == 8
     await store.close()
+
+
+async def test_retention_removes_old_blocks_from_every_tier_even_after_a_restart(
+    lmdb_path: str,
+) -> None:
+    # SEC4: a retention limit removes blocks older than it from every tier,
+    # withdrawing them first (the eviction hook); the age survives a restart.
+    now = [1_000_000.0]
+    recorder = Recorder()
+
+    def make() -> TieredStore:
+        return TieredStore([(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())],
+                           retention_s=60, wall_clock=lambda: now[0],
+                           on_evict=recorder)  # fmt: skip
+
+    store = make()
+    recorder.store = store
+    await store.put(ref(1), block())  # in host, then pushed down to LMDB by ref(2)
+    now[0] += 30
+    await store.put(ref(2), block())
+    now[0] += 40  # ref(1) is 70 s old, ref(2) 40 s
+    assert await store.expire() == 1
+    assert ref(1) not in store and ref(2) in store
+    assert [(r, why) for r, why, _ in recorder.calls] == [(ref(1), "retention")]
+    assert recorder.calls[0][2]  # withdrawn while still held (P3)
+    # Nothing of it is left in LMDB, not even its layer table.
+    assert [k async for k in store.slots[1].tier.keys()] == []  # nor its layer table
+    await store.spill()
+    await store.close()
+    now[0] += 30  # ref(2) is now 70 s old: a restart still knows it
+    again = make()
+    recorder.store = again
+    assert await again.recover() == 1
+    assert await again.expire() == 1 and len(again) == 0
+    assert again.stats.expired == 1
+    await again.close()
+
+
+async def test_the_retention_sweeper_runs_on_its_own() -> None:
+    import asyncio
+
+    from kvstore.storage.retention import RetentionSweeper
+
+    now = [0.0]
+    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=10,
+                        wall_clock=lambda: now[0])  # fmt: skip
+    await store.put(ref(1), block())
+    now[0] = 11.0
+    sweeper = RetentionSweeper(store, interval_s=0.01)
+    sweeper.start()
+    for _ in range(100):
+        if ref(1) not in store:
+            break
+        await asyncio.sleep(0.01)
+    await sweeper.stop()
+    assert ref(1) not in store and store.stats.expired == 1
