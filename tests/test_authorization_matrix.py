@@ -1,0 +1,251 @@
+"""The authorization matrix (issue 9, SEC1, L3, PF5): every role's resources
+against every kind of principal, in-process with real certificates at the
+ASGI TLS extension (TLS itself, no certificate and another CA's, is in
+tests/integration/test_holder_tls.py).
+
+Each cell is the status a principal gets. Where a principal may not learn
+whether something exists, the answer for a resource that exists and for one
+that does not must be the same, status and problem type alike."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from backends.host import HostTier
+from kvstore.controller.app import ControllerSettings
+from kvstore.controller.app import create_app as create_controller
+from kvstore.controller.state import MemoryControllerState
+from kvstore.holder import HolderSettings
+from kvstore.holder import create_app as create_holder
+from kvstore.index import IndexSettings, MemoryState
+from kvstore.index import create_app as create_index
+from kvstore.instance.app import InstanceSettings, Lifecycle
+from kvstore.instance.app import create_app as create_instance
+from kvstore.instance.prefetch import Prefetcher
+from kvstore.protocol.control import InstanceStatus, Sampler, SessionCheckpoint
+from kvstore.protocol.wire import role_id
+from kvstore.security import Policy, create_dev_certificates
+from kvstore.storage import LeaseLimits, TieredStore
+
+from .holder.conftest import AsPrincipal
+from .storage.helpers import block
+
+A, B = "a" * 32, "b" * 32
+COMPAT = "c" * 64
+H1, H2 = "https://h1.test/kvsp/", "https://h2.test/kvsp/"
+II1 = "https://ii1.test/ii/"
+PRINCIPALS = ("holder1", "holder2", "pc", "ii1", "alice", "bob", "stranger", None)
+POLICY = Policy.from_json({"principals": {
+    "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [A]},
+    "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [A, B]},
+    "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
+    "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": [A]},
+    "urn:kvstore:alice": {"read_scopes": [A], "write_scopes": [A]},
+    "urn:kvstore:bob": {"read_scopes": [B], "write_scopes": [B]},
+    # "stranger" has a certificate of our CA but no entry in the policy.
+}})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("matrix-certs")
+    create_dev_certificates(directory, [p for p in PRINCIPALS if p is not None])
+    return directory
+
+
+class Roles:
+    def __init__(self, certs: Path) -> None:
+        self.certs = certs
+        self.store = TieredStore([(HostTier(), 16 << 20)], lease_limits=LeaseLimits())
+        self.pc_state = MemoryControllerState()
+        self.apps = {
+            "holder": (H1, create_holder(HolderSettings(H1), self.store, POLICY)),
+            "index": ("https://is.test/is/", create_index(
+                IndexSettings("https://is.test/is/"), MemoryState(), POLICY)),
+            "pc": ("https://pc.test/pc/", create_controller(
+                ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}),
+                self.pc_state, POLICY)),
+            "instance": (II1, create_instance(
+                InstanceSettings(II1), Prefetcher(self.store, None), POLICY, Lifecycle())),
+        }  # fmt: skip
+        self.clients: list[httpx.AsyncClient] = []
+
+    def as_(self, role: str, who: str | None) -> httpx.AsyncClient:
+        base, app = self.apps[role]
+        cert = (self.certs / f"client-{who}.pem").read_text() if who else None
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(AsPrincipal(app, cert)),
+                                   base_url=base)  # fmt: skip
+        self.clients.append(client)
+        return client
+
+    async def status(self, role: str, who: str | None, method: str, path: str,
+                     **kw: Any) -> tuple[int, str | None]:  # fmt: skip
+        response = await self.as_(role, who).request(method, path, **kw)
+        kind = None
+        if response.headers.get("content-type", "").startswith("application/problem+json"):
+            kind = response.json().get("type", "").rsplit("#", 1)[-1]
+        return response.status_code, kind
+
+
+@pytest.fixture
+async def roles(certs: Path) -> AsyncIterator[Roles]:
+    found = Roles(certs)
+    yield found
+    for client in found.clients:
+        await client.aclose()
+
+
+def key(n: int) -> str:
+    return f"{n:064x}"
+
+
+def block_path(scope: str, n: int) -> str:
+    return f"blocks/{COMPAT}/{scope}/{key(n)}"
+
+
+def record(holder: str, n: int, scope: str = A) -> dict[str, Any]:
+    return {"block_key": key(n), "compat_id": COMPAT, "scope_id": scope, "holder": holder,
+            "codec": 1, "size": 100, "digest": "sha-256:" + "0" * 64,
+            "residency": [{"tier": "host", "layers": [0, 7]}], "ttl_ms": 60000}  # fmt: skip
+
+
+async def test_holder_resources(roles: Roles) -> None:
+    headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
+    assert (await roles.status("holder", "alice", "PUT", block_path(A, 1), content=block(),
+                               headers=headers))[0] == 201  # fmt: skip
+    expected = {"alice": 200, "pc": 200, "bob": 403, "holder1": 403, "holder2": 403,
+                "ii1": 403, "stranger": 403, None: 401}  # fmt: skip
+    for who, code in expected.items():
+        held = await roles.status("holder", who, "GET", block_path(A, 1))
+        absent = await roles.status("holder", who, "GET", block_path(A, 2))
+        assert held[0] == code, (who, held)
+        if code != 200:
+            assert held == absent, who  # not yours == absent (no existence oracle)
+    for who, code in {"alice": 201, "bob": 403, "pc": 403, "stranger": 403, None: 401}.items():
+        got = await roles.status("holder", who, "PUT", block_path(A, 10 + len(str(who))),
+                                 content=block(), headers=headers)  # fmt: skip
+        assert got[0] == code, (who, got)
+    # Leases only over blocks of scopes the client may read: bob's lease of
+    # A's key pins nothing, and answers as for a key nobody holds.
+    from kvstore.storage import BlockRef
+
+    held_ref = BlockRef(COMPAT, A, key(1))
+    lease = {"block_keys": [key(1)], "ttl_ms": 1000}
+    bob_held = await roles.status("holder", "bob", "POST", "leases", json=lease)
+    bob_absent = await roles.status("holder", "bob", "POST", "leases",
+                                    json={**lease, "block_keys": [key(2)]})  # fmt: skip
+    assert not roles.store.leases.is_leased(held_ref)
+    assert bob_held == bob_absent, (bob_held, bob_absent)
+    assert (await roles.status("holder", "alice", "POST", "leases", json=lease))[0] == 201
+    assert roles.store.leases.is_leased(held_ref)
+    # Store-wide metrics: a side channel, for the metrics or admin role only.
+    for who in ("alice", "bob", "pc", "holder1", "stranger"):
+        assert (await roles.status("holder", who, "GET", "https://h1.test/metrics"))[0] == 403
+    assert (await roles.status("holder", None, "GET", "https://h1.test/metrics"))[0] == 401
+
+
+async def test_index_resources(roles: Roles) -> None:
+    put = f"replicas/{role_id(H1)}/{key(1)}"
+    expected = {"holder1": (200, 204), "holder2": (403,), "pc": (403,), "ii1": (403,),
+                "alice": (403,), "bob": (403,), "stranger": (403,), None: (401,)}  # fmt: skip
+    for who, codes in expected.items():
+        got = await roles.status("index", who, "PUT", put, json=record(H1, 1))
+        assert got[0] in codes, (who, got)
+    # A holder trusted for A only cannot publish B's (SEC2); its own only.
+    assert (await roles.status("index", "holder1", "PUT", f"replicas/{role_id(H1)}/{key(3)}",
+                               json=record(H1, 3, B)))[0] == 403  # fmt: skip
+    lookup = {"scope_id": A, "compat_id": COMPAT, "block_keys": [key(1)]}
+    absent = {**lookup, "block_keys": [key(9)]}
+    for who in ("alice", "pc"):
+        got = await roles.as_("index", who).post("lookup", json=lookup)
+        assert got.status_code == 200 and got.json()["matched"] == 1, who
+    # Others get the answer of a prefix nobody holds (L3: no replicas of a
+    # scope they may not read, and no sign that any exist).
+    for who in ("bob", "holder2", "ii1", "stranger"):
+        held = await roles.as_("index", who).post("lookup", json=lookup)
+        missing = await roles.as_("index", who).post("lookup", json=absent)
+        assert held.status_code == missing.status_code, who
+        if held.status_code == 200:
+            assert held.json() == missing.json() and held.json()["matched"] == 0, who
+        else:
+            assert held.status_code == 403 and held.json() == missing.json(), who
+    assert (await roles.status("index", None, "POST", "lookup", json=lookup))[0] == 401
+    # Withdrawal: the holder itself only.
+    for who in ("holder2", "alice", "pc"):
+        assert (await roles.status("index", who, "DELETE", put))[0] == 403, who
+    assert (await roles.status("index", "holder1", "DELETE", put))[0] in (200, 204)
+
+
+def _status(instance: str) -> dict[str, Any]:
+    return InstanceStatus(instance, 1, "active", 0, 0, 8, 0.0, 1000.0, 100.0, 3000).to_json()
+
+
+def _checkpoint(session: str, scope: str = A) -> dict[str, Any]:
+    return SessionCheckpoint(session, 1, COMPAT, scope, (), (1, 2), (), 0,
+                             Sampler("greedy", 0, 0, False)).to_json()  # fmt: skip
+
+
+async def test_controller_resources(roles: Roles) -> None:
+    path = f"instances/{role_id(II1)}/status"
+    for who, code in {"ii1": 200, "holder1": 403, "pc": 403, "alice": 403, "stranger": 403,
+                      None: 401}.items():  # fmt: skip
+        assert (await roles.status("pc", who, "PUT", path, json=_status(II1)))[0] == code, who
+    session = str(uuid.uuid4())
+    checkpoint = f"sessions/{session}/checkpoint"
+    for who, code in {"alice": 403, "pc": 403, "holder1": 403, None: 401}.items():
+        got = await roles.status("pc", who, "PUT", checkpoint, json=_checkpoint(session))
+        assert got[0] == code, (who, got)
+    # An instance only in scopes it may write.
+    other = str(uuid.uuid4())
+    assert (await roles.status("pc", "ii1", "PUT", f"sessions/{other}/checkpoint",
+                               json=_checkpoint(other, B)))[0] == 403  # fmt: skip
+    assert (await roles.status("pc", "ii1", "PUT", checkpoint, json=_checkpoint(session)))[0] == 200
+    # Where a session is: readers of its scope; others cannot tell it exists.
+    assert (await roles.status("pc", "alice", "GET", f"sessions/{session}"))[0] == 200
+    for who in ("bob", "ii1", "holder1", "stranger"):
+        held = await roles.status("pc", who, "GET", f"sessions/{session}")
+        absent = await roles.status("pc", who, "GET", f"sessions/{uuid.uuid4()}")
+        assert held == absent and held[0] in (403, 404), (who, held, absent)
+    # Ending it: the owner only.
+    for who in ("alice", "pc"):
+        assert (await roles.status("pc", who, "DELETE", f"sessions/{session}"))[0] == 403, who
+    # Placement: readers of the scope.
+    place = {"scope_id": A, "compat_id": COMPAT, "block_keys": [key(1)]}
+    assert (await roles.status("pc", "alice", "POST", "place", json=place))[0] == 200
+    for who, code in {"bob": 403, "ii1": 403, "stranger": 403, None: 401}.items():
+        assert (await roles.status("pc", who, "POST", "place", json=place))[0] == code, who
+    # Operators' resources: admin (or metrics for the listing) only.
+    for who in ("alice", "pc", "ii1", "holder1"):
+        assert (await roles.status("pc", who, "GET", "instances"))[0] == 403, who
+        assert (await roles.status("pc", who, "PUT", "maps/m", json={
+            "map": "m", "version": 1, "shards": [{"tokens": [0, 4], "instance": II1}]}))[0] \
+            == 403, who  # fmt: skip
+
+
+async def test_instance_resources(roles: Roles) -> None:
+    directive = {"directive": str(uuid.uuid4()), "scope_id": A, "compat_id": COMPAT,
+                 "blocks": [], "deadline_ms": 10, "lease_ms": 10}  # fmt: skip
+    for who, code in {"pc": 202, "alice": 403, "ii1": 403, "holder1": 403, "stranger": 403,
+                      None: 401}.items():  # fmt: skip
+        got = await roles.status(
+            "instance", who, "POST", "prefetch", json={**directive, "directive": str(uuid.uuid4())}
+        )
+        assert got[0] == code, (who, got)
+    for path, body in (("state", {"state": "active"}),
+                       ("reshard", {"map": "m", "commit": 2}),
+                       (f"sessions/{uuid.uuid4()}/resume", {"epoch": 2})):  # fmt: skip
+        for who in ("alice", "ii1", "holder1", "stranger"):
+            got = await roles.status("instance", who, "POST" if path != "state" else "PUT",
+                                     path, json=body)  # fmt: skip
+            assert got[0] == 403, (path, who, got)
+        got = await roles.status("instance", None, "POST" if path != "state" else "PUT", path,
+                                 json=body)  # fmt: skip
+        assert got[0] == 401, (path, got)
+    assert (await roles.status("instance", "pc", "PUT", "state",
+                               json={"state": "active"}))[0] == 200  # fmt: skip
