@@ -162,3 +162,30 @@ async def test_publish_withdraw_and_expiry(cluster: dict[str, Any]) -> None:
         # holder 1 is alive: its records stay, refreshed every ttl/3.
         await asyncio.sleep(TTL_MS / 1000 + 0.5)
         assert await replicas_of(index, key(1)) == [h1]
+
+
+async def test_a_restarted_index_is_republished_within_one_refresh(
+    cluster: dict[str, Any],
+) -> None:
+    # Issue 9: the IS (memory state) is killed and started again empty; the
+    # holders' next refresh (every third of the TTL) brings the records back.
+    uris, context = cluster["uris"], cluster["context"]
+    h1 = uris["holder1"]
+    async with HolderClient(context) as holders:
+        await holders.put_block(h1, COMPAT, SCOPE, key(7), block())
+    async with IndexClient(uris["index"], context) as index:
+
+        async def published() -> bool:
+            return await replicas_of(index, key(7)) == [h1]
+
+        await eventually(published)
+    process = cluster["processes"]["index"]
+    process.stop(signal.SIGKILL)
+    port = int(uris["index"].split(":")[2].split("/")[0])
+    process.start(port)
+    started = time.monotonic()
+    async with IndexClient(uris["index"], context) as index:
+        await eventually(published, timeout=TTL_MS / 1000 + 3)
+    # One refresh is TTL/3 = 0.5 s; with the publisher's backoff after the
+    # failed round, still within a TTL and a start.
+    assert time.monotonic() - started < TTL_MS / 1000 + 3
