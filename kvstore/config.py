@@ -18,6 +18,8 @@ A holder's file, with every key and its default::
     descriptors = []                       # descriptor files: PUTs checked against them
     replica_ttl_ms = 600000
     max_block_octets = 67108864
+    body_timeout_base_s = 10.0             # a PUT's body: within this + size / the rate
+    body_min_octets_per_s = 1048576        # (slow uploads are cut off, 408)
     index_uri = ""                         # Index Service to publish to (P1); empty: none
     client_certfile = ""                   # the holder's client certificate for the IS
     client_keyfile = ""
@@ -142,6 +144,8 @@ class HolderConfig:
     descriptors: tuple[str, ...] = ()
     replica_ttl_ms: int = 600_000
     max_block_octets: int = 64 << 20
+    body_timeout_base_s: float = 10.0
+    body_min_octets_per_s: int = 1 << 20
     index_uri: str = ""
     client_certfile: str = ""
     client_keyfile: str = ""

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from .protocol.problems import (
     BadRequest,
     KvspError,
     PayloadTooLarge,
+    RequestTimeout,
     render_problem,
 )
 from .protocol.wire import JSON_MEDIA_TYPE, NO_STORE
@@ -104,14 +106,42 @@ EXCEPTION_HANDLERS = {
 }
 
 
+#: A body must arrive within BODY_BASE_S plus its size at BODY_MIN_RATE
+#: octets/s (a slow-loris upload is cut off, 408, and holds nothing after).
+BODY_BASE_S = 10.0
+BODY_MIN_RATE = 1 << 20
+
+
 async def read_body(
-    request: Request, limit: int, on_chunk: Callable[[bytes], object] | None = None
+    request: Request,
+    limit: int,
+    on_chunk: Callable[[bytes], object] | None = None,
+    *,
+    base_s: float = BODY_BASE_S,
+    min_rate: float = BODY_MIN_RATE,
 ) -> bytes:
-    """The request body, refusing more than ``limit`` octets as they arrive (413).
+    """The request body, refusing more than ``limit`` octets as they arrive (413)
+    and bodies slower than ``base_s`` + size / ``min_rate`` (408).
 
     A body that ends early (the client went away) raises
     :class:`starlette.requests.ClientDisconnect`; callers store nothing then.
     """
+    declared = request.headers.get("content-length")
+    expected = limit
+    if declared is not None and declared.isdigit():
+        expected = min(limit, int(declared))
+    try:
+        async with asyncio.timeout(base_s + expected / min_rate):
+            return await _read_body(request, limit, on_chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the body did not arrive within {base_s + expected / min_rate:.1f} s"
+        ) from None
+
+
+async def _read_body(
+    request: Request, limit: int, on_chunk: Callable[[bytes], object] | None
+) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

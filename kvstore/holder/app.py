@@ -63,6 +63,10 @@ class HolderSettings:
     max_block_octets: int = 64 << 20
     #: Largest JSON body accepted.
     max_json_octets: int = 1 << 20
+    #: A block's body must arrive within this plus its size at the rate below
+    #: (slow-loris uploads are cut off with 408).
+    body_timeout_base_s: float = 10.0
+    body_min_octets_per_s: int = 1 << 20
     #: TTL of the replica records it publishes; bounds Cache-Control max-age (BL5).
     replica_ttl_ms: int = 600_000
     #: Descriptors the holder knows, by compat_id: PUTs are checked against them (B2).
@@ -150,7 +154,9 @@ def create_app(
         # B3: layer digests are taken as the body arrives (no second pass).
         hasher = LayerHasher()
         try:
-            body = await read_body(request, settings.max_block_octets, hasher.feed)
+            body = await read_body(request, settings.max_block_octets, hasher.feed,
+                                   base_s=settings.body_timeout_base_s,
+                                   min_rate=settings.body_min_octets_per_s)  # fmt: skip
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)

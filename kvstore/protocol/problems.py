@@ -155,6 +155,13 @@ class PayloadTooLarge(BadRequest):
     title = "Request body too large"
 
 
+class RequestTimeout(BadRequest):
+    """The body did not arrive in time (a slow or stalled upload)."""
+
+    status = 408
+    title = "Request body too slow"
+
+
 class Forbidden(KvspError):
     """The authenticated principal may not use this resource at all."""
 

@@ -1,0 +1,88 @@
+"""Hostile uploads against a real uvicorn holder (issue 9): a body trickled
+byte by byte is cut off (408) once it is slower than the configured rate,
+an oversized body is refused as it arrives (413), and meanwhile another
+client's PUT and GET go through. Nothing of the cut-off body is stored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import uvicorn
+
+from backends.host import HostTier
+from kvstore.holder import HolderSettings, create_app
+from kvstore.security import Policy
+from kvstore.storage import TieredStore
+
+from ..conftest import free_port
+from ..storage.helpers import COMPAT, SCOPE, block, ref
+
+OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
+                                                      "write_scopes": ["*"]}}})  # fmt: skip
+
+
+async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}/kvsp/"
+    store = TieredStore([(HostTier(), 64 << 20)])
+    settings = HolderSettings(
+        uri,
+        allow_anonymous=True,
+        max_block_octets=1 << 20,
+        body_timeout_base_s=0.5,
+        body_min_octets_per_s=1 << 20,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, store, OPEN),
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="off",
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        path = f"/kvsp/blocks/{COMPAT}/{SCOPE}/{ref(1).block_key}"
+        slow = block()  # a valid container, so that only its pace is wrong
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write((f"PUT {path} HTTP/1.1\r\nHost: x\r\nIf-None-Match: *\r\n"
+                      "Content-Type: application/kvsp-block\r\n"
+                      f"Content-Length: {len(slow)}\r\n\r\n").encode())  # fmt: skip
+        await writer.drain()
+        started = time.monotonic()
+
+        async def trickle() -> None:
+            for i in range(100):  # a byte every 50 ms: far below the rate
+                writer.write(slow[i : i + 1])
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+        trickling = asyncio.create_task(trickle())
+        async with httpx.AsyncClient(base_url=uri) as other:
+            # Another client is served meanwhile.
+            good = block()
+            put = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}", content=good,
+                                  headers={"If-None-Match": "*",
+                                           "Content-Type": "application/kvsp-block"})  # fmt: skip
+            assert put.status_code == 201
+            assert (await other.get(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}")).content == good
+            # Oversized: refused by its declared length, before the body.
+            big = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(3).block_key}",
+                                  content=b"\0" * (2 << 20),
+                                  headers={"If-None-Match": "*"})  # fmt: skip
+            assert big.status_code == 413
+        answer = await asyncio.wait_for(reader.read(4096), 5)
+        elapsed = time.monotonic() - started
+        trickling.cancel()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[-400:]
+        assert 0.4 < elapsed < 3.0, elapsed  # cut at ~0.5 s + its size / 1 MiB/s
+        assert ref(1) not in store and ref(3) not in store
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
