@@ -140,6 +140,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import holder as bench_holder
 
         results = bench_holder.run(quick=args.quick)
+    elif args.suite == "soak":
+        from .bench import soak as bench_soak
+
+        results = bench_soak.run(quick=args.quick, seconds=args.seconds, clients=args.clients)
     elif args.suite == "controller":
         from .bench import controller as bench_controller
 
@@ -538,6 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
     index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     suite("controller", "placements/s and status updates/s", "shorter runs")
+    soak = suite("soak", "a holder under mixed PUT/GET/lease traffic: errors, loss, memory",
+                 "10 s instead of 60")  # fmt: skip
+    soak.add_argument("--seconds", type=float, help="how long (default 60, quick 10)")
+    soak.add_argument("--clients", type=int, default=8)
     return parser
 
 

@@ -1,0 +1,23 @@
+"""The bounded soak (issue 9): 30 s of mixed PUT/GET/lease traffic from 8
+clients against a holder process whose host tier overflows into LMDB all
+along: zero errors, zero acknowledged blocks lost, and the holder's
+resident memory within its host tier plus a fixed overhead."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.bench.soak import BLOCK_SECTION, HOST_OCTETS, soak
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def test_thirty_seconds_of_mixed_traffic_lose_nothing() -> None:
+    report = await soak(seconds=30, clients=8)
+    assert report.errors == [], report.errors[:5]
+    assert report.lost == [], report.lost[:5]
+    written = report.acknowledged * 16 * BLOCK_SECTION
+    assert written > 4 * HOST_OCTETS, "too little traffic to evict under pressure"
+    assert len(report.rss) >= 30 and 0 < report.peak_rss <= report.bound_octets, (
+        report.peak_rss, report.bound_octets)  # fmt: skip
+    assert {"put", "get", "lease"} <= set(report.latencies)
