@@ -1,0 +1,106 @@
+"""An S3 endpoint that errors or hangs (issue 9), through a fault-injecting
+proxy on loopback in front of moto's server: the remote-storage tier
+degrades, blocks in the other tiers are served, writes go elsewhere, reads
+of what only S3 held fail fast as TierUnavailable (503 at a holder) rather
+than hang, and the tier is used again once the endpoint is back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from backends.host import HostTier
+from backends.s3 import S3Tier
+from kvstore.protocol.problems import TierUnavailable
+from kvstore.storage import TieredStore
+
+from ..conftest import S3_CREDENTIALS, free_port
+from .helpers import block, ref, size_of
+
+
+class FaultProxy:
+    """Forwards to ``target``; ``mode`` = "pass", "error" (503s) or "hang"."""
+
+    def __init__(self, target: str) -> None:
+        self.target, self.mode = target, "pass"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._runner: web.AppRunner | None = None
+        self._client: aiohttp.ClientSession | None = None
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if self.mode == "error":
+            return web.Response(status=503, text="<Error><Code>SlowDown</Code></Error>")
+        if self.mode == "hang":
+            await asyncio.sleep(5)
+        assert self._client is not None
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        async with self._client.request(request.method, self.target + request.path_qs,
+                                        data=body, headers=headers) as upstream:  # fmt: skip
+            payload = await upstream.read()
+            drop = {"transfer-encoding", "content-length", "content-encoding", "connection"}
+            return web.Response(status=upstream.status, body=payload, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in drop})  # fmt: skip
+
+    async def start(self) -> None:
+        self._client = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._client is not None:
+            await self._client.close()
+
+
+@pytest.fixture
+async def proxy(s3_endpoint: str) -> AsyncIterator[FaultProxy]:
+    found = FaultProxy(s3_endpoint)
+    await found.start()
+    yield found
+    await found.stop()
+
+
+@pytest.mark.parametrize("fault", ["error", "hang"])
+async def test_s3_errors_and_timeouts_degrade_and_recover(
+    proxy: FaultProxy, s3_bucket: str, fault: str
+) -> None:
+    s3 = S3Tier(s3_bucket, endpoint_url=proxy.url, timeout_s=1.0, **S3_CREDENTIALS)
+    store = TieredStore([(HostTier(), 2 * size_of()), (s3, 20 * size_of())],
+                        promote=False, retry_after_s=0.5)  # fmt: skip
+    bodies = {n: block() for n in range(8)}
+    for n in range(4):  # 0-1 pushed down to S3, 2-3 in host memory
+        await store.put(ref(n), bodies[n])
+    assert store.residency(ref(0))[0].tier == "remote-storage"
+    proxy.mode = fault
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TierUnavailable):
+        await store.get(ref(0))
+    assert asyncio.get_running_loop().time() - started < 10  # bounded, not a hang
+    assert store.health()[1]["degraded"]
+    for n in (2, 3):  # the other tier serves
+        assert await store.get(ref(n)) == bodies[n]
+    # Writes go on while S3 is away: what host memory must let go is not
+    # written to the degraded tier (it is evicted, counted, withdrawn).
+    await store.put(ref(4), bodies[4])
+    assert await store.get(ref(4)) == bodies[4]
+    assert store.stats.evictions == 1  # the one host memory let go
+    assert ref(0) in store  # an unreachable tier is not data loss
+    proxy.mode = "pass"
+    await asyncio.sleep(0.6)  # past retry_after_s
+    assert await store.get(ref(0)) == bodies[0]
+    await store.put(ref(5), bodies[5])  # demotes into S3 again
+    held = [n for n in (2, 3, 4, 5) if ref(n) in store]
+    assert "remote-storage" in {store.residency(ref(n))[0].tier for n in held}
+    for n in held:
+        assert await store.get(ref(n)) == bodies[n]
+    await store.close()
