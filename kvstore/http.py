@@ -65,6 +65,10 @@ def problem_response(error: KvspError, instance: str | None = None) -> Response:
     headers = {"Cache-Control": NO_STORE}
     if error.status == 503:
         headers["Retry-After"] = "1"
+    if error.status in (408, 413):
+        # The rest of that body is not read: the connection goes (a
+        # slow-loris client keeps no socket).
+        headers["Connection"] = "close"
     return Response(
         render_problem(error, instance),
         error.status,

@@ -103,6 +103,7 @@ def create_app(
         from .sessions import GenerateRequest
 
         found = engine()
+        policy.grant(principal(request, settings.allow_anonymous))  # 401/403 before parsing
         body = GenerateRequest.from_json(
             await read_json(request, settings.max_json_octets),
             max_prompt=found.settings.max_prompt_tokens,

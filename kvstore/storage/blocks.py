@@ -142,6 +142,8 @@ class BlockInfo:
             layers = {int(i): (int(k), int(v), bytes.fromhex(d)) for i, k, v, d in data["layers"]}
             codec, tokens = int(data["codec"]), int(data["token_count"])
             stored_at = float(data.get("stored_at", 0.0))
+            if stored_at != stored_at or stored_at in (float("inf"), float("-inf")):
+                raise ValueError("stored_at is not a finite time")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"malformed block metadata: {exc}") from exc
         if self.layers and (

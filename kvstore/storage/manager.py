@@ -456,6 +456,11 @@ class TieredStore(TierIO):
             info.meta_slots.discard(index)
             await self._quiet_delete(self.slots[index], info.ref.meta_key)
 
+    def _expired(self, info: BlockInfo) -> bool:
+        """Past the retention limit: not served any more, even before a sweep."""
+        limit = self.retention_s
+        return bool(limit) and info.stored_at < self.wall_clock() - (limit or 0.0)
+
     async def expire(self) -> int:
         """Remove every block stored more than ``retention_s`` ago, from every
         tier, withdrawing it first (the eviction hook, P3); a leased one goes
@@ -527,7 +532,7 @@ class TieredStore(TierIO):
     def read(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> BlockRead:
         """Start a read of layers ``first..last`` (default: all held), BL1-BL2."""
         info = self._blocks.get(ref)
-        if info is None:
+        if info is None or self._expired(info):
             self.stats.misses += 1
             raise NotFound(f"block {ref.block_key} is not held")
         a = info.first_layer if first is None else first
@@ -650,9 +655,14 @@ class TieredStore(TierIO):
         async with self._locked():
             found = await recover(self)
             now = self.wall_clock()
-            for info in self._blocks.values():
-                if info.stored_at <= 0:
-                    info.stored_at = now  # stored by a version that kept no time
+            for info in list(self._blocks.values()):
+                if info.stored_at <= 0 or info.stored_at > now:
+                    # No time kept (an older version, a lost table), or one
+                    # from a clock ahead of ours: counted from now, and the
+                    # table rewritten so that the next restart knows it.
+                    info.stored_at = min(now, info.stored_at) if info.stored_at > 0 else now
+                    info.meta_slots.clear()
+                    await self._sync_meta(info)
             return found
 
     async def close(self) -> None:

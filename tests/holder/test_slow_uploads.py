@@ -80,6 +80,10 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
         elapsed = time.monotonic() - started
         trickling.cancel()
         assert answer.startswith(b"HTTP/1.1 408"), answer[-400:]
+        assert b"connection: close" in answer.lower()
+        # ... and the server closes it: the slow client keeps no socket.
+        rest = await asyncio.wait_for(reader.read(), 5)
+        assert rest == b"" or rest.endswith(b"}")
         assert 0.4 < elapsed < 3.0, elapsed  # cut at ~0.5 s + its size / 1 MiB/s
         assert ref(1) not in store and ref(3) not in store
         writer.close()

@@ -450,3 +450,33 @@ async def test_every_persistent_tier_holds_only_ciphertext(
     keyless = TieredStore([(make_tier(kind, request, **_same(tier)), 10 * SIZE)])
     assert await keyless.recover() == 0
     await keyless.close()
+
+
+async def test_retention_is_not_fooled_by_the_sweep_or_a_clock_ahead(lmdb_path: str) -> None:
+    # A block past the limit is not served even before a sweep; a stored time
+    # from a clock ahead of ours (a restored backup) counts from our now, and
+    # the rewritten table keeps that across the next restart.
+    now = [1_000_000.0]
+
+    def make() -> TieredStore:
+        return TieredStore([(LmdbTier(lmdb_path), 10 * size_of())], retention_s=60,
+                           wall_clock=lambda: now[0])  # fmt: skip
+
+    store = make()
+    await store.put(ref(1), block())
+    now[0] += 61
+    with pytest.raises(NotFound):
+        await store.get(ref(1))  # expired, not yet swept
+    await store.close()
+    now[0] -= 3600 + 61  # this machine's clock is an hour behind the writer's
+    again = make()
+    assert await again.recover() == 1
+    assert again.info(ref(1)).stored_at == now[0]  # clamped to our now
+    await again.close()
+    now[0] += 30
+    third = make()
+    await third.recover()
+    assert third.info(ref(1)).stored_at == now[0] - 30  # kept, not reset again
+    now[0] += 31
+    assert await third.expire() == 1
+    await third.close()
