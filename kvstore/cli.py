@@ -274,13 +274,8 @@ def cmd_health(args: argparse.Namespace) -> Any:
     import urllib.error
     import urllib.request
 
-    certs = Path(args.certs)
-    context = None
     try:
-        if args.url.startswith("https:"):
-            context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
-            context.load_cert_chain(str(certs / "client-client.pem"),
-                                    str(certs / "client-client.key"))  # fmt: skip
+        context = _dev_context(args.certs) if args.url.startswith("https:") else None
         with urllib.request.urlopen(args.url, timeout=args.timeout, context=context) as answer:
             return answer.read().decode()
     except urllib.error.HTTPError as exc:
@@ -294,15 +289,23 @@ def _ops_context(args: argparse.Namespace) -> Any:
 
     if not any(u.startswith("https:") for u in args.url):
         return None
-    certs = Path(args.certs)
-    cafile = args.cafile or str(certs / "ca.pem")
-    cert = args.cert or str(certs / "client-client.pem")
-    key = args.key or str(certs / "client-client.key")
     try:
-        context = ssl.create_default_context(cafile=cafile)
-        context.load_cert_chain(cert, key)
+        return _dev_context(args.certs, args.cafile, args.cert, args.key)
     except (OSError, ssl.SSLError) as exc:
         raise CliError(f"client certificate: {exc}") from exc
+
+
+def _dev_context(
+    certs: str, cafile: str | None = None, cert: str | None = None, key: str | None = None
+) -> Any:
+    """A client TLS context from a certificate directory of ``kvstore serve``'s
+    first use (ca.pem, client-client.pem/.key), each file overridable."""
+    import ssl
+
+    root = Path(certs)
+    context = ssl.create_default_context(cafile=cafile or str(root / "ca.pem"))
+    context.load_cert_chain(cert or str(root / "client-client.pem"),
+                            key or str(root / "client-client.key"))  # fmt: skip
     return context
 
 

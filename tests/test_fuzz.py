@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.instance.sessions import GenerateRequest
+from kvstore.instance.requests import GenerateRequest
 from kvstore.instance.shards import ContextDefinition
 from kvstore.protocol import container as kc
 from kvstore.protocol.control import (

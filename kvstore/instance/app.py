@@ -100,7 +100,7 @@ def create_app(
         return session
 
     async def generate(request: Request) -> Response:
-        from .sessions import GenerateRequest
+        from .requests import GenerateRequest
 
         found = engine()
         policy.grant(principal(request, settings.allow_anonymous))  # 401/403 before parsing

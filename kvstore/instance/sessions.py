@@ -38,16 +38,12 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol._json import Obj, token_list
 from ..protocol.control import (
-    MAX_STOP_TOKENS,
     GenerationLimits,
     ResumeRequest,
     Sampler,
@@ -70,10 +66,11 @@ from .app import Lifecycle
 from .engine import Engine, Generation, block_container, load_blocks, sample
 from .prefetch import Prefetcher
 from .reporter import Load
+from .requests import GenerateRequest, check_sampler
+from .runtime import BlockWriter, EngineRunner
 
 log = logging.getLogger("kvstore.instance")
 
-SAMPLERS = ("greedy", "top-p")
 PLACEHOLDER = 0  # stands for prompt tokens a resumed session has only as KV
 
 
@@ -81,65 +78,6 @@ class TooManySessions(LeaseQuota):
     """The instance's bound on open sessions (429)."""
 
     title = "Too many sessions"
-
-
-def check_sampler(method: str, params: dict[str, Any], path: str) -> dict[str, Any]:
-    """The sampler's params, checked (BadRequest otherwise)."""
-    if method not in SAMPLERS:
-        raise BadRequest(f"{path}.method: greedy or top-p, not {method!r}")
-    if method == "greedy":
-        return {}
-    p = Obj(params, f"{path}.params")
-    return {
-        "p": p.number("p", default=1.0, lo=1e-6, hi=1.0),
-        "temperature": p.number("temperature", default=1.0, lo=1e-3, hi=100.0),
-    }
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateRequest:
-    """Body of our ``POST generate`` (not KVSP)."""
-
-    session: str
-    scope_id: str
-    tokens: tuple[int, ...]
-    max_tokens: int
-    sampler: Sampler
-    stop_tokens: tuple[int, ...] = ()
-    request_ref: str | None = None
-    logprobs: bool = False
-
-    @classmethod
-    def from_json(cls, value: Any, *, max_prompt: int, max_output: int) -> GenerateRequest:
-        obj = Obj(value, "generate")
-        session = obj.uuid("session") if "session" in obj else str(uuid.uuid4())
-        tokens = token_list(obj, "tokens", max_items=max_prompt)
-        if not tokens:
-            raise BadRequest("generate.tokens: at least one prompt token")
-        sampler = obj.value.get("sampler") or {"method": "greedy"}
-        spec = Obj(sampler, "generate.sampler")
-        method = spec.name("method", frozenset(SAMPLERS))
-        params = sampler.get("params") or {}
-        if not isinstance(params, dict):
-            raise BadRequest("generate.sampler.params: must be a JSON object")
-        params = check_sampler(method, params, "generate.sampler")
-        request_ref = obj.text("request_ref", None, max_len=256)
-        return cls(
-            session=session,
-            scope_id=obj.hex16("scope_id"),
-            tokens=tokens,
-            max_tokens=obj.integer("max_tokens", default=min(64, max_output), lo=1, hi=max_output),
-            sampler=Sampler(
-                method,
-                spec.integer("seed", default=0, lo=0, hi=2**63 - 1),
-                0,
-                method == "greedy",
-                dict(params),
-            ),
-            stop_tokens=token_list(obj, "stop_tokens", default=[], max_items=MAX_STOP_TOKENS),
-            request_ref=request_ref,
-            logprobs=obj.flag("logprobs", default=False),
-        )
 
 
 @dataclass
@@ -257,77 +195,6 @@ class SessionCounters:
     output_tokens: int = 0
     checkpoints: int = 0
     checkpoint_failures: int = 0
-
-
-class EngineRunner:
-    """Engine calls one at a time on a worker thread (PF1: the event loop
-    never waits on the model)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-engine")
-
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class BlockWriter:
-    """Writes completed blocks to the configured holders in the background,
-    a bounded queue ahead of them (the oldest is dropped when full)."""
-
-    def __init__(self, holders: Any, targets: Sequence[str], limit: int = 256) -> None:
-        self.holders, self.targets, self.limit = holders, tuple(targets), limit
-        self.queue: asyncio.Queue[tuple[BlockRef, bytes]] = asyncio.Queue()
-        self.written = self.failed = self.dropped = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def write(self, ref: BlockRef, body: bytes) -> None:
-        if not self.targets:
-            return
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kvstore-block-writer")
-        while self.queue.qsize() >= self.limit:
-            self.queue.get_nowait()  # output blocks only: a lost one is recomputed
-            self.queue.task_done()
-            self.dropped += 1
-        self.queue.put_nowait((ref, body))
-
-    async def flush(self) -> None:
-        await self.queue.join()
-
-    async def write_now(self, ref: BlockRef, body: bytes) -> None:
-        """Write to every target before returning (prompt blocks: a
-        checkpoint names them, so they must survive the instance)."""
-        await asyncio.gather(*(self._put(target, ref, body) for target in self.targets))
-
-    async def _put(self, target: str, ref: BlockRef, body: bytes) -> None:
-        try:
-            await self.holders.put_block(target, ref.compat_id, ref.scope_id, ref.block_key, body)
-            self.written += 1
-        except PreconditionFailed:
-            self.written += 1  # it has the block already
-        except Exception as exc:  # the writer never dies of one holder's answer
-            self.failed += 1
-            detail = exc.detail if isinstance(exc, KvspError) else repr(exc)
-            log.warning("block %s to %s: %s", ref.block_key[:12], target, detail)
-
-    async def _run(self) -> None:
-        while True:
-            ref, body = await self.queue.get()
-            try:
-                for target in self.targets:
-                    await self._put(target, ref, body)
-            finally:
-                self.queue.task_done()
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
 
 
 class Sessions:

@@ -19,7 +19,8 @@ from kvstore.instance.engine import sample
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reference import EOS, ReferenceEngine, encode_text
 from kvstore.instance.reporter import Load
-from kvstore.instance.sessions import GenerateRequest, Session, Sessions, SessionSettings
+from kvstore.instance.requests import GenerateRequest
+from kvstore.instance.sessions import Session, Sessions, SessionSettings
 from kvstore.protocol.control import ResumeRequest, Sampler, SessionCheckpoint
 from kvstore.protocol.keys import block_keys, scope_id
 from kvstore.protocol.problems import (

@@ -1,0 +1,88 @@
+"""What a session runs on: the engine's worker thread and the writer of
+completed blocks to the configured holders."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..protocol.problems import KvspError, PreconditionFailed
+from ..storage import BlockRef
+from .engine import Engine
+
+log = logging.getLogger("kvstore.instance")
+
+
+class EngineRunner:
+    """Engine calls one at a time on a worker thread (PF1: the event loop
+    never waits on the model)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-engine")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BlockWriter:
+    """Writes completed blocks to the configured holders in the background,
+    a bounded queue ahead of them (the oldest is dropped when full)."""
+
+    def __init__(self, holders: Any, targets: Sequence[str], limit: int = 256) -> None:
+        self.holders, self.targets, self.limit = holders, tuple(targets), limit
+        self.queue: asyncio.Queue[tuple[BlockRef, bytes]] = asyncio.Queue()
+        self.written = self.failed = self.dropped = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def write(self, ref: BlockRef, body: bytes) -> None:
+        if not self.targets:
+            return
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvstore-block-writer")
+        while self.queue.qsize() >= self.limit:
+            self.queue.get_nowait()  # output blocks only: a lost one is recomputed
+            self.queue.task_done()
+            self.dropped += 1
+        self.queue.put_nowait((ref, body))
+
+    async def flush(self) -> None:
+        await self.queue.join()
+
+    async def write_now(self, ref: BlockRef, body: bytes) -> None:
+        """Write to every target before returning (prompt blocks: a
+        checkpoint names them, so they must survive the instance)."""
+        await asyncio.gather(*(self._put(target, ref, body) for target in self.targets))
+
+    async def _put(self, target: str, ref: BlockRef, body: bytes) -> None:
+        try:
+            await self.holders.put_block(target, ref.compat_id, ref.scope_id, ref.block_key, body)
+            self.written += 1
+        except PreconditionFailed:
+            self.written += 1  # it has the block already
+        except Exception as exc:  # the writer never dies of one holder's answer
+            self.failed += 1
+            detail = exc.detail if isinstance(exc, KvspError) else repr(exc)
+            log.warning("block %s to %s: %s", ref.block_key[:12], target, detail)
+
+    async def _run(self) -> None:
+        while True:
+            ref, body = await self.queue.get()
+            try:
+                for target in self.targets:
+                    await self._put(target, ref, body)
+            finally:
+                self.queue.task_done()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
