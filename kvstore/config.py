@@ -11,6 +11,7 @@ A holder's file, with every key and its default::
     insecure_http = false             # plain HTTP: loopback only, logged loudly
     http2 = false                     # offer HTTP/2 by ALPN (uvicorn's experimental zttp)
     shutdown_grace_s = 7.0            # SIGTERM: the whole stop within about this
+    header_timeout_s = 10.0           # a request's headers must arrive within this
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -135,6 +136,7 @@ class ServerConfig:
     insecure_http: bool = False
     http2: bool = False
     shutdown_grace_s: float = 7.0
+    header_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)

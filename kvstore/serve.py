@@ -406,13 +406,13 @@ def _is_loopback(host: str) -> bool:
 def uvicorn_config(config: Config, app: Any) -> Any:
     import uvicorn
 
-    from .tlsscope import TLSHttpToolsProtocol
+    from .tlsscope import http1_protocol
 
     server = config.server
     options: dict[str, Any] = {
         "host": server.host,
         "port": server.port,
-        "http": TLSHttpToolsProtocol,
+        "http": http1_protocol(server.header_timeout_s),
         # SIGTERM: stop accepting, let in-flight requests finish this long.
         "timeout_graceful_shutdown": server.shutdown_grace_s,
     }

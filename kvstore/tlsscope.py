@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import ssl
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -27,6 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 _TLS_VERSIONS = {"TLSv1.3": 0x0304, "TLSv1.2": 0x0303}
 
@@ -90,6 +93,72 @@ class TLSH11Protocol(_TLSScope, H11Protocol):  # type: ignore[misc]
 
 class TLSHttpToolsProtocol(_TLSScope, HttpToolsProtocol):  # type: ignore[misc]
     pass
+
+
+_REQUEST_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 29\r\nconnection: close\r\n\r\nrequest headers arrived late\n"
+)
+
+
+class _HeaderDeadline:
+    """Mixin for uvicorn's httptools protocol: a request's line and headers
+    must arrive within ``header_timeout_s`` of the connection's open, or of
+    the request's first byte on a kept-alive connection; else 408 and the
+    connection is closed. uvicorn has no such limit: a client trickling its
+    headers (or sending nothing at all after the TLS handshake) would keep a
+    socket and its buffers for as long as it liked (slow-loris)."""
+
+    header_timeout_s: float = 10.0
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm_header_deadline()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()  # type: ignore[misc]
+        if self._header_timer is None:
+            self._arm_header_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_header_deadline(self) -> None:
+        if self.header_timeout_s > 0:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.info("closing a connection whose request headers took over %.1f s",
+                     self.header_timeout_s)  # fmt: skip
+            self.transport.write(_REQUEST_TIMEOUT)
+            self.transport.close()
+
+
+def http1_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's httptools HTTP/1.1 with the ``tls`` extension and a deadline
+    on request headers (0: none)."""
+
+    class Protocol(_HeaderDeadline, TLSHttpToolsProtocol):  # type: ignore[misc]
+        pass
+
+    Protocol.header_timeout_s = header_timeout_s
+    Protocol.__name__ = Protocol.__qualname__ = "TLSHttpToolsProtocolWithHeaderDeadline"
+    return Protocol
 
 
 @functools.lru_cache(maxsize=4096)

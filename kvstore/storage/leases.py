@@ -89,7 +89,7 @@ class LeaseTable:
             if (lease := self._live(i, now)) is not None
         )
 
-    def _check_ttl(self, ttl_ms: int) -> None:
+    def check_ttl(self, ttl_ms: int) -> None:
         if ttl_ms > self.limits.max_ttl_ms:
             self.rejections += 1
             raise LeaseQuota(
@@ -99,7 +99,7 @@ class LeaseTable:
 
     def grant(self, client: str, blocks: Iterable[tuple[BlockRef, int]], ttl_ms: int) -> Lease:
         """Create a lease on ``blocks`` (ref, octets); raises :class:`LeaseQuota` (LE3)."""
-        self._check_ttl(ttl_ms)
+        self.check_ttl(ttl_ms)
         sizes = dict(blocks)
         octets = sum(sizes.values())
         held = self.client_octets(client)
@@ -133,9 +133,13 @@ class LeaseTable:
             raise NotFound(f"lease {lease_id} is unknown or expired")
         return lease
 
+    def lookup(self, client: str, lease_id: str) -> Lease:
+        """The client's live lease ``lease_id``; raises :class:`NotFound`."""
+        return self._own(client, lease_id)
+
     def renew(self, client: str, lease_id: str, ttl_ms: int) -> Lease:
         """Extend a live lease to ``ttl_ms`` from now (LE1)."""
-        self._check_ttl(ttl_ms)
+        self.check_ttl(ttl_ms)
         lease = self._own(client, lease_id)
         lease.expires_at = self.clock() + ttl_ms / 1000
         lease.ttl_ms = ttl_ms

@@ -461,20 +461,28 @@ class TieredStore(TierIO):
         limit = self.retention_s
         return bool(limit) and info.stored_at < self.wall_clock() - (limit or 0.0)
 
-    async def expire(self) -> int:
+    async def expire(self, batch: int = 32) -> int:
         """Remove every block stored more than ``retention_s`` ago, from every
         tier, withdrawing it first (the eviction hook, P3); a leased one goes
-        once its lease ends (LE2). Returns how many went."""
+        once its lease ends (LE2). Returns how many went.
+
+        The store lock is taken for ``batch`` blocks at a time, so that a
+        sweep of many blocks (each withdrawn from the IS) does not hold up
+        PUTs and GETs for its whole length."""
         if not self.retention_s:
             return 0
         cutoff = self.wall_clock() - self.retention_s
+        due = [i for i in self._blocks.values() if i.stored_at < cutoff]
         gone = 0
-        async with self._locked():
-            for info in [i for i in self._blocks.values() if i.stored_at < cutoff]:
-                if self._pinned(info.ref):
-                    continue
-                await self._evict(info, "retention")
-                gone += 1
+        for start in range(0, len(due), batch):
+            async with self._locked():
+                for info in due[start : start + batch]:
+                    # Re-checked under the lock: replaced, deleted or leased since.
+                    if self._blocks.get(info.ref) is not info or self._pinned(info.ref):
+                        continue
+                    await self._evict(info, "retention")
+                    gone += 1
+            await asyncio.sleep(0)
         if gone:
             log.warning("retention: %d blocks older than %.0f s removed", gone, self.retention_s)
         return gone
@@ -633,14 +641,29 @@ class TieredStore(TierIO):
             (ref, self._blocks[ref].size)
             for key in dict.fromkeys(block_keys)
             for ref in self._by_key.get(key, ())
-            if allowed is None or allowed(ref)
+            if (allowed is None or allowed(ref)) and not self._expired(self._blocks[ref])
         ]
         if not held:
             raise NotFound("none of the block keys is held")
-        return self.leases.grant(client, held, ttl_ms)
+        self.leases.check_ttl(ttl_ms)
+        return self.leases.grant(client, held, self._retention_ttl(ttl_ms, [r for r, _ in held]))
 
     def renew_lease(self, client: str, lease_id: str, ttl_ms: int) -> Lease:
-        return self.leases.renew(client, lease_id, ttl_ms)
+        self.leases.check_ttl(ttl_ms)
+        lease = self.leases.lookup(client, lease_id)
+        return self.leases.renew(client, lease_id, self._retention_ttl(ttl_ms, lease.sizes))
+
+    def _retention_ttl(self, ttl_ms: int, refs: Iterable[BlockRef]) -> int:
+        """A lease never keeps a block past the retention limit (SEC4): the
+        granted TTL (LE1) ends when the oldest leased block must go. Once
+        that is now, the lease is granted for 0 ms: it protects nothing."""
+        if not self.retention_s:
+            return ttl_ms
+        stored = [self._blocks[r].stored_at for r in refs if r in self._blocks]
+        if not stored:
+            return ttl_ms
+        left_ms = int((min(stored) + self.retention_s - self.wall_clock()) * 1000)
+        return max(0, min(ttl_ms, left_ms))
 
     def release_lease(self, client: str, lease_id: str) -> None:
         self.leases.release(client, lease_id)

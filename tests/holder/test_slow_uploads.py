@@ -90,3 +90,63 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+async def test_slow_or_absent_request_headers_are_cut_off() -> None:
+    # uvicorn has no header deadline: kvstore's protocol gives a request line
+    # and headers server.header_timeout_s (here 0.5 s) from the connection's
+    # open, or from the first byte of the next request on a kept-alive
+    # connection. Silent, trickling and kept-alive-then-trickling clients all
+    # get 408 and a closed socket, while another client is served.
+    from kvstore.tlsscope import http1_protocol
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}/kvsp/"
+    store = TieredStore([(HostTier(), 64 << 20)])
+    app = create_app(HolderSettings(uri, allow_anonymous=True), store, OPEN)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="off", http=http1_protocol(0.5)))  # fmt: skip
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    path = f"/kvsp/blocks/{COMPAT}/{SCOPE}/{ref(1).block_key}"
+    late = f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: aaaaaaaaaaaaaaaaaaaaaa\r\n\r\n".encode()
+
+    async def trickle(writer: asyncio.StreamWriter, text: bytes) -> None:
+        for i in range(len(text)):
+            writer.write(text[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async def cut_off(reader: asyncio.StreamReader, started: float) -> float:
+        answer = await asyncio.wait_for(reader.read(), 5)  # to the close
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        return time.monotonic() - started
+
+    try:
+        silent_r, silent_w = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
+        slow = asyncio.create_task(trickle(slow_w, late))
+        kept_r, kept_w = await asyncio.open_connection("127.0.0.1", port)
+        kept_w.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        first = await asyncio.wait_for(kept_r.readuntil(b"\r\n\r\n"), 5)
+        assert first.startswith(b"HTTP/1.1 404")  # a whole request in time is served
+        await kept_r.readexactly(int(first.lower().split(b"content-length: ")[1].split(b"\r")[0]))
+        kept_started = time.monotonic()
+        kept = asyncio.create_task(trickle(kept_w, late))
+        async with httpx.AsyncClient(base_url=uri) as other:  # served meanwhile
+            put = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}", content=block(),
+                                  headers={"If-None-Match": "*",
+                                           "Content-Type": "application/kvsp-block"})  # fmt: skip
+            assert put.status_code == 201
+        for elapsed in (await cut_off(silent_r, started), await cut_off(slow_r, started),
+                        await cut_off(kept_r, kept_started)):  # fmt: skip
+            assert 0.4 < elapsed < 2.0, elapsed
+        for t, w in ((slow, slow_w), (kept, kept_w), (None, silent_w)):
+            if t is not None:
+                t.cancel()
+            w.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)

@@ -446,8 +446,11 @@ async def test_every_persistent_tier_holds_only_ciphertext(
         assert b'"layers"' not in bytes(stored)  # the table is sealed too
     assert await store.get(ref(1)) == data
     await store.close()
-    # Without the key, a restart finds nothing it can read (none served).
-    keyless = TieredStore([(make_tier(kind, request, **_same(tier)), 10 * SIZE)])
+    # Without the key, a restart finds nothing it can read (none served),
+    # though the reopened tier still lists what it holds.
+    reopened = make_tier(kind, request, **_same(tier))
+    assert sorted([k async for k in reopened.keys()]) == sorted(keys)
+    keyless = TieredStore([(reopened, 10 * SIZE)])
     assert await keyless.recover() == 0
     await keyless.close()
 
@@ -480,3 +483,58 @@ async def test_retention_is_not_fooled_by_the_sweep_or_a_clock_ahead(lmdb_path: 
     now[0] += 31
     assert await third.expire() == 1
     await third.close()
+
+
+async def test_a_lease_never_keeps_a_block_past_the_retention_limit() -> None:
+    # SEC4 over LE1: the granted TTL ends when the oldest leased block must
+    # go, renewals included; a block already past the limit is not leased.
+    now = [1_000.0]
+    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=60,
+                        wall_clock=lambda: now[0])  # fmt: skip
+    await store.put(ref(1), block())
+    now[0] += 20
+    await store.put(ref(2), block())
+    now[0] += 10  # ref(1) has 30 s left, ref(2) 50 s
+    lease = store.lease("c", [ref(1).block_key, ref(2).block_key], 60_000)
+    assert lease.ttl_ms == 30_000
+    assert store.lease("c", [ref(2).block_key], 10_000).ttl_ms == 10_000  # shorter: as asked
+    now[0] += 25
+    assert store.renew_lease("c", lease.id, 60_000).ttl_ms == 5_000
+    now[0] += 6  # ref(1) is past the limit now
+    with pytest.raises(NotFound):
+        store.lease("c", [ref(1).block_key], 1_000)
+    assert store.lease("c", [ref(1).block_key, ref(2).block_key], 60_000).ttl_ms == 19_000
+    await store.close()
+
+
+async def test_a_retention_sweep_lets_other_requests_in_between_batches() -> None:
+    # The store lock is held for one batch at a time: a PUT that arrives while
+    # a long sweep withdraws blocks (slowly, as over a network) is served
+    # before the sweep ends, not after.
+    import asyncio
+
+    now = [0.0]
+    done: list[str] = []
+
+    async def slow_withdrawal(r: Any, reason: str) -> None:
+        await asyncio.sleep(0.02)
+
+    store = TieredStore([(HostTier(), 12 * size_of())], retention_s=10,
+                        wall_clock=lambda: now[0], on_evict=slow_withdrawal)  # fmt: skip
+    for n in range(8):
+        await store.put(ref(n), block())
+    now[0] = 11.0
+
+    async def sweep() -> None:
+        assert await store.expire(batch=2) == 8
+        done.append("sweep")
+
+    async def put() -> None:
+        await asyncio.sleep(0.01)  # the sweep has the lock by now
+        await store.put(ref(100), block())
+        done.append("put")
+
+    await asyncio.gather(sweep(), put())
+    assert done == ["put", "sweep"]
+    assert len(store) == 1 and store.stats.expired == 8
+    await store.close()
