@@ -88,7 +88,8 @@ class Roles:
                      **kw: Any) -> tuple[int, str | None]:  # fmt: skip
         response = await self.as_(role, who).request(method, path, **kw)
         kind = None
-        if response.headers.get("content-type", "").startswith("application/problem+json"):
+        problem = response.headers.get("content-type", "").startswith("application/problem+json")
+        if problem and method != "HEAD":
             kind = response.json().get("type", "").rsplit("#", 1)[-1]
         return response.status_code, kind
 
@@ -142,8 +143,23 @@ async def test_holder_resources(roles: Roles) -> None:
                                     json={**lease, "block_keys": [key(2)]})  # fmt: skip
     assert not roles.store.leases.is_leased(held_ref)
     assert bob_held == bob_absent, (bob_held, bob_absent)
-    assert (await roles.status("holder", "alice", "POST", "leases", json=lease))[0] == 201
+    granted = await roles.as_("holder", "alice").post("leases", json=lease)
+    assert granted.status_code == 201 and roles.store.leases.is_leased(held_ref)
+    # Another client cannot renew or release it: the answer of an unknown lease.
+    lease_path = f"leases/{granted.json()['lease']}"
+    for method, body in (("PUT", {"json": {"ttl_ms": 1000}}), ("DELETE", {})):
+        for who in ("bob", "pc", "holder1"):
+            theirs = await roles.status("holder", who, method, lease_path, **body)
+            unknown = await roles.status("holder", who, method, "leases/unknown", **body)
+            assert theirs == unknown and theirs[0] in (403, 404), (method, who, theirs)
+        assert (await roles.status("holder", None, method, lease_path, **body))[0] == 401
     assert roles.store.leases.is_leased(held_ref)
+    # HEAD answers as GET does, body aside.
+    for who, code in expected.items():
+        held = await roles.status("holder", who, "HEAD", block_path(A, 1))
+        assert held[0] == code, (who, held)
+        if code != 200:
+            assert held[0] == (await roles.status("holder", who, "HEAD", block_path(A, 2)))[0]
     # Store-wide metrics: a side channel, for the metrics or admin role only.
     for who in ("alice", "bob", "pc", "holder1", "stranger"):
         assert (await roles.status("holder", who, "GET", "https://h1.test/metrics"))[0] == 403
@@ -221,11 +237,15 @@ async def test_controller_resources(roles: Roles) -> None:
     for who, code in {"bob": 403, "ii1": 403, "stranger": 403, None: 401}.items():
         assert (await roles.status("pc", who, "POST", "place", json=place))[0] == code, who
     # Operators' resources: admin (or metrics for the listing) only.
-    for who in ("alice", "pc", "ii1", "holder1"):
-        assert (await roles.status("pc", who, "GET", "instances"))[0] == 403, who
-        assert (await roles.status("pc", who, "PUT", "maps/m", json={
-            "map": "m", "version": 1, "shards": [{"tokens": [0, 4], "instance": II1}]}))[0] \
-            == 403, who  # fmt: skip
+    shard_map = {"map": "m", "version": 1, "shards": [{"tokens": [0, 4], "instance": II1}]}
+    operators = (("GET", "instances", None), ("PUT", "maps/m", shard_map), ("GET", "maps/m", None),
+                 ("POST", "maps/m/reshard", {"target": {**shard_map, "version": 2}}),
+                 ("PUT", f"instances/{role_id(II1)}/state", {"state": "draining"}))  # fmt: skip
+    for method, path, body in operators:
+        for who in ("alice", "pc", "ii1", "holder1", "stranger"):
+            got = await roles.status("pc", who, method, path, json=body)
+            assert got[0] == 403, (method, path, who, got)
+        assert (await roles.status("pc", None, method, path, json=body))[0] == 401, path
 
 
 async def test_instance_resources(roles: Roles) -> None:
@@ -249,3 +269,69 @@ async def test_instance_resources(roles: Roles) -> None:
         assert got[0] == 401, (path, got)
     assert (await roles.status("instance", "pc", "PUT", "state",
                                json={"state": "active"}))[0] == 200  # fmt: skip
+
+
+async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
+    # Generation and the session resources of an instance with an engine:
+    # readers of the session's scope only; others (and no identity) get the
+    # answer of a session that does not exist. Prefetch status and contexts:
+    # the PC only.
+    from kvstore.instance.reference import ReferenceEngine
+    from kvstore.instance.reporter import Load
+    from kvstore.instance.sessions import Sessions, SessionSettings
+    from kvstore.instance.shards import Shards
+
+    from .instance.test_sessions import PROMPT, SCOPE, SCOPE_KEY
+
+    policy = Policy.from_json({"principals": {
+        "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [SCOPE]},
+        "urn:kvstore:pc": {"roles": ["pc"]},
+        "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": [SCOPE]},
+        "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+        "urn:kvstore:bob": {"read_scopes": [B]},
+    }})  # fmt: skip
+    store = TieredStore([(HostTier(), 64 << 20)])
+    prefetcher, lifecycle = Prefetcher(store, None), Lifecycle()
+    sessions = Sessions(SessionSettings(II1), ReferenceEngine(tmp_path, block_tokens=8), store,
+                        {SCOPE: SCOPE_KEY}, lifecycle, Load(), prefetcher=prefetcher)  # fmt: skip
+    app = create_instance(InstanceSettings(II1), prefetcher, policy, lifecycle, sessions,
+                          Shards(store, prefetcher, policy, 8))  # fmt: skip
+    clients: list[httpx.AsyncClient] = []
+
+    async def status(who: str | None, method: str, path: str, **kw: Any) -> tuple[int, str]:
+        cert = (certs / f"client-{who}.pem").read_text() if who else None
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(AsPrincipal(app, cert)),
+                                   base_url=II1)  # fmt: skip
+        clients.append(client)
+        response = await client.request(method, path, **kw)
+        if response.status_code < 400:
+            return response.status_code, ""
+        problem = response.json()
+        return response.status_code, f"{problem['type']} {problem.get('detail')}"
+
+    try:
+        session = str(uuid.uuid4())
+        body = {"session": session, "scope_id": SCOPE, "tokens": PROMPT, "max_tokens": 3}
+        for who, code in {"bob": 403, "holder1": 403, "pc": 403, "stranger": 403,
+                          None: 401}.items():  # fmt: skip
+            got = await status(who, "POST", "generate", json={**body, "session": str(uuid.uuid4())})
+            assert got[0] == code, (who, got)
+        assert (await status("alice", "POST", "generate", json=body))[0] == 200
+        absent = str(uuid.uuid4())
+        for path in (f"sessions/{session}", f"sessions/{session}/tokens?from=0"):
+            assert (await status("alice", "GET", path))[0] == 200, path
+            for who in ("bob", "holder1", "ii1", "pc", "stranger", None):
+                held = await status(who, "GET", path)
+                missing = await status(who, "GET", path.replace(session, absent))
+                assert held == missing and held[0] in (401, 403, 404), (path, who, held)
+        pc_only = (("GET", f"prefetch/{uuid.uuid4()}", {}), ("GET", "contexts/m", {}),
+                   ("PUT", "contexts/m", {"json": {"block_keys": []}}))  # fmt: skip
+        for method, path, extra in pc_only:
+            for who in ("alice", "bob", "holder1", "ii1", "stranger"):
+                assert (await status(who, method, path, **extra))[0] == 403, (path, who)
+            assert (await status(None, method, path, **extra))[0] == 401, path
+            assert (await status("pc", method, path, **extra))[0] not in (401, 403), path
+    finally:
+        for client in clients:
+            await client.aclose()
+        await sessions.close()

@@ -27,16 +27,21 @@ from kvstore.protocol.control import (
     ResumeRequest,
     SessionCheckpoint,
     ShardMap,
+    StateChange,
     parse_reshard,
 )
 from kvstore.protocol.problems import KvspError
 from kvstore.protocol.records import (
+    LeaseGrant,
     LeaseRequest,
     LookupRequest,
+    LookupResponse,
     PrefetchDirective,
+    PrefetchStatus,
     ReplicaRecord,
 )
 from kvstore.protocol.stream import StreamDecoder
+from kvstore.protocol.wire import parse_layers, parse_repr_digest
 
 HERE = Path(__file__).resolve().parent
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
@@ -131,13 +136,28 @@ EXAMPLES: dict[str, dict[str, Any]] = {
                 "ranges": [[0, 16]]},
 }  # fmt: skip
 EXAMPLES["resume"] = {"epoch": 2, "checkpoint": EXAMPLES["checkpoint"]}
+# What clients parse from servers (a server can be hostile too).
+EXAMPLES["state"] = {"state": "draining"}
+EXAMPLES["lease_grant"] = {"lease": "abc", "ttl_ms": 10, "block_keys": [HEX32]}
+EXAMPLES["lookup_response"] = {
+    "matched": 1,
+    "replicas": [[EXAMPLES["replica"]]],
+    "targets": [{"instance": "https://i/", "fetch_us": 1.5, "recompute_us": 9.0}],
+}
+EXAMPLES["prefetch_status"] = {
+    "directive": "a2b7c9e0-1f3d-4c1a-8f5b-6d2e9a7c3b10",
+    "state": "complete",
+    "loaded": [HEX32],
+}
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "replica": ReplicaRecord.from_json, "lookup": LookupRequest.from_json,
     "lease": LeaseRequest.from_json, "prefetch": PrefetchDirective.from_json,
     "status": InstanceStatus.from_json, "checkpoint": SessionCheckpoint.from_json,
     "resume": ResumeRequest.from_json, "map": ShardMap.from_json, "reshard": parse_reshard,
     "generate": lambda v: GenerateRequest.from_json(v, max_prompt=64, max_output=64),
-    "context": ContextDefinition.from_json,
+    "context": ContextDefinition.from_json, "state": StateChange.from_json,
+    "lease_grant": LeaseGrant.from_json, "lookup_response": LookupResponse.from_json,
+    "prefetch_status": PrefetchStatus.from_json,
 }  # fmt: skip
 
 
@@ -182,3 +202,27 @@ def test_record_parsers_raise_only_our_errors(data: st.DataObject) -> None:
         PARSERS[name](value)
     except KvspError as exc:
         assert 400 <= exc.status < 500, (name, exc)
+
+
+HEADER_TEXT = st.text(alphabet=st.sampled_from("0123456789-=:,; abcdefAZ+/sha-256\t\x00\xff"),
+                      max_size=80) | st.text(max_size=80)  # fmt: skip
+
+
+@FUZZ
+@given(value=HEADER_TEXT)
+def test_header_and_query_parsers_raise_only_our_errors(value: str) -> None:
+    # ``layers=a-b`` (BL2) and ``Repr-Digest`` (BL4) come from clients as text.
+    for parse in (parse_layers, parse_repr_digest):
+        try:
+            parse(value)
+        except KvspError as exc:
+            assert 400 <= exc.status < 500, (parse, exc)
+
+
+def test_the_header_parsers_accept_what_they_should() -> None:
+    assert parse_layers("3-7") == (3, 7)
+    digest = hashlib.sha256(b"x").digest()
+    import base64
+
+    value = "md5=:AAAA:, sha-256=:" + base64.b64encode(digest).decode() + ":"
+    assert parse_repr_digest(value) == digest
