@@ -3,13 +3,15 @@
 LMDB calls block, so each runs in a worker thread, off the event loop. A read
 copies the value out of the memory map once (the map's buffer is only valid
 inside its transaction). The map size is fixed by configuration; a full map
-is :class:`TierFull`, any other LMDB error :class:`TierUnavailable`.
+is :class:`TierFull`, and so is a write failing on a file system out of room;
+any other LMDB error is :class:`TierUnavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -23,14 +25,32 @@ from kvstore.storage.tier import Tier
 T = TypeVar("T")
 
 
+#: Free room on the file system under which a failed write counts as "disk full".
+_SLACK = 1 << 20
+
+
+def _free_octets(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 @contextlib.contextmanager
-def _translated(path: str) -> Iterator[None]:
+def _translated(path: str, writing: int = 0) -> Iterator[None]:
     # STYLE 6: lmdb's exceptions stop here.
     try:
         yield
     except lmdb.MapFullError as exc:
         raise TierFull(f"LMDB map at {path} is full: {exc}") from exc
     except lmdb.Error as exc:
+        # A file system out of room fails LMDB's commit with ENOSPC or, from
+        # its page writes, EIO: a full tier (507), not a broken one.
+        free = _free_octets(path) if writing else None
+        if free is not None and free < 2 * writing + _SLACK:
+            raise TierFull(f"the file system holding LMDB at {path} is full "
+                           f"({free} octets free): {exc}") from exc  # fmt: skip
         raise TierUnavailable(f"LMDB at {path}: {exc}", tier="local-storage") from exc
 
 
@@ -52,9 +72,9 @@ class LmdbTier(Tier):
             # sync=True: a put is on disk when it returns (nothing acknowledged is lost).
             self._env = lmdb.open(path, map_size=map_size, sync=sync, max_dbs=0, readahead=False)
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def _run(self, fn: Callable[[], T], writing: int = 0) -> T:
         def call() -> T:
-            with _translated(self.path):
+            with _translated(self.path, writing):
                 return fn()
 
         return await asyncio.to_thread(call)
@@ -72,7 +92,7 @@ class LmdbTier(Tier):
             with self._env.begin(write=True) as txn:
                 txn.put(key.encode(), value)
 
-        await self._run(write)
+        await self._run(write, writing=len(value))
 
     async def delete(self, key: str) -> None:
         def remove() -> None:

@@ -254,6 +254,9 @@ def error_from_problem(status: int, problem: Any) -> KvspError:
         return ScopeDenied(detail)
     if status == 412:
         return PreconditionFailed(detail)
-    if 400 <= status < 500:
-        return BadRequest(detail)
-    return KvspError(detail)
+    if status == 507:
+        return InsufficientStorage(detail)
+    error: KvspError = BadRequest(detail) if 400 <= status < 500 else KvspError(detail)
+    if 400 <= status < 600:
+        error.status = status  # the peer's status stays readable (a 503 vs a 500)
+    return error

@@ -226,7 +226,7 @@ class TieredStore(TierIO):
                             part = container.slice(first, last).tobytes()
                         await self._place(info, first, last, part, slot)
                     info.layers = await hashing
-                    await self._sync_meta(info)
+                    await self._sync_meta(info, strict=True)
                 except BaseException:
                     await self._discard(info)
                     raise
@@ -439,9 +439,14 @@ class TieredStore(TierIO):
             await self._quiet_delete(self.slots[segment.slot], segment.key)
         await self._sync_meta(info)
 
-    async def _sync_meta(self, info: BlockInfo) -> None:
+    async def _sync_meta(self, info: BlockInfo, strict: bool = False) -> None:
         """Keep the block's layer table in each persistent tier that holds one of
-        its segments, and nowhere else (a restart reads it back, see startup)."""
+        its segments, and nowhere else (a restart reads it back, see startup).
+
+        ``strict`` (a new block): a table that cannot be written fails the
+        put, since a segment without its table is not recovered after a
+        restart and the PUT must not be acknowledged (a disk out of room
+        after the segment went in, say)."""
         want = {x.slot for x in info.segments if self.slots[x.slot].tier.persistent}
         for index in sorted(want - info.meta_slots):
             slot = self.slots[index]
@@ -450,6 +455,11 @@ class TieredStore(TierIO):
                 await self._tier_call(slot, slot.tier.put(info.ref.meta_key, stored))
                 info.meta_slots.add(index)
             except (TierUnavailable, TierFull) as exc:
+                if strict:
+                    raise InsufficientStorage(
+                        f"the layer table of {info.ref.block_key} could not be stored in "
+                        f"{slot.kind}: {exc.detail}"
+                    ) from exc
                 log.warning("layer table of %s not stored in %s: %s", info.ref.block_key,
                             slot.kind, exc.detail)  # fmt: skip
         for index in sorted(info.meta_slots - want):

@@ -16,6 +16,7 @@ from kvstore.protocol.problems import (
     BadRequest,
     DigestMismatch,
     Incompatible,
+    InsufficientStorage,
     InvalidDescriptor,
     InvalidRecord,
     InvalidState,
@@ -236,3 +237,14 @@ def test_render_parse_property(cls: type[KvspError], detail: str) -> None:
     again = error_from_problem(error.status, json.loads(render_problem(error)))
     assert type(again) is cls
     assert again.detail == detail
+
+
+def test_a_problem_of_an_unknown_type_keeps_its_status() -> None:
+    # H4: by the class of the status code; a 503 or a 507 stays one, so a
+    # client can tell "full" and "unavailable" from a server bug.
+    assert isinstance(error_from_problem(507, {"detail": "full"}), InsufficientStorage)
+    unavailable = error_from_problem(503, {"type": "about:blank", "detail": "down"})
+    assert unavailable.status == 503 and unavailable.detail == "down"
+    assert error_from_problem(500, None).status == 500
+    assert error_from_problem(418, None).status == 418
+    assert isinstance(error_from_problem(418, None), BadRequest)

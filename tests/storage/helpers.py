@@ -71,3 +71,6 @@ class FlakyTier(Tier):
         self._check()
         async for key in self.inner.keys():
             yield key
+
+    async def close(self) -> None:
+        await self.inner.close()

@@ -15,6 +15,7 @@ from kvstore.protocol import container as kc
 from kvstore.protocol.problems import (
     CorruptData,
     DigestMismatch,
+    InsufficientStorage,
     LayersUnavailable,
     NotFound,
     TierUnavailable,
@@ -538,3 +539,30 @@ async def test_a_retention_sweep_lets_other_requests_in_between_batches() -> Non
     assert done == ["put", "sweep"]
     assert len(store) == 1 and store.stats.expired == 8
     await store.close()
+
+
+async def test_a_put_whose_layer_table_cannot_be_stored_is_not_acknowledged(
+    lmdb_path: str,
+) -> None:
+    # The segment goes in, then the disk has no room for the layer table: a
+    # restart could not recover the block, so the PUT fails (507) and
+    # leaves nothing behind, rather than being acknowledged and then lost.
+    from kvstore.protocol.problems import TierFull
+
+    class NoRoomForTables(FlakyTier):
+        async def put(self, key: str, value: Any) -> None:
+            if key == ref(2).meta_key:
+                raise TierFull("no space left on device")
+            await self.inner.put(key, value)
+
+    tier = NoRoomForTables(LmdbTier(lmdb_path))
+    store = TieredStore([(tier, 10 * size_of())])
+    await store.put(ref(1), block())
+    with pytest.raises(InsufficientStorage, match="layer table"):
+        await store.put(ref(2), block())
+    assert ref(2) not in store and ref(1) in store
+    await store.close()
+    again = TieredStore([(LmdbTier(lmdb_path), 10 * size_of())])
+    assert await again.recover() == 1 and ref(1) in again
+    assert [k async for k in again.slots[0].tier.keys() if ref(2).block_key in k] == []
+    await again.close()
