@@ -104,3 +104,49 @@ async def test_s3_errors_and_timeouts_degrade_and_recover(
     for n in held:
         assert await store.get(ref(n)) == bodies[n]
     await store.close()
+
+
+async def test_a_holder_over_a_failing_s3_answers_503_only_for_what_s3_alone_held(
+    proxy: FaultProxy, s3_bucket: str
+) -> None:
+    # The same faults seen from a client of the holder: a block only S3 held
+    # is a 503 problem with Retry-After (a miss the client can retry or
+    # skip, never a hang or a 500); blocks in host memory are served; PUTs go on.
+    import httpx
+
+    from kvstore.holder import HolderSettings, create_app
+    from kvstore.security import Policy
+
+    from .helpers import COMPAT, SCOPE
+
+    open_policy = Policy.from_json({"principals": {"anonymous": {
+        "read_scopes": ["*"], "write_scopes": ["*"]}}})  # fmt: skip
+    s3 = S3Tier(s3_bucket, endpoint_url=proxy.url, timeout_s=1.0, **S3_CREDENTIALS)
+    store = TieredStore([(HostTier(), 2 * size_of()), (s3, 20 * size_of())],
+                        promote=False, retry_after_s=0.5)  # fmt: skip
+    uri = "https://h.test/kvsp/"
+    app = create_app(HolderSettings(uri, allow_anonymous=True), store, open_policy)
+    bodies = {n: block() for n in range(5)}
+    headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=uri) as client:
+        for n in range(4):
+            put = await client.put(f"blocks/{COMPAT}/{SCOPE}/{ref(n).block_key}",
+                                   content=bodies[n], headers=headers)  # fmt: skip
+            assert put.status_code == 201
+        proxy.mode = "error"
+        for method in ("GET", "GET", "HEAD"):  # degraded after the first: fast
+            got = await client.request(method, f"blocks/{COMPAT}/{SCOPE}/{ref(0).block_key}")
+            assert got.status_code == 503, got.text
+            assert got.headers["content-type"].startswith("application/problem+json")
+            assert int(got.headers["retry-after"]) >= 1
+        for n in (2, 3):
+            got = await client.get(f"blocks/{COMPAT}/{SCOPE}/{ref(n).block_key}")
+            assert got.status_code == 200 and got.content == bodies[n]
+        put = await client.put(f"blocks/{COMPAT}/{SCOPE}/{ref(4).block_key}",
+                               content=bodies[4], headers=headers)  # fmt: skip
+        assert put.status_code == 201
+        proxy.mode = "pass"
+        await asyncio.sleep(0.6)
+        got = await client.get(f"blocks/{COMPAT}/{SCOPE}/{ref(0).block_key}")
+        assert got.status_code == 200 and got.content == bodies[0]
+    await store.close()
