@@ -186,6 +186,9 @@ async def test_a_restarted_index_is_republished_within_one_refresh(
     started = time.monotonic()
     async with IndexClient(uris["index"], context) as index:
         await eventually(published, timeout=TTL_MS / 1000 + 3)
-    # One refresh is TTL/3 = 0.5 s; with the publisher's backoff after the
-    # failed round, still within a TTL and a start.
-    assert time.monotonic() - started < TTL_MS / 1000 + 3
+    # One refresh is TTL/3 = 0.5 s, and the publisher's backoff after failed
+    # rounds is capped at the same: once the IS listens, the records are
+    # back within two refreshes (plus a TLS connection on a loaded machine).
+    took = time.monotonic() - started
+    print(f"records back {took:.2f} s after the IS listened")
+    assert took < 2 * TTL_MS / 3000 + 0.5, took
