@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import HolderClient, IndexClient
+from kvstore.protocol.problems import KvspError
 from kvstore.protocol.records import LookupRequest
 from kvstore.security import client_context, create_dev_certificates
 
@@ -107,7 +108,8 @@ capacity = {2 * len(block())}
         str(root / "certs" / "ca.pem"), str(root / "certs" / "client-alice.pem"),
         str(root / "certs" / "client-alice.key"),
     )  # fmt: skip
-    yield {"uris": uris, "context": context, "processes": {p.name: p for p in processes}}
+    yield {"uris": uris, "context": context, "processes": {p.name: p for p in processes},
+           "root": root}  # fmt: skip
     for process in processes:
         process.stop()
 
@@ -192,3 +194,24 @@ async def test_a_restarted_index_is_republished_within_one_refresh(
     took = time.monotonic() - started
     print(f"records back {took:.2f} s after the IS listened")
     assert took < 2 * TTL_MS / 3000 + 0.5, took
+
+
+async def test_the_index_refuses_another_cas_certificate_and_none(
+    cluster: dict[str, Any], tmp_path: Path
+) -> None:
+    # SEC1 beyond the holder: the IS's listener (the same TLS set-up serves
+    # every role) refuses a certificate of the right name from another CA,
+    # and a client with none, at the handshake; alice's own is served.
+    uris, root = cluster["uris"], cluster["root"]
+    create_dev_certificates(tmp_path / "rogue", ["alice"])
+    rogue = client_context(str(root / "certs" / "ca.pem"),
+                           str(tmp_path / "rogue" / "client-alice.pem"),
+                           str(tmp_path / "rogue" / "client-alice.key"))  # fmt: skip
+    anonymous = client_context(str(root / "certs" / "ca.pem"))
+    request = LookupRequest(SCOPE, COMPAT, (key(1),))
+    for context in (rogue, anonymous):
+        async with IndexClient(uris["index"], context) as index:
+            with pytest.raises(KvspError):
+                await index.lookup(request)
+    async with IndexClient(uris["index"], cluster["context"]) as index:
+        assert (await index.lookup(request)).matched in (0, 1)
