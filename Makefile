@@ -4,7 +4,7 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck unit bench demo clean
+.PHONY: run test lint typecheck unit engines bench demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,6 +16,19 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+# The engines' virtualenv (issue 10): LMCache and SGLang beside the CPU build
+# of torch, every package pinned in engines/requirements.txt and installed
+# with --no-deps (their own requirements would pull CUDA builds of torch).
+ENGINES := .venv-engines
+
+$(ENGINES)/.installed: engines/requirements.txt pyproject.toml
+	$(PY) -m venv $(ENGINES)
+	$(ENGINES)/bin/python -m pip install --upgrade pip
+	$(ENGINES)/bin/pip install torch==2.13.0
+	$(ENGINES)/bin/pip install --no-deps -r engines/requirements.txt
+	$(ENGINES)/bin/pip install --no-deps -e .
 	touch $@
 
 # A holder, an Index Service and a Placement Controller on https://127.0.0.1:8443,
@@ -31,9 +44,15 @@ typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
 unit: $(VENV)/.installed-test
-	$(BIN)/pytest
+	$(BIN)/pytest --ignore=tests/engines
 
-test: lint typecheck unit
+# Each engine in a pytest process of its own (LMCache sets process-wide
+# state; SGLang needs import stubs on a CPU-only machine).
+engines: $(ENGINES)/.installed
+	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_lmcache.py
+	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_sglang.py
+
+test: lint typecheck unit engines
 
 # Scenarios 1 and 2 of the instance role on real processes (kvstore demo).
 demo: $(VENV)/.installed-test
@@ -42,12 +61,13 @@ demo: $(VENV)/.installed-test
 # Every benchmark, each against its same-run baseline (several minutes; the
 # store, index and holder suites use the Redis on 127.0.0.1:6379 and start
 # moto, nginx when installed, and their own server processes).
-bench: $(VENV)/.installed-test
+bench: $(VENV)/.installed-test $(ENGINES)/.installed
 	$(BIN)/kvstore bench protocol
 	$(BIN)/kvstore bench store
 	$(BIN)/kvstore bench holder
 	$(BIN)/kvstore bench index
 	$(BIN)/kvstore bench controller
+	$(ENGINES)/bin/kvstore bench engines
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES) .mypy_cache .pytest_cache .ruff_cache .hypothesis

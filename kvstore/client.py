@@ -34,6 +34,7 @@ from urllib.parse import urljoin
 import aiohttp
 
 from .protocol import container as kc
+from .protocol._bytes import BytesLike
 from .protocol.control import (
     InstanceStatus,
     ReshardMessage,
@@ -149,8 +150,14 @@ class HolderClient(_Http):
         await verify_block(body, headers["repr-digest"], record)
         return body
 
+    async def has_block(self, holder: str, compat_id: str, scope_id: str, block_key: str) -> bool:
+        """``HEAD`` of a block: True if the holder serves it, False on a 404."""
+        url = urljoin(_base(holder), block_path(compat_id, scope_id, block_key))
+        status, _, _ = await self._request("HEAD", url, expect=[200, 404])
+        return status == 200
+
     async def put_block(
-        self, holder: str, compat_id: str, scope_id: str, block_key: str, data: bytes
+        self, holder: str, compat_id: str, scope_id: str, block_key: str, data: BytesLike
     ) -> ReplicaRecord:
         """Store a block (BL7); :class:`PreconditionFailed` when the holder has one."""
         url = urljoin(_base(holder), block_path(compat_id, scope_id, block_key))

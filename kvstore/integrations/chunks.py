@@ -1,0 +1,431 @@
+"""An engine's own chunk keys as KVSP blocks on kvstore holders (issue 10).
+
+LMCache and SGLang name what they store by their own keys (a hash of a
+token prefix in their own scheme), not by KVSP Block Keys. A
+:class:`ChunkStore` names each as a block of a configured scope and
+Compatibility Descriptor::
+
+    block_key = HMAC-SHA-256( scope_key, "KVSTORE-CHUNK-1" || 0x00 || compat_id
+                              || namespace || 0x00 || engine key )
+
+so that only principals of the scope can find or read them (K2), keys of
+different models never meet (C2), and LMCache's and SGLang's keys never
+collide (the namespace). Such blocks are shared among the users of that
+engine under that scope and descriptor; they are not the blocks a
+token-keyed KVSP client computes for the same tokens, since the engine's
+key is not the KVSP chain (docs/integrations.md).
+
+Each name lives on one of the configured holders, chosen by rendezvous
+hashing (the same holder for a name from every client; with one holder
+down, its names go to the next). A holder that fails a request is skipped
+for ``down_backoff_s``, so a dead holder makes the engine miss at once
+rather than wait out a timeout on every chunk.
+
+Failures become misses here, in one place (STYLE 8): :meth:`ChunkStore.get_many`
+answers None for a chunk no holder serves, :meth:`ChunkStore.put` False for
+one no holder took; both are counted in :attr:`ChunkStore.stats` and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..client import HolderClient
+from ..config import ConfigError
+from ..protocol._bytes import BytesLike
+from ..protocol.compat import CompatibilityDescriptor, parse_descriptor
+from ..protocol.keys import scope_id
+from ..protocol.problems import KvspError, NotFound, PreconditionFailed
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NAME_LABEL = b"KVSTORE-CHUNK-1\x00"
+
+#: torch dtype names -> the descriptor's ``kv_dtype`` (KVSP Element Types).
+KV_DTYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "float8_e4m3fn": "fp8-e4m3",
+    "float8_e5m2": "fp8-e5m2",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What the engine's own metadata says of its KV (a descriptor's geometry)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    block_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSettings:
+    holders: tuple[str, ...]
+    scope_key: bytes
+    descriptor: CompatibilityDescriptor
+    #: Keeps one engine's keys apart from another's ("lmcache", "sglang").
+    namespace: str
+    ssl_context: ssl.SSLContext | None = None
+    timeout_s: float = 5.0
+    #: How long a lease protects the chunks of one batched get (LE1).
+    lease_ms: int = 10_000
+    down_backoff_s: float = 5.0
+    #: Most requests in flight at once from one batch.
+    concurrency: int = 16
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any], *, namespace: str, geometry: Geometry
+    ) -> ChunkSettings:
+        """Settings from an engine's configuration strings (LMCache's
+        ``extra_config``, SGLang's ``--hicache-storage-backend-extra-config``),
+        keys without their ``kvstore.`` prefix:
+
+        * ``holders``: base URIs, a list or comma-separated (required);
+        * ``scope_key_file``: a scope key in hex, at least 32 octets (required);
+        * ``cafile``, ``certfile``, ``keyfile``: TLS and the client
+          certificate (required for ``https`` holders);
+        * the descriptor, either ``descriptor_file`` (a JSON Compatibility
+          Descriptor, whose geometry must match the engine's) or ``model``,
+          ``model_digest``, ``tokenizer_digest``, optional ``positional``
+          (default ``rope``) and ``adapters``, with the geometry taken from
+          the engine;
+        * ``timeout_s`` (5), ``lease_ms`` (10000), ``down_backoff_s`` (5).
+        """
+        holders = _holders(options.get("holders"))
+        key_file = _text(options, "scope_key_file")
+        try:
+            scope_key = bytes.fromhex(Path(key_file).read_text().strip())
+            scope_id(scope_key)  # K1: at least 32 octets
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"kvstore.scope_key_file: {key_file}: {exc}") from exc
+        context = None
+        if any(h.startswith("https://") for h in holders):
+            from ..security import client_context
+
+            try:
+                context = client_context(_text(options, "cafile"), _text(options, "certfile"),
+                                         _text(options, "keyfile"))  # fmt: skip
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"kvstore TLS files: {exc}") from exc
+        return cls(
+            holders=holders,
+            scope_key=scope_key,
+            descriptor=_descriptor(options, geometry),
+            namespace=namespace,
+            ssl_context=context,
+            timeout_s=_number(options, "timeout_s", 5.0),
+            lease_ms=int(_number(options, "lease_ms", 10_000)),
+            down_backoff_s=_number(options, "down_backoff_s", 5.0),
+        )
+
+
+def _text(options: Mapping[str, Any], name: str) -> str:
+    value = options.get(name)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"kvstore.{name}: required (a non-empty string)")
+    return value
+
+
+def _number(options: Mapping[str, Any], name: str, default: float) -> float:
+    value = options.get(name, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kvstore.{name}: {value!r} is not a number") from None
+    if not number > 0:
+        raise ConfigError(f"kvstore.{name}: must be positive")
+    return number
+
+
+def _holders(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not items:
+        raise ConfigError("kvstore.holders: required (holder base URIs)")
+    holders = tuple(str(h).strip() for h in items if str(h).strip())
+    for holder in holders:
+        if not holder.startswith(("https://", "http://")):
+            raise ConfigError(f"kvstore.holders: {holder!r} is not an http(s) URI")
+    return tuple(h if h.endswith("/") else h + "/" for h in holders)
+
+
+def _descriptor(options: Mapping[str, Any], geometry: Geometry) -> CompatibilityDescriptor:
+    shape = {"layers": geometry.layers, "kv_heads": geometry.kv_heads,
+             "head_dim": geometry.head_dim, "kv_dtype": geometry.kv_dtype,
+             "block_tokens": geometry.block_tokens}  # fmt: skip
+    file = options.get("descriptor_file")
+    if file:
+        try:
+            descriptor = parse_descriptor(json.loads(Path(str(file)).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"kvstore.descriptor_file: {file}: {exc}") from exc
+        found = {name: getattr(descriptor, name) for name in shape}
+        if found != shape:
+            raise ConfigError(f"kvstore.descriptor_file: geometry {found} is not the "
+                              f"engine's {shape}")  # fmt: skip
+        return descriptor
+    obj: dict[str, Any] = {
+        "model": _text(options, "model"),
+        "model_digest": _text(options, "model_digest"),
+        "tokenizer_digest": _text(options, "tokenizer_digest"),
+        "positional": options.get("positional", "rope"),
+        "layout": "kvsp-layout-1",
+        **shape,
+    }
+    if options.get("adapters"):
+        adapters = options["adapters"]
+        obj["adapters"] = adapters.split(",") if isinstance(adapters, str) else list(adapters)
+    try:
+        return parse_descriptor(obj)
+    except KvspError as exc:
+        raise ConfigError(f"kvstore descriptor: {exc.detail}") from exc
+
+
+def options_with_prefix(
+    options: Mapping[str, Any] | None, prefix: str = "kvstore."
+) -> dict[str, Any]:
+    """The ``kvstore.*`` entries of an engine's extra configuration, unprefixed."""
+    return {k[len(prefix) :]: v for k, v in (options or {}).items() if k.startswith(prefix)}
+
+
+@dataclass(slots=True)
+class ChunkStats:
+    puts: int = 0
+    put_failures: int = 0
+    hits: int = 0
+    misses: int = 0
+    #: Requests a holder failed (transport, 5xx): counted, then a miss.
+    errors: int = 0
+    leases: int = 0
+    octets_in: int = 0
+    octets_out: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class ChunkStore:
+    """Chunks of one engine, by its own keys, on kvstore holders.
+
+    Async, bound to the event loop of its first call (its connection pool
+    is); :class:`LoopThread` runs one for synchronous callers."""
+
+    def __init__(self, settings: ChunkSettings) -> None:
+        self.settings = settings
+        self.scope_id = scope_id(settings.scope_key).hex()
+        self.compat_id = settings.descriptor.compat_id_hex
+        self._prefix = NAME_LABEL + settings.descriptor.compat_id + settings.namespace.encode()
+        self._client: HolderClient | None = None
+        self._down_until: dict[str, float] = {}
+        self.stats = ChunkStats()
+
+    def block_key(self, name: str) -> str:
+        """The Block Key a chunk of this engine is stored under (see the module)."""
+        message = self._prefix + b"\x00" + name.encode()
+        return hmac.digest(self.settings.scope_key, message, hashlib.sha256).hex()
+
+    def _http(self) -> HolderClient:
+        if self._client is None:
+            self._client = HolderClient(self.settings.ssl_context,
+                                        timeout_s=self.settings.timeout_s)  # fmt: skip
+        return self._client
+
+    def holders_for(self, block_key: str) -> list[str]:
+        """Rendezvous order of the holders for a block, those marked down last."""
+        ranked = sorted(
+            self.settings.holders,
+            key=lambda h: hashlib.sha256(h.encode() + block_key.encode()).digest(),
+        )
+        now = time.monotonic()
+        return sorted(ranked, key=lambda h: self._down_until.get(h, 0.0) > now)  # stable
+
+    def _up(self, holder: str) -> bool:
+        return self._down_until.get(holder, 0.0) <= time.monotonic()
+
+    def _failed(self, holder: str, what: str, exc: KvspError) -> None:
+        self.stats.errors += 1
+        if exc.status >= 500 and exc.status != 507:
+            self._down_until[holder] = time.monotonic() + self.settings.down_backoff_s
+            log.warning("kvstore holder %s failed (%s: %s); skipped for %.0f s", holder, what,
+                        exc.detail, self.settings.down_backoff_s)  # fmt: skip
+        else:
+            log.info("kvstore holder %s refused %s: %s", holder, what, exc.detail)
+
+    async def put(self, name: str, container: BytesLike) -> bool:
+        """Store a chunk (a KVSP container) on its holder; False if none took it."""
+        block_key = self.block_key(name)
+        for holder in self.holders_for(block_key):
+            if not self._up(holder):
+                continue
+            try:
+                await self._http().put_block(holder, self.compat_id, self.scope_id, block_key,
+                                             container)  # fmt: skip
+            except PreconditionFailed:
+                pass  # BL7: already held there (the same name is the same chunk)
+            except KvspError as exc:
+                self._failed(holder, "a put", exc)
+                continue
+            self.stats.puts += 1
+            self.stats.octets_out += len(memoryview(container))
+            return True
+        self.stats.put_failures += 1
+        return False
+
+    async def contains(self, name: str) -> bool:
+        block_key = self.block_key(name)
+        for holder in self.holders_for(block_key):
+            if not self._up(holder):
+                continue
+            try:
+                if await self._http().has_block(holder, self.compat_id, self.scope_id,
+                                                block_key):  # fmt: skip
+                    return True
+            except KvspError as exc:
+                self._failed(holder, "a lookup", exc)
+        return False
+
+    async def contains_prefix(self, names: Sequence[str]) -> int:
+        """How many of ``names``, from the first, are held (engines load prefixes)."""
+        found = await self._bounded([self.contains(n) for n in names])
+        count = 0
+        for held in found:
+            if not held:
+                break
+            count += 1
+        return count
+
+    async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """The containers of ``names`` (None: a miss), each holder's under one
+        lease for the time of the transfer (LE1: not evicted meanwhile)."""
+        keys = [self.block_key(n) for n in names]
+        found: list[bytes | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for attempt in range(len(self.settings.holders)):
+            by_holder: dict[str, list[int]] = {}
+            for i in todo:
+                order = [h for h in self.holders_for(keys[i]) if self._up(h)]
+                if attempt < len(order):
+                    by_holder.setdefault(order[attempt], []).append(i)
+            if not by_holder:
+                break
+            await asyncio.gather(*(self._get_from(h, idx, keys, found)
+                                   for h, idx in by_holder.items()))  # fmt: skip
+            todo = [i for i in todo if found[i] is None]
+            if not todo:
+                break
+        hits = sum(1 for x in found if x is not None)
+        self.stats.hits += hits
+        self.stats.misses += len(found) - hits
+        return found
+
+    async def _get_from(
+        self, holder: str, indices: list[int], keys: list[str], found: list[bytes | None]
+    ) -> None:
+        http = self._http()
+        wanted = list(dict.fromkeys(keys[i] for i in indices))
+        try:
+            grant = await http.lease(holder, wanted, self.settings.lease_ms,
+                                     scope_id=self.scope_id, compat_id=self.compat_id)  # fmt: skip
+        except NotFound:
+            return  # none of them is there
+        except KvspError as exc:
+            # No lease (a quota, a fault): fetch anyway; a miss costs the same.
+            self._failed(holder, "a lease", exc)
+            if not self._up(holder):
+                return
+            grant = None
+        if grant is not None:
+            self.stats.leases += 1
+        leased = set(grant.block_keys) if grant is not None and grant.block_keys else None
+
+        async def one(i: int) -> None:
+            if leased is not None and keys[i] not in leased:
+                return
+            try:
+                body = await http.get_block(holder, self.compat_id, self.scope_id, keys[i])
+            except NotFound:
+                return
+            except KvspError as exc:
+                self._failed(holder, "a get", exc)
+                return
+            found[i] = body
+            self.stats.octets_in += len(body)
+
+        try:
+            await self._bounded([one(i) for i in indices])
+        finally:
+            if grant is not None:
+                try:
+                    await http.release_lease(holder, grant.lease)
+                except KvspError as exc:  # it expires by itself
+                    log.info("lease %s at %s not released: %s", grant.lease, holder, exc.detail)
+
+    async def _bounded(self, calls: Sequence[Awaitable[T]]) -> list[T]:
+        gate = asyncio.Semaphore(self.settings.concurrency)
+
+        async def run(call: Awaitable[T]) -> T:
+            async with gate:
+                return await call
+
+        return list(await asyncio.gather(*(run(c) for c in calls)))
+
+    async def reachable(self) -> bool:
+        """True when at least one holder answers (a HEAD of a key nobody has)."""
+        for holder in self.settings.holders:
+            try:
+                await self._http().has_block(holder, self.compat_id, self.scope_id, "0" * 64)
+                return True
+            except KvspError:
+                continue
+        return False
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+@dataclass
+class LoopThread:
+    """An event loop in a daemon thread, for callers that are not async
+    (SGLang's storage threads; LMCache's synchronous lookups)."""
+
+    name: str = "kvstore-chunks"
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self.loop.run_forever, name=self.name,
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+        if not self.loop.is_running():
+            self.loop.close()

@@ -1,0 +1,247 @@
+"""kvstore as an LMCache remote storage plug-in (issue 10, LMCache 0.5.6).
+
+In LMCache's configuration (YAML, or ``LMCACHE_*`` variables)::
+
+    remote_storage_plugins: ["kvstore"]
+    extra_config:
+      remote_storage_plugin.kvstore.module_path: kvstore.integrations.lmcache
+      remote_storage_plugin.kvstore.class_name: KvstoreConnectorAdapter
+      kvstore.holders: https://h1.example:8443/kvsp/
+      kvstore.scope_key_file: /etc/kvstore/scope.key
+      kvstore.cafile: /etc/kvstore/ca.pem
+      kvstore.certfile: /etc/kvstore/client.pem
+      kvstore.keyfile: /etc/kvstore/client.key
+      kvstore.model: meta-llama/Llama-3.1-8B-Instruct
+      kvstore.model_digest: sha-256:...
+      kvstore.tokenizer_digest: sha-256:...
+
+Each LMCache chunk (a ``MemoryObj`` of format ``KV_2LTD``: K and V of every
+layer, ``[2, layers, tokens, heads x head_dim]``) is stored as a KVSP block
+container of codec raw, one container layer per model layer. Per layer,
+LMCache's K and V rows are exactly ``kvsp-layout-1`` (tokens slowest,
+elements little-endian), so the octets are sent from LMCache's buffer
+without a copy and received into a buffer LMCache allocates, with one. The
+block's name is a keyed hash of LMCache's key string (see
+:mod:`kvstore.integrations.chunks`): such blocks are shared by the LMCache
+users of the scope, not with token-keyed KVSP clients.
+
+Where LMCache asks, the plug-in batches: lookups are HEADs in parallel,
+batched gets take one lease per holder for the whole batch (LE1) and fetch
+in parallel, batched puts go in parallel. A holder that is down makes
+LMCache miss (``get`` answers None, lookups count it absent); it never
+raises into LMCache.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector import (
+    ConnectorAdapter,
+    ConnectorContext,
+    extract_plugin_type,
+)
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from ..config import ConfigError
+from ..protocol import container as kc
+from ..protocol.codecs import CODEC_RAW
+from ..protocol.problems import KvspError
+from .chunks import KV_DTYPES, ChunkSettings, ChunkStore, Geometry, options_with_prefix
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "kvstore"
+
+
+def geometry_of(metadata: Any) -> Geometry:
+    """The descriptor's geometry from LMCache's metadata (one KV group, MHA/GQA)."""
+    if metadata.use_mla:
+        raise ConfigError("kvstore: MLA caches (KV_MLA_FMT) are not supported by this plug-in")
+    if metadata.get_num_groups() != 1:
+        raise ConfigError("kvstore: models with several KV layer groups are not supported")
+    layers, kv, _, heads, head_dim = metadata.kv_shape
+    dtype = str(metadata.kv_dtype).removeprefix("torch.")
+    if kv != 2 or dtype not in KV_DTYPES:
+        raise ConfigError(f"kvstore: KV of shape {metadata.kv_shape} and {dtype} not supported")
+    return Geometry(layers, heads, head_dim, KV_DTYPES[dtype], metadata.chunk_size)
+
+
+class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
+    """LMCache's ``RemoteConnector`` over a :class:`ChunkStore`.
+
+    LMCache runs the async methods on its storage manager's event loop
+    (``context.loop``) and calls ``exists_sync`` and ``batched_contains``
+    from its own threads; those are sent to that loop."""
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context.config, context.metadata)
+        if sys.byteorder != "little":
+            raise ConfigError("kvstore: kvsp-layout-1 is little-endian; LMCache's buffers are not")
+        self.loop = context.loop
+        self.local_cpu_backend = context.local_cpu_backend
+        self.geometry = geometry_of(context.metadata)
+        options = options_with_prefix(context.config.extra_config)
+        self.store = ChunkStore(
+            ChunkSettings.from_options(options, namespace="lmcache", geometry=self.geometry)
+        )
+        self.timeout_s = float(context.config.blocking_timeout_secs)
+        self.dtype = self.meta_dtypes[0]
+        self.row_octets = self.geometry.kv_heads * self.geometry.head_dim * self.dtype.itemsize
+        log.info("kvstore LMCache plug-in: holders %s, scope %s, compat %s",
+                 ",".join(self.store.settings.holders), self.store.scope_id,
+                 self.store.compat_id)  # fmt: skip
+
+    # --- chunks <-> containers ------------------------------------------------
+
+    def encode(self, memory_obj: MemoryObj) -> bytearray:
+        """A chunk's container: per layer, LMCache's K rows, then its V rows."""
+        if memory_obj.get_memory_format() != MemoryFormat.KV_2LTD:
+            raise ValueError(f"kvstore: chunk format {memory_obj.get_memory_format()} not KV_2LTD")
+        two, layers, tokens, hidden = memory_obj.get_shapes()[0]
+        if (two, layers, hidden * self.dtype.itemsize) != (2, self.geometry.layers,
+                                                           self.row_octets):  # fmt: skip
+            raise ValueError(f"kvstore: chunk of shape {memory_obj.get_shapes()[0]} unexpected")
+        buf = memoryview(memory_obj.byte_array).cast("B")
+        section = tokens * self.row_octets
+        return kc.encode([(buf[i * section : (i + 1) * section],
+                           buf[(layers + i) * section : (layers + i + 1) * section])
+                          for i in range(layers)], token_count=tokens)  # fmt: skip
+
+    def decode(self, body: bytes) -> MemoryObj | None:
+        """The container of a chunk back into a buffer LMCache allocates;
+        None for one that is not a chunk of this geometry."""
+        try:
+            container = kc.decode(body)
+        except KvspError as exc:
+            log.warning("kvstore: a holder served a chunk that does not decode: %s", exc.detail)
+            return None
+        layers, tokens = self.geometry.layers, container.token_count
+        section = tokens * self.row_octets
+        shape_ok = (container.codec == CODEC_RAW and container.first_layer == 0
+                    and len(container) == layers
+                    and 0 < tokens <= self.geometry.block_tokens)  # fmt: skip
+        if not shape_ok or any(len(x.k) != section or len(x.v) != section for x in container):
+            log.warning("kvstore: a holder served a chunk of another geometry; ignored")
+            return None
+        shape = torch.Size([2, layers, tokens, self.row_octets // self.dtype.itemsize])
+        memory_obj = self.local_cpu_backend.allocate(shape, self.dtype, MemoryFormat.KV_2LTD)
+        if memory_obj is None:
+            log.warning("kvstore: LMCache could not allocate a chunk buffer")
+            return None
+        buf = memoryview(memory_obj.byte_array).cast("B")
+        for i, layer in enumerate(container):
+            buf[i * section : (i + 1) * section] = layer.k
+            buf[(layers + i) * section : (layers + i + 1) * section] = layer.v
+        return memory_obj
+
+    # --- LMCache's interface ----------------------------------------------------
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self.store.contains(key.to_string())
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return bool(self._sync(self.store.contains(key.to_string()), False))
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return int(self._sync(self.store.contains_prefix([k.to_string() for k in keys]), 0))
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        return await self.store.contains_prefix([k.to_string() for k in keys])
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        bodies = await self.store.get_many([k.to_string() for k in keys])
+        # LMCache requires exactly one answer per key.
+        return [None if body is None else self.decode(body) for body in bodies]
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey]
+    ) -> list[MemoryObj]:
+        found = await self.batched_get(keys)
+        prefix: list[MemoryObj] = []
+        for index, obj in enumerate(found):
+            if obj is None:
+                for rest in found[index + 1 :]:  # given back: LMCache takes the prefix only
+                    if rest is not None:
+                        rest.ref_count_down()
+                break
+            prefix.append(obj)
+        return prefix
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        # LMCache's wrapper gives the buffer back after this returns; the
+        # container is built (one copy) before the first await.
+        if not await self.store.put(key.to_string(), self.encode(memory_obj)):
+            log.info("kvstore: chunk %s not stored (no holder took it)", key.chunk_hash)
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        import asyncio
+
+        containers = [self.encode(m) for m in memory_objs]
+        await asyncio.gather(*(self.store.put(k.to_string(), c)
+                               for k, c in zip(keys, containers, strict=True)))  # fmt: skip
+
+    async def list(self) -> list[str]:
+        # KVSP has no listing of a holder's blocks (the IS indexes them);
+        # LMCache uses this for reporting only.
+        return []
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when at least one holder is reachable (LMCache's health monitor)."""
+        return 0 if await self.store.reachable() else 1
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    def _sync(self, coroutine: Any, miss: Any) -> Any:
+        import asyncio
+        import concurrent.futures
+
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(self.timeout_s)
+        except (concurrent.futures.TimeoutError, KvspError) as exc:
+            future.cancel()
+            log.warning("kvstore: a lookup did not complete (%r): a miss", exc)
+            return miss
+
+
+class KvstoreConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
+    """What LMCache instantiates (with no arguments) for ``plugin://kvstore``."""
+
+    def __init__(self) -> None:
+        super().__init__(f"{PLUGIN_TYPE}://")
+
+    def can_parse(self, url: str) -> bool:
+        if url.startswith("plugin://"):
+            return bool(extract_plugin_type(url[len("plugin://") :]) == PLUGIN_TYPE)
+        return url.startswith(self.schema)
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        return KvstoreConnector(context)
+
+
+__all__: Sequence[str] = ("KvstoreConnector", "KvstoreConnectorAdapter", "geometry_of")

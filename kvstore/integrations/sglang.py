@@ -1,0 +1,251 @@
+"""kvstore as SGLang's HiCache storage backend (issue 10, SGLang 0.5.23).
+
+Loaded by SGLang's dynamic backend::
+
+    --enable-hierarchical-cache --hicache-mem-layout page_first \\
+    --hicache-storage-backend dynamic \\
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang", "class_name": "KvstoreHiCacheStorage",
+        "interface_v1": 1, "kvstore.holders": "https://h1.example:8443/kvsp/", ...}'
+
+(the ``kvstore.*`` options are those of :class:`~kvstore.integrations.chunks.ChunkSettings`).
+With ``"interface_v1": 1`` SGLang calls the zero-copy ``batch_get_v1`` /
+``batch_set_v1`` with indices into its host memory pool, registered here by
+``register_mem_pool_host``; without it, the copying ``get``/``set`` family
+with flat page tensors. Both are served.
+
+Each page (``page_size`` tokens, every layer, K and V) is one KVSP block
+container of codec raw, one container layer per model layer, K and V each
+``page_size x heads x head_dim`` in ``kvsp-layout-1``: the same octets from
+every host layout (``layer_first``, ``page_first``, ``page_first_direct``,
+``page_head``), so servers with different layouts share pages. A page's
+name is SGLang's page hash (a chain over the token prefix) with the tensor
+parallel rank; the Block Key is a keyed hash of that name
+(:mod:`kvstore.integrations.chunks`), shared by the SGLang servers of the
+scope and descriptor, not with token-keyed KVSP clients.
+
+SGLang's storage threads are not async: calls go to an event loop in a
+thread of this backend's own. A holder that is down makes pages miss
+(``False``, ``None``, a shorter prefix); nothing raises into SGLang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from ..config import ConfigError
+from ..protocol import container as kc
+from ..protocol.codecs import CODEC_RAW
+from ..protocol.problems import KvspError
+from .chunks import KV_DTYPES, ChunkSettings, ChunkStore, Geometry, LoopThread
+
+log = logging.getLogger(__name__)
+
+#: A page's tensor in each host layout, before it is seen as [2, L, page, H, D].
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def canonical_page(page: torch.Tensor, layout: str, geometry: Geometry) -> torch.Tensor:
+    """A page (flat, or the pool's own slice) as a ``[2, layers, page, heads,
+    head_dim]`` view of the same memory."""
+    layers, heads, dim, tokens = (geometry.layers, geometry.kv_heads, geometry.head_dim,
+                                  geometry.block_tokens)  # fmt: skip
+    # view(), never reshape(): a copy would silently swallow what a get writes.
+    if layout == "layer_first":
+        return page.view(2, layers, tokens, heads, dim)
+    if layout == "page_first":
+        return page.view(2, tokens, layers, heads, dim).transpose(1, 2)
+    if layout == "page_first_direct":
+        return page.view(2, layers, tokens, heads, dim)
+    if layout == "page_head":
+        return page.view(2, heads, tokens, layers, dim).permute(0, 3, 2, 1, 4)
+    raise ConfigError(f"kvstore: host memory layout {layout!r} not supported ({LAYOUTS})")
+
+
+class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """SGLang's ``HiCacheStorage`` over a :class:`ChunkStore`."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        if sys.byteorder != "little":
+            raise ConfigError("kvstore: kvsp-layout-1 is little-endian; this host is not")
+        if storage_config.is_mla_model:
+            raise ConfigError("kvstore: MLA models are not supported by this backend")
+        self.storage_config = storage_config
+        self.options = {k[len("kvstore.") :]: v
+                        for k, v in (storage_config.extra_config or {}).items()
+                        if k.startswith("kvstore.")}  # fmt: skip
+        # Tensor parallel ranks hold different heads of the same page.
+        self.suffix = f"@{storage_config.tp_rank}/{storage_config.tp_size}"
+        self.store: ChunkStore | None = None
+        self.loop: LoopThread | None = None
+        self.mem_pool_host: Any = None
+
+    # --- set-up -----------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang hands over its host pool after construction: the geometry
+        (and so the descriptor) is known only now."""
+        self.mem_pool_host = mem_pool_host
+        host = mem_pool_host
+        if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
+            raise ConfigError("kvstore: K and V of different head dims are not supported")
+        dtype = str(host.dtype).removeprefix("torch.")
+        if dtype not in KV_DTYPES or host.layout not in LAYOUTS:
+            raise ConfigError(f"kvstore: a host pool of {dtype}, layout {host.layout!r}, "
+                              "is not supported")  # fmt: skip
+        self.geometry = Geometry(host.layer_num, host.head_num, host.head_dim, KV_DTYPES[dtype],
+                                 host.page_size)  # fmt: skip
+        self.layout = host.layout
+        self.dtype = host.dtype
+        self.store = ChunkStore(ChunkSettings.from_options(self.options, namespace="sglang",
+                                                           geometry=self.geometry))  # fmt: skip
+        self.loop = LoopThread("kvstore-hicache")
+        # Transfers are bounded by the store's own timeouts; this is the backstop.
+        self.wait_s = 4 * self.store.settings.timeout_s
+        log.info("kvstore HiCache backend: holders %s, scope %s, compat %s, layout %s",
+                 ",".join(self.store.settings.holders), self.store.scope_id,
+                 self.store.compat_id, self.layout)  # fmt: skip
+
+    def _ready(self) -> tuple[ChunkStore, LoopThread]:
+        if self.store is None or self.loop is None:
+            raise RuntimeError("kvstore: register_mem_pool_host was not called")
+        return self.store, self.loop
+
+    def _run(self, coroutine: Any, miss: Any) -> Any:
+        _, loop = self._ready()
+        try:
+            return loop.run(coroutine, self.wait_s)
+        except (concurrent.futures.TimeoutError, KvspError) as exc:
+            log.warning("kvstore: a transfer did not complete (%r): a miss", exc)
+            return miss
+
+    # --- pages <-> containers ----------------------------------------------------
+
+    def encode(self, page: torch.Tensor) -> bytearray:
+        """One page (as :func:`canonical_page` sees it) as a container."""
+        sections = []
+        for layer in range(self.geometry.layers):
+            k = page[0, layer].contiguous().view(torch.uint8).numpy().data
+            v = page[1, layer].contiguous().view(torch.uint8).numpy().data
+            sections.append((k, v))
+        return kc.encode(sections, token_count=self.geometry.block_tokens)
+
+    def decode_into(self, body: bytes | None, page: torch.Tensor) -> bool:
+        """Write a served container into ``page`` (a canonical view); False
+        (and ``page`` untouched) for a miss or a container of another shape."""
+        if body is None:
+            return False
+        try:
+            container = kc.decode(body)
+        except KvspError as exc:
+            log.warning("kvstore: a holder served a page that does not decode: %s", exc.detail)
+            return False
+        g = self.geometry
+        section = g.block_tokens * g.kv_heads * g.head_dim * self.dtype.itemsize
+        if (container.codec != CODEC_RAW or container.first_layer != 0
+                or len(container) != g.layers or container.token_count != g.block_tokens
+                or any(len(x.k) != section or len(x.v) != section for x in container)):  # fmt: skip
+            log.warning("kvstore: a holder served a page of another geometry; ignored")
+            return False
+        shape = (g.block_tokens, g.kv_heads, g.head_dim)
+        for layer, sections in enumerate(container):
+            page[0, layer].copy_(torch.frombuffer(sections.k, dtype=self.dtype).view(shape))
+            page[1, layer].copy_(torch.frombuffer(sections.v, dtype=self.dtype).view(shape))
+        return True
+
+    def _pool_page(self, start: int) -> torch.Tensor:
+        """The host pool's page starting at token slot ``start``, as a view."""
+        return canonical_page(self.mem_pool_host.get_data_page(start, flat=False), self.layout,
+                              self.geometry)  # fmt: skip
+
+    # --- zero-copy interface (interface_v1) --------------------------------------
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:  # fmt: skip
+        store, _ = self._ready()
+        size = self.geometry.block_tokens
+        containers = [self.encode(self._pool_page(int(host_indices[i * size])))
+                      for i in range(len(keys))]  # fmt: skip
+
+        async def put_all() -> list[bool]:
+            import asyncio
+
+            pairs = zip(keys, containers, strict=True)
+            return list(await asyncio.gather(*(store.put(k + self.suffix, c) for k, c in pairs)))
+
+        return list(self._run(put_all(), [False] * len(keys)))
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:  # fmt: skip
+        store, _ = self._ready()
+        size = self.geometry.block_tokens
+        bodies = self._run(store.get_many([k + self.suffix for k in keys]), [None] * len(keys))
+        return [self.decode_into(body, self._pool_page(int(host_indices[i * size])))
+                for i, body in enumerate(bodies)]  # fmt: skip
+
+    # --- copying interface -------------------------------------------------------
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:  # fmt: skip
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:  # fmt: skip
+        store, _ = self._ready()
+        containers = [self.encode(canonical_page(v, self.layout, self.geometry)) for v in values]
+
+        async def put_all() -> bool:
+            import asyncio
+
+            pairs = zip(keys, containers, strict=True)
+            return all(await asyncio.gather(*(store.put(k + self.suffix, c) for k, c in pairs)))
+
+        return bool(self._run(put_all(), False))
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:  # fmt: skip
+        store, _ = self._ready()
+        bodies = self._run(store.get_many([k + self.suffix for k in keys]), [None] * len(keys))
+        out: list[torch.Tensor | None] = []
+        for index, body in enumerate(bodies):
+            target = target_locations[index] if target_locations else None
+            if target is None:
+                target = self.mem_pool_host.get_dummy_flat_data_page()
+            ok = self.decode_into(body, canonical_page(target, self.layout, self.geometry))
+            out.append(target if ok else None)
+        return out
+
+    def exists(self, key: str) -> bool:
+        store, _ = self._ready()
+        return bool(self._run(store.contains(key + self.suffix), False))
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        store, _ = self._ready()
+        names = [k + self.suffix for k in keys]
+        return int(self._run(store.contains_prefix(names), 0))
+
+    def clear(self) -> None:
+        # A holder is shared: clients do not delete blocks (KVSP has no such
+        # request); they leave by eviction or the retention limit.
+        log.info("kvstore: clear() leaves the holders' pages in place")
+
+    def get_stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self.store is not None and self.loop is not None:
+            self._run(self.store.close(), None)
+            self.loop.stop()
+
+
+__all__: Sequence[str] = ("KvstoreHiCacheStorage", "canonical_page")

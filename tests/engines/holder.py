@@ -1,0 +1,70 @@
+"""A real holder process (``kvstore serve``, uvicorn, mTLS) for the engine tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.protocol.keys import scope_id
+from kvstore.security import client_context, create_dev_certificates
+
+from ..conftest import free_port
+from ..integration.test_index import SERVER, Process
+
+
+@dataclass
+class Holder:
+    root: Path
+    uri: str
+    port: int
+    process: Process
+    scope_key_file: Path
+
+    def options(self) -> dict[str, str]:
+        """The ``kvstore.*`` options an engine's plug-in is configured with."""
+        certs = self.root / "certs"
+        return {
+            "kvstore.holders": self.uri,
+            "kvstore.scope_key_file": str(self.scope_key_file),
+            "kvstore.cafile": str(certs / "ca.pem"),
+            "kvstore.certfile": str(certs / "client-engine.pem"),
+            "kvstore.keyfile": str(certs / "client-engine.key"),
+            "kvstore.model": "toy-model",
+            "kvstore.model_digest": "sha-256:" + "1" * 64,
+            "kvstore.tokenizer_digest": "sha-256:" + "2" * 64,
+            "kvstore.timeout_s": "2",
+            "kvstore.down_backoff_s": "1",
+        }
+
+    def context(self) -> object:
+        certs = self.root / "certs"
+        return client_context(str(certs / "ca.pem"), str(certs / "client-engine.pem"),
+                              str(certs / "client-engine.key"))  # fmt: skip
+
+    def kill(self) -> None:
+        self.process.stop(signal.SIGKILL)
+
+    def start(self) -> None:
+        self.process.start(self.port)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def start_holder(root: Path) -> Holder:
+    create_dev_certificates(root / "certs", ["engine"])
+    key = os.urandom(32)
+    (root / "scope.key").write_text(key.hex())
+    scope = scope_id(key).hex()
+    port = free_port()
+    uri = f"https://127.0.0.1:{port}/kvsp/"
+    (root / "policy.json").write_text(json.dumps({"principals": {
+        "urn:kvstore:engine": {"read_scopes": [scope], "write_scopes": [scope]}}}))  # fmt: skip
+    config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
+              '[[storage.tiers]]\nbackend = "host"\ncapacity = 268435456\n')  # fmt: skip
+    process = Process(root, "holder", config, "holder")
+    process.start(port)
+    return Holder(root, uri, port, process, root / "scope.key")

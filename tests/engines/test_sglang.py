@@ -1,0 +1,214 @@
+"""kvstore as SGLang's HiCache storage backend (issue 10): SGLang's own CPU
+host pool (``MHATokenToKVPoolHost``, ``page_first``) round-trips pages
+through the backend, created by SGLang's factory from the dynamic
+configuration, into a real holder process over mTLS: zero-copy
+(``batch_set_v1`` / ``batch_get_v1`` against the registered pool) and
+copying (``set`` / ``batch_get`` with flat pages, as the controller does);
+a pool of another layout reads the same pages; a holder that is down
+makes pages miss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.bench import sglang_stubs
+
+sglang_stubs.install()
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+from kvstore.integrations.sglang import KvstoreHiCacheStorage  # noqa: E402
+from kvstore.protocol import container as kc  # noqa: E402
+
+from .holder import Holder, start_holder  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS, PAGES = 3, 2, 8, 4, 32, 4
+DTYPE = torch.bfloat16
+
+
+def host_pool(layout: str) -> Any:
+    device = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=DTYPE, head_num=HEADS,
+                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                              enable_memory_saver=False, enable_alt_stream=False)  # fmt: skip
+    info = device.get_device_pool_infos()[0].buffer_info
+    return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=device.size,
+                                start_layer=device.start_layer,
+                                end_layer=device.end_layer)  # fmt: skip
+
+
+def backend(holder: Holder, pool: Any, tp_rank: int = 0) -> KvstoreHiCacheStorage:
+    # What --hicache-storage-backend-extra-config carries (docs/integrations.md).
+    extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
+             "class_name": "KvstoreHiCacheStorage", "interface_v1": 1,
+             **holder.options()}  # fmt: skip
+    config = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=1, pp_rank=0, pp_size=1,
+                                  attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+                                  enable_storage_metrics=False,
+                                  is_page_first_layout=pool.layout == "page_first",
+                                  model_name="toy-model", extra_config=extra)  # fmt: skip
+    made = StorageBackendFactory.create_backend("dynamic", config, pool)
+    assert isinstance(made, KvstoreHiCacheStorage)
+    made.register_mem_pool_host(pool)  # as SGLang's controller does, right after
+    return made
+
+
+def fill(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
+    """Random K/V into the pool's pages; returns each page, flat, as SGLang sees it."""
+    pages = []
+    for p in range(0, len(indices), PAGE):
+        data = torch.randn(pool.get_dummy_flat_data_page().shape).to(DTYPE)
+        pool.set_from_flat_data_page(int(indices[p]), data)
+        pages.append(data)
+    return pages
+
+
+def read(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
+    out = []
+    for p in range(0, len(indices), PAGE):
+        page = torch.zeros(pool.get_dummy_flat_data_page().shape, dtype=DTYPE)
+        # set_from_flat_data_page's inverse for every layout: the flat page.
+        page.copy_(pool.get_data_page(int(indices[p]), flat=True))
+        out.append(page)
+    return out
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[Holder]:
+    found = start_holder(tmp_path)
+    yield found
+    found.stop()
+
+
+@pytest.fixture
+def made() -> Iterator[list[KvstoreHiCacheStorage]]:
+    backends: list[KvstoreHiCacheStorage] = []
+    yield backends
+    for found in backends:
+        found.close()
+
+
+def test_pages_round_trip_zero_copy_through_a_real_holder(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    torch.manual_seed(0)
+    pool = host_pool("page_first")
+    store = backend(holder, pool)
+    made.append(store)
+    keys = get_storage_hash_str(list(range(100, 100 + PAGES * PAGE)), None, page_size=PAGE)
+    extra = HiCacheStorageExtraInfo(prefix_keys=[])
+    src = pool.alloc(PAGES * PAGE)
+    fill(pool, src)
+    written = read(pool, src)
+    assert store.batch_exists(keys, extra) == 0
+    assert store.batch_set_v1(keys, src, extra) == [True] * PAGES
+    assert store.batch_exists(keys, extra) == PAGES
+    assert store.batch_exists([*keys[:2], "f" * 64, *keys[3:]], extra) == 2
+    # Into other slots, in another order, of a pool whose pages were zeroed.
+    for p in range(0, len(src), PAGE):
+        pool.set_from_flat_data_page(int(src[p]), pool.get_dummy_flat_data_page())
+    pool.free(src)
+    dst = pool.alloc(PAGES * PAGE)
+    dst = torch.flip(dst.view(-1, PAGE), [0]).reshape(-1)
+    assert store.batch_get_v1(keys[::-1], dst, extra) == [True] * PAGES
+    for want, got in zip(written[::-1], read(pool, dst), strict=True):
+        assert torch.equal(want, got)
+    assert store.batch_get_v1(["0" * 64], dst[:PAGE], extra) == [False]
+    assert store.store is not None and store.store.stats.leases >= 1
+
+    # A page on the holder is a KVSP container: per layer, K then V, each
+    # page x heads x head_dim in kvsp-layout-1.
+    import asyncio
+
+    from kvstore.client import HolderClient
+
+    chunks = store.store
+
+    async def first() -> bytes:
+        async with HolderClient(holder.context()) as http:  # type: ignore[arg-type]
+            return await http.get_block(holder.uri, chunks.compat_id, chunks.scope_id,
+                                        chunks.block_key(keys[0] + "@0/1"))  # fmt: skip
+
+    container = kc.decode(asyncio.run(first()))
+    page = written[0].view(2, PAGE, LAYERS, HEADS, HEAD_DIM)  # page_first's flat page
+    assert len(container) == LAYERS and container.token_count == PAGE
+    assert (
+        bytes(container.layer(1).k)
+        == page[0, :, 1].contiguous().view(torch.uint8).numpy().tobytes()
+    )
+    assert (
+        bytes(container.layer(2).v)
+        == page[1, :, 2].contiguous().view(torch.uint8).numpy().tobytes()
+    )
+
+
+def test_the_copying_interface_and_another_layout_share_the_pages(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    torch.manual_seed(1)
+    pool = host_pool("page_first")
+    store = backend(holder, pool)
+    made.append(store)
+    keys = get_storage_hash_str(list(range(7, 7 + PAGES * PAGE)), None, page_size=PAGE)
+    src = pool.alloc(PAGES * PAGE)
+    fill(pool, src)
+    written = read(pool, src)
+    # What HiCacheController._generic_page_set does.
+    assert store.set(keys[0], pool.get_data_page(int(src[0])))
+    assert store.batch_set(keys[1:], [pool.get_data_page(int(src[i * PAGE]))
+                                      for i in range(1, PAGES)])  # fmt: skip
+    # ... and _generic_page_get, into dummy flat pages.
+    got = store.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(got, written, strict=True))
+    assert store.get("0" * 64, pool.get_dummy_flat_data_page()) is None
+    assert store.exists(keys[0]) and not store.exists("0" * 64)
+
+    # A server whose host pool is layer_first reads the same pages.
+    other_pool = host_pool("layer_first")
+    other = backend(holder, other_pool)
+    made.append(other)
+    dst = other_pool.alloc(PAGES * PAGE)
+    assert other.batch_get_v1(keys, dst) == [True] * PAGES
+    for p, want in zip(range(0, len(dst), PAGE), written, strict=True):
+        page = other_pool.get_data_page(int(dst[p]), flat=False)  # [2, L, page, H, D]
+        assert torch.equal(page, want.view(2, PAGE, LAYERS, HEADS, HEAD_DIM).transpose(1, 2))
+    # Another tensor-parallel rank holds other heads: its names differ.
+    rank1 = backend(holder, pool, tp_rank=1)
+    made.append(rank1)
+    assert rank1.batch_exists(keys) == 0
+
+
+def test_a_holder_that_is_down_makes_pages_miss(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    pool = host_pool("page_first")
+    store = backend(holder, pool)
+    made.append(store)
+    keys = get_storage_hash_str(list(range(PAGES * PAGE)), None, page_size=PAGE)
+    src = pool.alloc(PAGES * PAGE)
+    fill(pool, src)
+    assert store.batch_set_v1(keys, src) == [True] * PAGES
+    holder.kill()
+    started = time.monotonic()
+    assert store.batch_exists(keys) == 0
+    dst = pool.alloc(PAGES * PAGE)
+    before = read(pool, dst)
+    assert store.batch_get_v1(keys, dst) == [False] * PAGES
+    assert all(torch.equal(a, b) for a, b in zip(before, read(pool, dst), strict=True))
+    assert store.batch_set_v1(keys, src) == [False] * PAGES
+    assert not store.set(keys[0], pool.get_data_page(int(src[0])))
+    assert time.monotonic() - started < 10
+    assert store.store is not None and store.store.stats.errors >= 1
