@@ -157,9 +157,9 @@ def _number(options: Mapping[str, Any], name: str, default: float) -> float:
 
 def _holders(value: Any) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not items:
+    holders = tuple(str(h).strip() for h in items if str(h).strip()) if items else ()
+    if not isinstance(items, list | tuple) or not holders:
         raise ConfigError("kvstore.holders: required (holder base URIs)")
-    holders = tuple(str(h).strip() for h in items if str(h).strip())
     for holder in holders:
         if not holder.startswith(("https://", "http://")):
             raise ConfigError(f"kvstore.holders: {holder!r} is not an http(s) URI")
@@ -316,20 +316,23 @@ class ChunkStore:
         lease for the time of the transfer (LE1: not evicted meanwhile)."""
         keys = [self.block_key(n) for n in names]
         found: list[bytes | None] = [None] * len(keys)
+        tried: list[set[str]] = [set() for _ in keys]
         todo = list(range(len(keys)))
-        for attempt in range(len(self.settings.holders)):
+        while todo:
+            # Each missing chunk from the next holder of its order not yet
+            # asked (a holder that failed meanwhile is skipped, not its turn).
             by_holder: dict[str, list[int]] = {}
             for i in todo:
-                order = [h for h in self.holders_for(keys[i]) if self._up(h)]
-                if attempt < len(order):
-                    by_holder.setdefault(order[attempt], []).append(i)
+                holder = next((h for h in self.holders_for(keys[i])
+                               if h not in tried[i] and self._up(h)), None)  # fmt: skip
+                if holder is not None:
+                    tried[i].add(holder)
+                    by_holder.setdefault(holder, []).append(i)
             if not by_holder:
                 break
             await asyncio.gather(*(self._get_from(h, idx, keys, found)
                                    for h, idx in by_holder.items()))  # fmt: skip
             todo = [i for i in todo if found[i] is None]
-            if not todo:
-                break
         hits = sum(1 for x in found if x is not None)
         self.stats.hits += hits
         self.stats.misses += len(found) - hits

@@ -1,0 +1,184 @@
+"""The engines' chunk layer (issue 10, kvstore.integrations.chunks) against
+two real uvicorn holders: names spread over the holders by rendezvous
+hashing, one lease per holder around a batched get, failover to the next
+holder when one is down (and that one skipped for a while), prefix lookups,
+and names kept apart by scope, descriptor and namespace."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from backends.host import HostTier
+from kvstore.config import ConfigError
+from kvstore.holder import HolderSettings, create_app
+from kvstore.integrations.chunks import ChunkSettings, ChunkStore, Geometry
+from kvstore.protocol.compat import parse_descriptor
+from kvstore.security import Policy
+from kvstore.storage import TieredStore
+
+from .conftest import free_port
+from .storage.helpers import block
+
+OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
+                                                      "write_scopes": ["*"]}}})  # fmt: skip
+GEOMETRY = Geometry(layers=8, kv_heads=2, head_dim=8, kv_dtype="bf16", block_tokens=4)
+DESCRIPTOR = parse_descriptor({"model": "m", "model_digest": "sha-256:" + "1" * 64,
+                               "tokenizer_digest": "sha-256:" + "2" * 64, "positional": "rope",
+                               "layers": 8, "kv_heads": 2, "head_dim": 8, "kv_dtype": "bf16",
+                               "block_tokens": 4, "layout": "kvsp-layout-1"})  # fmt: skip
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}/kvsp/"
+        self.store = TieredStore([(HostTier(), 64 << 20)])
+        self.server: uvicorn.Server | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        app = create_app(HolderSettings(self.uri, allow_anonymous=True), self.store, OPEN)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="error", lifespan="off"))  # fmt: skip
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self.server is not None and self.task is not None:
+            self.server.should_exit = True
+            await asyncio.wait_for(self.task, 10)
+            self.server = self.task = None
+
+    def held(self) -> int:
+        return len(self.store)
+
+
+@pytest.fixture
+async def holders() -> AsyncIterator[list[Holder]]:
+    found = [Holder(), Holder()]
+    for holder in found:
+        await holder.start()
+    yield found
+    for holder in found:
+        await holder.stop()
+
+
+def settings(holders: list[Holder], key: bytes = bytes(range(32)), namespace: str = "t",
+             **kw: object) -> ChunkSettings:  # fmt: skip
+    return ChunkSettings(holders=tuple(h.uri for h in holders), scope_key=key,
+                         descriptor=DESCRIPTOR, namespace=namespace, timeout_s=2.0,
+                         **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+async def test_names_spread_over_holders_and_come_back_in_one_lease_each(
+    holders: list[Holder],
+) -> None:
+    store = ChunkStore(settings(holders))
+    names = [f"chunk-{n}" for n in range(24)]
+    bodies = {n: block() for n in names}
+    assert all(await asyncio.gather(*(store.put(n, bodies[n]) for n in names)))
+    counts = [h.held() for h in holders]
+    assert sum(counts) == 24 and min(counts) >= 4, counts  # both hold a share
+    # The same name is on the same holder from any client (rendezvous).
+    again = ChunkStore(settings(holders))
+    for n in names[:4]:
+        assert again.holders_for(again.block_key(n))[0] == store.holders_for(store.block_key(n))[0]
+    got = await again.get_many([*names, "absent"])
+    assert got[:-1] == [bodies[n] for n in names] and got[-1] is None
+    assert again.stats.leases == 2 and again.stats.hits == 24 and again.stats.misses == 1
+    assert all(len(h.store.leases) == 0 for h in holders)  # released
+    assert await again.contains_prefix([*names[:5], "absent", *names[5:]]) == 5
+    await store.close()
+    await again.close()
+
+
+async def test_a_holder_down_sends_puts_to_the_next_and_gets_there_too(
+    holders: list[Holder],
+) -> None:
+    store = ChunkStore(settings(holders, down_backoff_s=60.0))
+    names = [f"chunk-{n}" for n in range(12)]
+    first = {n: store.holders_for(store.block_key(n))[0] for n in names}
+    on_a = [n for n in names if first[n] == holders[0].uri]
+    on_b = [n for n in names if first[n] == holders[1].uri]
+    assert on_a and on_b
+    for n in on_b:
+        assert await store.put(n, block())
+    await holders[0].stop()
+    # A's names go to B while A is down; B's stay where they are.
+    bodies = {n: block() for n in on_a}
+    for n in on_a:
+        assert await store.put(n, bodies[n])
+    assert holders[1].held() == len(names)
+    assert store.stats.errors == 1  # A failed once, then was skipped
+    # A fresh client (A not yet known to be down) still finds A's names on B.
+    fresh = ChunkStore(settings(holders))
+    got = await fresh.get_many(on_a)
+    assert got == [bodies[n] for n in on_a]
+    assert fresh.stats.errors >= 1 and await fresh.contains(on_a[0])
+    await store.close()
+    await fresh.close()
+
+
+async def test_every_holder_down_is_a_miss_not_an_error(holders: list[Holder]) -> None:
+    store = ChunkStore(settings(holders))
+    assert await store.put("x", block())
+    for holder in holders:
+        await holder.stop()
+    assert await store.get_many(["x", "y"]) == [None, None]
+    assert not await store.put("z", block())
+    assert not await store.contains("x") and not await store.reachable()
+    assert store.stats.put_failures == 1
+    await store.close()
+
+
+async def test_names_are_kept_apart_by_scope_descriptor_and_namespace(
+    holders: list[Holder],
+) -> None:
+    base = ChunkStore(settings(holders))
+    other_scope = ChunkStore(settings(holders, key=bytes(range(1, 33))))
+    other_engine = ChunkStore(settings(holders, namespace="u"))
+    keys = {s.block_key("same") for s in (base, other_scope, other_engine)}
+    assert len(keys) == 3
+    assert await base.put("same", block())
+    assert not await other_scope.contains("same") and not await other_engine.contains("same")
+    assert other_scope.scope_id != base.scope_id
+    for store in (base, other_scope, other_engine):
+        await store.close()
+
+
+def test_options_are_checked(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text(os.urandom(32).hex())
+    (tmp_path / "short").write_text(os.urandom(8).hex())
+    options = {"holders": "http://127.0.0.1:1/kvsp, http://127.0.0.1:2/kvsp/",
+               "scope_key_file": str(tmp_path / "key"), "model": "m",
+               "model_digest": "sha-256:" + "1" * 64,
+               "tokenizer_digest": "sha-256:" + "2" * 64}  # fmt: skip
+    found = ChunkSettings.from_options(options, namespace="t", geometry=GEOMETRY)
+    assert found.holders == ("http://127.0.0.1:1/kvsp/", "http://127.0.0.1:2/kvsp/")
+    assert found.descriptor.layers == 8 and found.descriptor.positional == "rope"
+    assert found.ssl_context is None  # http only
+    (tmp_path / "d.json").write_text(__import__("json").dumps(DESCRIPTOR.to_json()))
+    from_file = ChunkSettings.from_options(
+        {**options, "descriptor_file": str(tmp_path / "d.json")}, namespace="t", geometry=GEOMETRY
+    )
+    assert from_file.descriptor == DESCRIPTOR
+    bad = {
+        "holders": ({**options, "holders": ""}, "holders"),
+        "scheme": ({**options, "holders": "ftp://x/"}, "holders"),
+        "short key": ({**options, "scope_key_file": str(tmp_path / "short")}, "scope_key"),
+        "digest": ({**options, "model_digest": "md5"}, "model_digest"),
+        "timeout": ({**options, "timeout_s": "-1"}, "timeout_s"),
+        "tls": ({**options, "holders": "https://127.0.0.1:1/kvsp/"}, "cafile"),
+        "geometry": ({**options, "descriptor_file": str(tmp_path / "d.json")}, "geometry"),
+    }
+    for name, (opts, match) in bad.items():
+        geometry = GEOMETRY if name != "geometry" else Geometry(4, 2, 8, "bf16", 4)
+        with pytest.raises(ConfigError, match=match):
+            ChunkSettings.from_options(opts, namespace="t", geometry=geometry)
