@@ -51,6 +51,7 @@ unit: $(VENV)/.installed-test
 engines: $(ENGINES)/.installed
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_lmcache.py
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_sglang.py
+	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_bench.py
 
 test: lint typecheck unit engines
 

@@ -148,6 +148,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import controller as bench_controller
 
         results = bench_controller.run(quick=args.quick)
+    elif args.suite == "engines":
+        from .bench import engines as bench_engines
+
+        results = bench_engines.run(quick=args.quick)
     elif args.suite == "index":
         from .bench import index as bench_index
 
@@ -542,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--no-s3", action="store_true", help="skip the S3 tier")
     suite("holder", "holder GET/PUT against bare uvicorn, plain and mTLS",
           "shorter runs, fewer combinations")  # fmt: skip
+    suite("engines", "chunk round trips through the LMCache and SGLang plug-ins against "
+          "kvstore.client (in the engines' virtualenv)", "fewer chunks, two rounds")  # fmt: skip
     index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     suite("controller", "placements/s and status updates/s", "shorter runs")

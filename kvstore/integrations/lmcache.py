@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from lmcache.utils import CacheEngineKey
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector import (
     ConnectorAdapter,
@@ -229,6 +230,39 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
             return miss
 
 
+class CPUKVConnector(GPUConnectorInterface):  # type: ignore[misc]
+    """An LMCache "GPU" connector over a plain CPU KV tensor ``[2, layers,
+    slots, heads x head_dim]`` (kwargs ``kvcaches`` and ``slot_mapping``,
+    token i at slot ``slot_mapping[i]``), for machines without an
+    accelerator: tests and ``kvstore bench engines``. LMCache's own mock
+    connector copies nothing."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        self.layers, self.hidden = layers, hidden
+
+    @staticmethod
+    def _slots(start: int, end: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        return torch.as_tensor(kwargs["slot_mapping"], dtype=torch.long)[start:end]
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        memory_obj.tensor.copy_(kwargs["kvcaches"][:, :, self._slots(start, end, kwargs), :])
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        kwargs["kvcaches"][:, :, self._slots(start, end, kwargs), :] = memory_obj.tensor
+
+    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end, **kwargs)
+
+    def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,
+                       **kwargs: Any) -> None:  # fmt: skip
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, start, end, **kwargs)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.layers, num_tokens, self.hidden])
+
+
 class KvstoreConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
     """What LMCache instantiates (with no arguments) for ``plugin://kvstore``."""
 
@@ -244,4 +278,5 @@ class KvstoreConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         return KvstoreConnector(context)
 
 
-__all__: Sequence[str] = ("KvstoreConnector", "KvstoreConnectorAdapter", "geometry_of")
+__all__: Sequence[str] = ("CPUKVConnector", "KvstoreConnector", "KvstoreConnectorAdapter",
+                          "geometry_of")  # fmt: skip

@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,9 +156,12 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             log.warning("kvstore: a holder served a page of another geometry; ignored")
             return False
         shape = (g.block_tokens, g.kv_heads, g.head_dim)
-        for layer, sections in enumerate(container):
-            page[0, layer].copy_(torch.frombuffer(sections.k, dtype=self.dtype).view(shape))
-            page[1, layer].copy_(torch.frombuffer(sections.v, dtype=self.dtype).view(shape))
+        with warnings.catch_warnings():
+            # Read-only buffers are only read from here (copied into the page).
+            warnings.simplefilter("ignore", UserWarning)
+            for layer, sections in enumerate(container):
+                page[0, layer].copy_(torch.frombuffer(sections.k, dtype=self.dtype).view(shape))
+                page[1, layer].copy_(torch.frombuffer(sections.v, dtype=self.dtype).view(shape))
         return True
 
     def _pool_page(self, start: int) -> torch.Tensor:

@@ -16,12 +16,11 @@ import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
 
 from kvstore.client import HolderClient
 from kvstore.integrations.chunks import ChunkSettings, ChunkStore
-from kvstore.integrations.lmcache import KvstoreConnector, geometry_of
+from kvstore.integrations.lmcache import CPUKVConnector, KvstoreConnector, geometry_of
 from kvstore.protocol import container as kc
 
 from .holder import Holder, start_holder
@@ -30,33 +29,6 @@ LAYERS, HEADS, HEAD_DIM, CHUNK = 4, 2, 8, 16
 HIDDEN = HEADS * HEAD_DIM
 DTYPE = torch.bfloat16
 SLOTS = 256
-
-
-class CPUConnector(GPUConnectorInterface):  # type: ignore[misc]
-    """LMCache's "GPU" connector over a plain CPU KV tensor
-    ``[2, layers, slots, hidden]``, token i at ``slot_mapping[i]``: copies
-    in and out (LMCache's mock connector copies nothing)."""
-
-    def _slots(self, start: int, end: int, kwargs: dict[str, Any]) -> Any:
-        return torch.as_tensor(kwargs["slot_mapping"], dtype=torch.long)[start:end]
-
-    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        memory_obj.tensor.copy_(kwargs["kvcaches"][:, :, self._slots(start, end, kwargs), :])
-
-    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        kwargs["kvcaches"][:, :, self._slots(start, end, kwargs), :] = memory_obj.tensor
-
-    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
-        for m, s, e in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(m, s, e, **kwargs)
-
-    def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,
-                       **kwargs: Any) -> None:  # fmt: skip
-        for m, s, e in zip(memory_objs, starts, ends, strict=True):
-            self.to_gpu(m, s, e, **kwargs)
-
-    def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, LAYERS, num_tokens, HIDDEN])
 
 
 def metadata() -> LMCacheMetadata:
@@ -100,7 +72,7 @@ def engines() -> Iterator[list[str]]:
 def engine(name: str, holder: Holder, made: list[str], timeout_s: int = 5) -> Any:
     made.append(name)
     built = LMCacheEngineBuilder.get_or_create(
-        name, config(holder, timeout_s), metadata(), CPUConnector(),
+        name, config(holder, timeout_s), metadata(), CPUKVConnector(LAYERS, HIDDEN),
         broadcast_fn=lambda t, src: None, broadcast_object_fn=lambda o, src: o,
     )  # fmt: skip
     built.post_init()
