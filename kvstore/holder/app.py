@@ -130,6 +130,18 @@ def create_app(
         first = last = None
         if "layers" in request.query_params:
             first, last = parse_layers(request.query_params["layers"])
+        if request.method == "HEAD":
+            # An existence probe (engines send many): headers from what is
+            # known, no segment read, not a hit. Repr-Digest only once
+            # computed by a GET (RFC 9110 lets HEAD omit what only
+            # generating the content would give).
+            probe = store.read(ref, first, last, count=False)
+            probe.check_reachable()
+            digest = probe.known_repr_digest()
+            headers = _block_headers(digest, settings) if digest else {
+                "Cache-Control": block_cache_control(settings.replica_ttl_ms // 3)}  # fmt: skip
+            headers["Content-Length"] = str(len(probe))
+            return Response(None, headers=headers, media_type=BLOCK_MEDIA_TYPE)
         read = store.read(ref, first, last)
         codec = request.query_params.get("codec")
         info = store.info(ref)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
-from ..protocol.problems import CorruptData, NotFound
+from ..protocol.problems import CorruptData, NotFound, TierUnavailable
 from .policy import LRU, EvictionPolicy
 from .tier import Tier
 from .types import BlockRef
@@ -208,6 +208,23 @@ class BlockRead:
 
     def __len__(self) -> int:
         return self.header.total_octets
+
+    def check_reachable(self) -> None:
+        """Raise :class:`TierUnavailable` if a segment this read needs is in a
+        tier that failed a moment ago (what a GET would answer now)."""
+        store, now = self._store, self._store.clock()
+        for segment in self._info.segments:
+            slot = store.slots[segment.slot]
+            if segment.last >= self.first and segment.first <= self.last and (
+                    slot.degraded_until > now):  # fmt: skip
+                raise TierUnavailable(f"layers {segment.first}-{segment.last} are in tier "
+                                      f"{slot.kind}, unavailable", tier=slot.kind)  # fmt: skip
+
+    def known_repr_digest(self) -> str | None:
+        """``Repr-Digest`` if already computed (no segment is read for it)."""
+        if self.whole:
+            return self._info.whole_repr_digest
+        return self._info.range_digests.get((self.first, self.last))
 
     async def repr_digest(self) -> str:
         """``Repr-Digest`` of exactly what this read sends (BL4).

@@ -547,11 +547,16 @@ class TieredStore(TierIO):
 
     # --- reads ---------------------------------------------------------
 
-    def read(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> BlockRead:
-        """Start a read of layers ``first..last`` (default: all held), BL1-BL2."""
+    def read(
+        self, ref: BlockRef, first: int | None = None, last: int | None = None, *,
+        count: bool = True,
+    ) -> BlockRead:  # fmt: skip
+        """Start a read of layers ``first..last`` (default: all held), BL1-BL2.
+        ``count=False``: a probe (HEAD), neither a hit nor a use of the block."""
         info = self._blocks.get(ref)
         if info is None or self._expired(info):
-            self.stats.misses += 1
+            if count:
+                self.stats.misses += 1
             raise NotFound(f"block {ref.block_key} is not held")
         a = info.first_layer if first is None else first
         b = info.last_layer if last is None else last
@@ -560,9 +565,10 @@ class TieredStore(TierIO):
                 f"layers {a}-{b} are not held; held: {info.first_layer}-{info.last_layer}",
                 held=[info.first_layer, info.last_layer],
             )
-        self.stats.hits += 1
-        for segment in info.segments:
-            self.slots[segment.slot].policy.touch(segment.id)
+        if count:
+            self.stats.hits += 1
+            for segment in info.segments:
+                self.slots[segment.slot].policy.touch(segment.id)
         return BlockRead(self, info, a, b)
 
     async def get(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> bytes:

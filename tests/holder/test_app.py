@@ -239,3 +239,34 @@ async def test_metrics(client_as: ClientFactory) -> None:
     assert f'kvstore_tier_used_bytes{{tier="host#0"}} {float(len(data))}' in text
     assert "kvstore_lease_rejections_total 1.0" in text
     assert_problem(await client_as("mallory").get("https://holder.test/metrics"), 403)
+
+
+async def test_head_is_a_probe_that_reads_no_segment(
+    client_as: ClientFactory, store: TieredStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Engines probe existence with HEAD, many at a time: the answer comes
+    # from what the holder knows (length, a Repr-Digest once a GET computed
+    # it), without loading the block, counting a hit or touching its place
+    # in the eviction order.
+    alice = client_as("alice")
+    data = block()
+    assert (await put(alice, data)).status_code == 201
+    loads: list[object] = []
+    original = store._load
+
+    async def counted(*args: Any) -> Any:
+        loads.append(args)
+        return await original(*args)
+
+    monkeypatch.setattr(store, "_load", counted)
+    hits = store.stats.hits
+    head = await alice.head(path())
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == len(data)
+    assert "repr-digest" not in head.headers  # not computed yet: not computed for a HEAD
+    assert loads == [] and store.stats.hits == hits
+    got = await alice.get(path())
+    assert loads and store.stats.hits == hits + 1
+    again = await alice.head(path())
+    assert again.headers["repr-digest"] == got.headers["repr-digest"]
+    assert (await alice.head(path(KEY2))).status_code == 404
