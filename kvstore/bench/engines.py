@@ -5,9 +5,9 @@ process (mTLS, host memory) in the same run.
 
 The plug-ins' costs beyond the client are theirs: naming (one HMAC a
 chunk), a lease around every batched get (two more requests per holder and
-batch), the copy between the engine's buffers and the container (LMCache:
-the get side; SGLang: both sides, since a page_first page is strided per
-layer), and the engine's own machinery (LMCache's event loop thread,
+batch), the copies between the engine's buffers and the container (one
+each way; SGLang's page_first pages one more on puts, strided per layer),
+and the engine's own machinery (LMCache's event loop thread,
 SGLang's synchronous calls through a loop thread). Runs in the engines'
 virtualenv (``make engines``), where LMCache and SGLang are installed.
 """

@@ -37,7 +37,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -117,6 +117,9 @@ class ChunkSettings:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"kvstore.scope_key_file: {key_file}: {exc}") from exc
         context = None
+        if any(h.startswith("http://") for h in holders):
+            log.warning("kvstore.holders: plain http: no TLS, no client identity (the holder "
+                        "must allow anonymous access; development only)")  # fmt: skip
         if any(h.startswith("https://") for h in holders):
             from ..security import client_context
 
@@ -225,7 +228,10 @@ class ChunkStore:
     """Chunks of one engine, by its own keys, on kvstore holders.
 
     Async, bound to the event loop of its first call (its connection pool
-    is); :class:`LoopThread` runs one for synchronous callers."""
+    and its gate are); :class:`LoopThread` runs one for synchronous callers.
+    At most ``settings.concurrency`` requests are in flight at once, all
+    calls together: a batch of a thousand chunks neither opens a thousand
+    requests nor builds a thousand containers ahead of sending them."""
 
     def __init__(self, settings: ChunkSettings) -> None:
         self.settings = settings
@@ -233,7 +239,9 @@ class ChunkStore:
         self.compat_id = settings.descriptor.compat_id_hex
         self._prefix = NAME_LABEL + settings.descriptor.compat_id + settings.namespace.encode()
         self._client: HolderClient | None = None
+        self._gate: asyncio.Semaphore | None = None
         self._down_until: dict[str, float] = {}
+        self._warned: dict[tuple[str, int], float] = {}
         self.stats = ChunkStats()
 
     def block_key(self, name: str) -> str:
@@ -247,6 +255,11 @@ class ChunkStore:
                                         timeout_s=self.settings.timeout_s)  # fmt: skip
         return self._client
 
+    def _slot(self) -> asyncio.Semaphore:
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.settings.concurrency)
+        return self._gate
+
     def holders_for(self, block_key: str) -> list[str]:
         """Rendezvous order of the holders for a block, those marked down last."""
         ranked = sorted(
@@ -259,32 +272,49 @@ class ChunkStore:
     def _up(self, holder: str) -> bool:
         return self._down_until.get(holder, 0.0) <= time.monotonic()
 
-    def _failed(self, holder: str, what: str, exc: KvspError) -> None:
+    def _failed(self, holder: str, what: str, exc: Exception) -> None:
+        """Count a failed request; a holder that fails (5xx, unreachable) is
+        skipped for a while; a refusal is logged loudly, once a minute, as
+        it means a configuration to fix (the policy, the block size)."""
         self.stats.errors += 1
+        if not isinstance(exc, KvspError):
+            log.warning("kvstore: %s at %s failed unexpectedly: %r", what, holder, exc)
+            return
         if exc.status >= 500 and exc.status != 507:
             self._down_until[holder] = time.monotonic() + self.settings.down_backoff_s
             log.warning("kvstore holder %s failed (%s: %s); skipped for %.0f s", holder, what,
                         exc.detail, self.settings.down_backoff_s)  # fmt: skip
-        else:
-            log.info("kvstore holder %s refused %s: %s", holder, what, exc.detail)
+            return
+        now, key = time.monotonic(), (holder, exc.status)
+        if now - self._warned.get(key, -60.0) >= 60.0:
+            self._warned[key] = now
+            log.warning("kvstore holder %s refused %s with %d: %s (scope %s; check its policy "
+                        "and max_block_octets)", holder, what, exc.status, exc.detail,
+                        self.scope_id)  # fmt: skip
 
-    async def put(self, name: str, container: BytesLike) -> bool:
-        """Store a chunk (a KVSP container) on its holder; False if none took it."""
+    async def put(self, name: str, container: BytesLike | Callable[[], BytesLike]) -> bool:
+        """Store a chunk (a KVSP container, or a function that builds it,
+        called only once a request slot is free) on its holder; False if
+        none took it."""
         block_key = self.block_key(name)
-        for holder in self.holders_for(block_key):
-            if not self._up(holder):
-                continue
-            try:
-                await self._http().put_block(holder, self.compat_id, self.scope_id, block_key,
-                                             container)  # fmt: skip
-            except PreconditionFailed:
-                pass  # BL7: already held there (the same name is the same chunk)
-            except KvspError as exc:
-                self._failed(holder, "a put", exc)
-                continue
-            self.stats.puts += 1
-            self.stats.octets_out += len(memoryview(container))
-            return True
+        async with self._slot():
+            data: BytesLike | None = None
+            for holder in self.holders_for(block_key):
+                if not self._up(holder):
+                    continue
+                try:
+                    if data is None:
+                        data = container() if callable(container) else container
+                    await self._http().put_block(holder, self.compat_id, self.scope_id,
+                                                 block_key, data)  # fmt: skip
+                except PreconditionFailed:
+                    pass  # BL7: already held there (the same name is the same chunk)
+                except Exception as exc:  # a miss, never the engine's exception
+                    self._failed(holder, "a put", exc)
+                    continue
+                self.stats.puts += 1
+                self.stats.octets_out += len(memoryview(data)) if data is not None else 0
+                return True
         self.stats.put_failures += 1
         return False
 
@@ -294,100 +324,120 @@ class ChunkStore:
             if not self._up(holder):
                 continue
             try:
-                if await self._http().has_block(holder, self.compat_id, self.scope_id,
-                                                block_key):  # fmt: skip
+                async with self._slot():
+                    held = await self._http().has_block(holder, self.compat_id, self.scope_id,
+                                                        block_key)  # fmt: skip
+                if held:
                     return True
-            except KvspError as exc:
+            except Exception as exc:
                 self._failed(holder, "a lookup", exc)
         return False
 
     async def contains_prefix(self, names: Sequence[str]) -> int:
-        """How many of ``names``, from the first, are held (engines load prefixes)."""
-        found = await self._bounded([self.contains(n) for n in names])
+        """How many of ``names``, from the first, are held (engines load
+        prefixes). Asked a window at a time: nothing after the first miss."""
+        window = self.settings.concurrency
         count = 0
-        for held in found:
-            if not held:
-                break
-            count += 1
+        for start in range(0, len(names), window):
+            found = await asyncio.gather(*(self.contains(n) for n in names[start : start + window]))
+            for held in found:
+                if not held:
+                    return count
+                count += 1
         return count
 
     async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        """The containers of ``names`` (None: a miss), each holder's under one
-        lease for the time of the transfer (LE1: not evicted meanwhile)."""
+        """The containers of ``names`` (None: a miss); see :meth:`fetch_many`."""
+        return await self.fetch_many(names, lambda _, body: body)
+
+    async def fetch_many(
+        self,
+        names: Sequence[str],
+        convert: Callable[[int, bytes], T | None],
+        release: Callable[[T], None] | None = None,
+    ) -> list[T | None]:
+        """``convert(i, container)`` of each chunk as it arrives (None: a
+        miss, or ``convert`` refused it), each holder's chunks under one lease for
+        the time of the transfer (LE1: not evicted meanwhile). If the call
+        is cancelled, what was converted is given to ``release``."""
         keys = [self.block_key(n) for n in names]
-        found: list[bytes | None] = [None] * len(keys)
+        found: list[T | None] = [None] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
         todo = list(range(len(keys)))
-        while todo:
-            # Each missing chunk from the next holder of its order not yet
-            # asked (a holder that failed meanwhile is skipped, not its turn).
-            by_holder: dict[str, list[int]] = {}
-            for i in todo:
-                holder = next((h for h in self.holders_for(keys[i])
-                               if h not in tried[i] and self._up(h)), None)  # fmt: skip
-                if holder is not None:
-                    tried[i].add(holder)
-                    by_holder.setdefault(holder, []).append(i)
-            if not by_holder:
-                break
-            await asyncio.gather(*(self._get_from(h, idx, keys, found)
-                                   for h, idx in by_holder.items()))  # fmt: skip
-            todo = [i for i in todo if found[i] is None]
+        try:
+            while todo:
+                # Each missing chunk from the next holder of its order not yet
+                # asked (a holder that failed meanwhile is skipped, not its turn).
+                by_holder: dict[str, list[int]] = {}
+                for i in todo:
+                    holder = next((h for h in self.holders_for(keys[i])
+                                   if h not in tried[i] and self._up(h)), None)  # fmt: skip
+                    if holder is not None:
+                        tried[i].add(holder)
+                        by_holder.setdefault(holder, []).append(i)
+                if not by_holder:
+                    break
+                await asyncio.gather(*(self._get_from(h, idx, keys, found, convert)
+                                       for h, idx in by_holder.items()))  # fmt: skip
+                todo = [i for i in todo if found[i] is None]
+        except BaseException:
+            if release is not None:
+                for obj in found:
+                    if obj is not None:
+                        release(obj)
+            raise
         hits = sum(1 for x in found if x is not None)
         self.stats.hits += hits
         self.stats.misses += len(found) - hits
         return found
 
     async def _get_from(
-        self, holder: str, indices: list[int], keys: list[str], found: list[bytes | None]
+        self,
+        holder: str,
+        indices: list[int],
+        keys: list[str],
+        found: list[T | None],
+        convert: Callable[[int, bytes], T | None],
     ) -> None:
         http = self._http()
         wanted = list(dict.fromkeys(keys[i] for i in indices))
+        grant = None
         try:
-            grant = await http.lease(holder, wanted, self.settings.lease_ms,
-                                     scope_id=self.scope_id, compat_id=self.compat_id)  # fmt: skip
+            async with self._slot():
+                grant = await http.lease(holder, wanted, self.settings.lease_ms,
+                                         scope_id=self.scope_id,
+                                         compat_id=self.compat_id)  # fmt: skip
+            self.stats.leases += 1
         except NotFound:
             return  # none of them is there
-        except KvspError as exc:
+        except Exception as exc:
             # No lease (a quota, a fault): fetch anyway; a miss costs the same.
             self._failed(holder, "a lease", exc)
             if not self._up(holder):
                 return
-            grant = None
-        if grant is not None:
-            self.stats.leases += 1
         leased = set(grant.block_keys) if grant is not None and grant.block_keys else None
 
         async def one(i: int) -> None:
             if leased is not None and keys[i] not in leased:
                 return
             try:
-                body = await http.get_block(holder, self.compat_id, self.scope_id, keys[i])
+                async with self._slot():
+                    body = await http.get_block(holder, self.compat_id, self.scope_id, keys[i])
+                self.stats.octets_in += len(body)
+                found[i] = convert(i, body)
             except NotFound:
                 return
-            except KvspError as exc:
+            except Exception as exc:
                 self._failed(holder, "a get", exc)
-                return
-            found[i] = body
-            self.stats.octets_in += len(body)
 
         try:
-            await self._bounded([one(i) for i in indices])
+            await asyncio.gather(*(one(i) for i in indices))
         finally:
             if grant is not None:
                 try:
                     await http.release_lease(holder, grant.lease)
-                except KvspError as exc:  # it expires by itself
-                    log.info("lease %s at %s not released: %s", grant.lease, holder, exc.detail)
-
-    async def _bounded(self, calls: Sequence[Awaitable[T]]) -> list[T]:
-        gate = asyncio.Semaphore(self.settings.concurrency)
-
-        async def run(call: Awaitable[T]) -> T:
-            async with gate:
-                return await call
-
-        return list(await asyncio.gather(*(run(c) for c in calls)))
+                except Exception as exc:  # it expires by itself
+                    log.info("lease %s at %s not released: %r", grant.lease, holder, exc)
 
     async def reachable(self) -> bool:
         """True when at least one holder answers (a HEAD of a key nobody has)."""
@@ -395,7 +445,7 @@ class ChunkStore:
             try:
                 await self._http().has_block(holder, self.compat_id, self.scope_id, "0" * 64)
                 return True
-            except KvspError:
+            except Exception:
                 continue
         return False
 

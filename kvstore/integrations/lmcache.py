@@ -19,23 +19,25 @@ Each LMCache chunk (a ``MemoryObj`` of format ``KV_2LTD``: K and V of every
 layer, ``[2, layers, tokens, heads x head_dim]``) is stored as a KVSP block
 container of codec raw, one container layer per model layer. Per layer,
 LMCache's K and V rows are exactly ``kvsp-layout-1`` (tokens slowest,
-elements little-endian), so the octets are sent from LMCache's buffer
-without a copy and received into a buffer LMCache allocates, with one. The
+elements little-endian): a put copies LMCache's buffer once into the
+container, a get copies the container once into a buffer LMCache allocates. The
 block's name is a keyed hash of LMCache's key string (see
 :mod:`kvstore.integrations.chunks`): such blocks are shared by the LMCache
 users of the scope, not with token-keyed KVSP clients.
 
-Where LMCache asks, the plug-in batches: lookups are HEADs in parallel,
-batched gets take one lease per holder for the whole batch (LE1) and fetch
-in parallel, batched puts go in parallel. A holder that is down makes
-LMCache miss (``get`` answers None, lookups count it absent); it never
-raises into LMCache.
+Where LMCache asks, the plug-in batches: lookups are HEADs a window at a
+time, batched gets take one lease per holder for the whole batch (LE1) and
+fetch in parallel, batched puts go in parallel, all within the chunk
+store's request limit. A holder that is down makes LMCache miss (``get``
+answers None, lookups count it absent); it never raises into LMCache. A
+configuration it cannot serve stops LMCache (``IrrecoverableException``).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +87,12 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         super().__init__(context.config, context.metadata)
         if sys.byteorder != "little":
             raise ConfigError("kvstore: kvsp-layout-1 is little-endian; LMCache's buffers are not")
+        config = context.config
+        if config.use_layerwise:
+            raise ConfigError("kvstore: use_layerwise (KV_T2D chunks) is not supported")
+        if (config.remote_serde or "naive") != "naive":
+            raise ConfigError(f"kvstore: remote_serde {config.remote_serde!r}: only 'naive' "
+                              "(kvstore stores raw KV)")  # fmt: skip
         self.loop = context.loop
         self.local_cpu_backend = context.local_cpu_backend
         self.geometry = geometry_of(context.metadata)
@@ -93,6 +101,7 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
             ChunkSettings.from_options(options, namespace="lmcache", geometry=self.geometry)
         )
         self.timeout_s = float(context.config.blocking_timeout_secs)
+        self._probe_name: str | None = None
         self.dtype = self.meta_dtypes[0]
         self.row_octets = self.geometry.kv_heads * self.geometry.head_dim * self.dtype.itemsize
         log.info("kvstore LMCache plug-in: holders %s, scope %s, compat %s",
@@ -132,34 +141,58 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
             log.warning("kvstore: a holder served a chunk of another geometry; ignored")
             return None
         shape = torch.Size([2, layers, tokens, self.row_octets // self.dtype.itemsize])
-        memory_obj = self.local_cpu_backend.allocate(shape, self.dtype, MemoryFormat.KV_2LTD)
+        # Not LMCache's busy wait: it would sleep on the very loop whose puts
+        # free the memory; a chunk that does not fit now is a miss.
+        memory_obj = self.local_cpu_backend.allocate(shape, self.dtype, MemoryFormat.KV_2LTD,
+                                                     busy_loop=False)  # fmt: skip
         if memory_obj is None:
             log.warning("kvstore: LMCache could not allocate a chunk buffer")
             return None
-        buf = memoryview(memory_obj.byte_array).cast("B")
-        for i, layer in enumerate(container):
-            buf[i * section : (i + 1) * section] = layer.k
-            buf[(layers + i) * section : (layers + i + 1) * section] = layer.v
+        try:
+            buf = memoryview(memory_obj.byte_array).cast("B")
+            for i, layer in enumerate(container):
+                buf[i * section : (i + 1) * section] = layer.k
+                buf[(layers + i) * section : (layers + i + 1) * section] = layer.v
+        except BaseException:
+            memory_obj.ref_count_down()  # given back, not left to the collector
+            raise
         return memory_obj
+
+    def name(self, key: CacheEngineKey) -> str:
+        """The chunk's name: LMCache's key string. LMCache's health check
+        (``RemoteBackendHealthCheck``) puts a buffer of arbitrary contents
+        under one fixed key (model ``test``, chunk hash 0) and expects it back:
+        each such put gets a name of its own, since a holder keeps the first
+        copy of a name (BL7) and every later probe would read stale octets."""
+        text = str(key.to_string())
+        if key.model_name == "test" and key.chunk_hash == 0:
+            return self._probe_name or text
+        return text
+
+    def _probe_put_name(self, key: CacheEngineKey) -> str:
+        if key.model_name == "test" and key.chunk_hash == 0:
+            self._probe_name = f"{key.to_string()}#{uuid.uuid4()}"
+        return self.name(key)
 
     # --- LMCache's interface ----------------------------------------------------
 
     async def exists(self, key: CacheEngineKey) -> bool:
-        return await self.store.contains(key.to_string())
+        return await self.store.contains(self.name(key))
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return bool(self._sync(self.store.contains(key.to_string()), False))
+        return bool(self._sync(lambda: self.store.contains(self.name(key)), False))
 
     def support_batched_contains(self) -> bool:
         return True
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
-        return int(self._sync(self.store.contains_prefix([k.to_string() for k in keys]), 0))
+        names = [self.name(k) for k in keys]
+        return int(self._sync(lambda: self.store.contains_prefix(names), 0))
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        return await self.store.contains_prefix([k.to_string() for k in keys])
+        return await self.store.contains_prefix([self.name(k) for k in keys])
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         return (await self.batched_get([key]))[0]
@@ -168,9 +201,12 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        bodies = await self.store.get_many([k.to_string() for k in keys])
-        # LMCache requires exactly one answer per key.
-        return [None if body is None else self.decode(body) for body in bodies]
+        # Each chunk decoded into LMCache's buffer as it arrives (the batch's
+        # octets are never all held at once); one answer per key, as LMCache
+        # requires; what was allocated goes back if LMCache cancels the call.
+        return await self.store.fetch_many([self.name(k) for k in keys],
+                                           lambda _, body: self.decode(body),
+                                           release=lambda obj: obj.ref_count_down())  # fmt: skip
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey]
@@ -187,20 +223,29 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         return prefix
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        # LMCache's wrapper gives the buffer back after this returns; the
-        # container is built (one copy) before the first await.
-        if not await self.store.put(key.to_string(), self.encode(memory_obj)):
-            log.info("kvstore: chunk %s not stored (no holder took it)", key.chunk_hash)
+        await self.batched_put([key], [memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        # LMCache keeps its buffers until this returns; each container is
+        # built (one copy) only when a request slot is free to send it.
         import asyncio
 
-        containers = [self.encode(m) for m in memory_objs]
-        await asyncio.gather(*(self.store.put(k.to_string(), c)
-                               for k, c in zip(keys, containers, strict=True)))  # fmt: skip
+        def builder(obj: MemoryObj) -> Any:
+            return lambda: self.encode(obj)
+
+        pairs = zip([self._probe_put_name(k) for k in keys], memory_objs, strict=True)
+        done = await asyncio.gather(*(self.store.put(n, builder(m)) for n, m in pairs))
+        if not all(done):
+            log.info("kvstore: %d of %d chunks not stored (no holder took them)",
+                     done.count(False), len(done))  # fmt: skip
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        # KVSP has no client delete: chunks leave a holder by its eviction
+        # or retention limit.
+        return False
 
     async def list(self) -> list[str]:
         # KVSP has no listing of a holder's blocks (the IS indexes them);
@@ -217,14 +262,25 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
     async def close(self) -> None:
         await self.store.close()
 
-    def _sync(self, coroutine: Any, miss: Any) -> Any:
+    def _sync(self, make: Any, miss: Any) -> Any:
+        """Run ``make()`` (a coroutine) on LMCache's loop for a caller on
+        another thread; ``miss`` if it fails, is cancelled or runs late."""
         import asyncio
         import concurrent.futures
 
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            # Waiting here would block the loop the answer needs: not done.
+            log.warning("kvstore: a synchronous lookup on LMCache's own loop: a miss")
+            return miss
+        future = asyncio.run_coroutine_threadsafe(make(), self.loop)
         try:
             return future.result(self.timeout_s)
-        except (concurrent.futures.TimeoutError, KvspError) as exc:
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
+                KvspError) as exc:  # fmt: skip
             future.cancel()
             log.warning("kvstore: a lookup did not complete (%r): a miss", exc)
             return miss
@@ -275,7 +331,14 @@ class KvstoreConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         return url.startswith(self.schema)
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
-        return KvstoreConnector(context)
+        from lmcache.v1.exceptions import IrrecoverableException
+
+        try:
+            return KvstoreConnector(context)
+        except ConfigError as exc:
+            # LMCache would log any other error and run on without its remote
+            # tier; a configuration to fix stops it instead.
+            raise IrrecoverableException(str(exc)) from exc
 
 
 __all__: Sequence[str] = ("CPUKVConnector", "KvstoreConnector", "KvstoreConnectorAdapter",

@@ -34,8 +34,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import sys
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +71,18 @@ def canonical_page(page: torch.Tensor, layout: str, geometry: Geometry) -> torch
     raise ConfigError(f"kvstore: host memory layout {layout!r} not supported ({LAYOUTS})")
 
 
+class _Transfer:
+    """A get in progress: pages are written only while it is open."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = True
+
+    def close(self) -> None:
+        with self.lock:  # waits for a page being written, then no more
+            self.open = False
+
+
 class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang's ``HiCacheStorage`` over a :class:`ChunkStore`."""
 
@@ -82,8 +95,16 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.options = {k[len("kvstore.") :]: v
                         for k, v in (storage_config.extra_config or {}).items()
                         if k.startswith("kvstore.")}  # fmt: skip
-        # Tensor parallel ranks hold different heads of the same page.
-        self.suffix = f"@{storage_config.tp_rank}/{storage_config.tp_size}"
+        # Tensor parallel ranks hold different heads of the same page, pipeline
+        # stages different layers (two even stages have the same geometry, so
+        # the same descriptor), context parallel ranks different tokens.
+        c = storage_config
+        self.suffix = f"@{c.tp_rank}/{c.tp_size}"
+        ranks = (("pp", c.pp_rank, c.pp_size), ("cp", c.attn_cp_rank, c.attn_cp_size),
+                 ("dcp", getattr(c, "dcp_rank", 0), getattr(c, "dcp_size", 1)))  # fmt: skip
+        for label, rank, size in ranks:
+            if size and size > 1:
+                self.suffix += f".{label}{rank}/{size}"
         self.store: ChunkStore | None = None
         self.loop: LoopThread | None = None
         self.mem_pool_host: Any = None
@@ -119,11 +140,17 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise RuntimeError("kvstore: register_mem_pool_host was not called")
         return self.store, self.loop
 
-    def _run(self, coroutine: Any, miss: Any) -> Any:
+    def _run(self, coroutine: Any, miss: Any, transfer: _Transfer | None = None) -> Any:
+        """Run a coroutine on the backend's loop for SGLang's thread; ``miss``
+        if it fails or runs late. A late get is closed first: nothing is
+        written into pages SGLang takes back once it was told "miss"."""
         _, loop = self._ready()
         try:
             return loop.run(coroutine, self.wait_s)
-        except (concurrent.futures.TimeoutError, KvspError) as exc:
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
+                KvspError) as exc:  # fmt: skip
+            if transfer is not None:
+                transfer.close()
             log.warning("kvstore: a transfer did not complete (%r): a miss", exc)
             return miss
 
@@ -173,26 +200,51 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:  # fmt: skip
-        store, _ = self._ready()
         size = self.geometry.block_tokens
-        containers = [self.encode(self._pool_page(int(host_indices[i * size])))
-                      for i in range(len(keys))]  # fmt: skip
+
+        def page_at(i: int) -> Callable[[], torch.Tensor]:
+            return lambda: self._pool_page(int(host_indices[i * size]))
+
+        return self._put_pages(keys, [page_at(i) for i in range(len(keys))])
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:  # fmt: skip
+        size = self.geometry.block_tokens
+        found = self._get_pages(keys, lambda i: self._pool_page(int(host_indices[i * size])))
+        return [x is not None for x in found]
+
+    def _put_pages(
+        self, keys: list[str], pages: Sequence[Callable[[], torch.Tensor]]
+    ) -> list[bool]:
+        """Each page's container is built (one copy, from SGLang's memory)
+        only when a request slot is free to send it."""
+        store, _ = self._ready()
+
+        def builder(page: Callable[[], torch.Tensor]) -> Callable[[], bytearray]:
+            return lambda: self.encode(page())
 
         async def put_all() -> list[bool]:
             import asyncio
 
-            pairs = zip(keys, containers, strict=True)
-            return list(await asyncio.gather(*(store.put(k + self.suffix, c) for k, c in pairs)))
+            pairs = zip(keys, pages, strict=True)
+            return list(await asyncio.gather(*(store.put(k + self.suffix, builder(page))
+                                               for k, page in pairs)))  # fmt: skip
 
         return list(self._run(put_all(), [False] * len(keys)))
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:  # fmt: skip
+    def _get_pages(self, keys: list[str], page: Any) -> list[bool | None]:
+        """Each served page written into ``page(i)`` as it arrives."""
         store, _ = self._ready()
-        size = self.geometry.block_tokens
-        bodies = self._run(store.get_many([k + self.suffix for k in keys]), [None] * len(keys))
-        return [self.decode_into(body, self._pool_page(int(host_indices[i * size])))
-                for i, body in enumerate(bodies)]  # fmt: skip
+        transfer = _Transfer()
+
+        def write(i: int, body: bytes) -> bool | None:
+            with transfer.lock:
+                if not transfer.open:
+                    return None
+                return True if self.decode_into(body, page(i)) else None
+
+        names = [k + self.suffix for k in keys]
+        return list(self._run(store.fetch_many(names, write), [None] * len(keys), transfer))
 
     # --- copying interface -------------------------------------------------------
 
@@ -202,32 +254,24 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:  # fmt: skip
-        store, _ = self._ready()
-        containers = [self.encode(canonical_page(v, self.layout, self.geometry)) for v in values]
+        def page_of(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+            return lambda: canonical_page(value, self.layout, self.geometry)
 
-        async def put_all() -> bool:
-            import asyncio
-
-            pairs = zip(keys, containers, strict=True)
-            return all(await asyncio.gather(*(store.put(k + self.suffix, c) for k, c in pairs)))
-
-        return bool(self._run(put_all(), False))
+        return all(self._put_pages(keys, [page_of(v) for v in values]))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:  # fmt: skip
-        store, _ = self._ready()
-        bodies = self._run(store.get_many([k + self.suffix for k in keys]), [None] * len(keys))
-        out: list[torch.Tensor | None] = []
-        for index, body in enumerate(bodies):
-            target = target_locations[index] if target_locations else None
-            if target is None:
-                target = self.mem_pool_host.get_dummy_flat_data_page()
-            ok = self.decode_into(body, canonical_page(target, self.layout, self.geometry))
-            out.append(target if ok else None)
-        return out
+        given = list(target_locations) if target_locations else [None] * len(keys)
+        targets: list[torch.Tensor] = [
+            t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given
+        ]
+        found = self._get_pages(
+            keys, lambda i: canonical_page(targets[i], self.layout, self.geometry)
+        )
+        return [targets[i] if ok else None for i, ok in enumerate(found)]
 
     def exists(self, key: str) -> bool:
         store, _ = self._ready()

@@ -196,3 +196,94 @@ def test_the_plugin_refuses_what_it_cannot_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model_digest"):
         ChunkSettings.from_options({**options, "model_digest": "md5"}, namespace="lmcache",
                                    geometry=geometry)  # fmt: skip
+
+
+def test_lmcache_health_check_put_and_get_passes_again_and_again(
+    holder: Holder, engines: list[str]
+) -> None:
+    # LMCache's RemoteBackendHealthCheck puts a buffer of arbitrary contents
+    # under one fixed key (model "test", chunk hash 0) and wants it back;
+    # a holder keeps the first copy of a name, so each probe gets its own.
+    from lmcache.v1.health_monitor.checks.remote_backend_check import RemoteBackendHealthCheck
+
+    b = engine("B", holder, engines)
+    check = object.__new__(RemoteBackendHealthCheck)  # only what _put_and_get_check uses
+    check.backend = remote_backend(b)
+    check._get_ping_timeout = lambda: 10  # type: ignore[method-assign]
+    backend = check.backend.local_cpu_backend
+    allocate = backend.allocate
+
+    def noisy(*args: Any, **kwargs: Any) -> Any:  # other octets in every probe's buffer
+        obj = allocate(*args, **kwargs)
+        if obj is not None:
+            obj.tensor.copy_(torch.randn(obj.tensor.shape).to(obj.tensor.dtype))
+        return obj
+
+    backend.allocate = noisy
+    try:
+        results = [check._put_and_get_check() for _ in range(3)]
+    finally:
+        backend.allocate = allocate
+    assert results == [True, True, True]
+
+
+def test_the_async_loading_path_returns_the_held_prefix(holder: Holder, engines: list[str]) -> None:
+    # LMCache's async loading asks batched_async_contains, then
+    # batched_get_non_blocking, which returns the consecutive prefix held.
+    import asyncio
+
+    torch.manual_seed(2)
+    tokens = torch.randint(0, 32000, (3 * CHUNK,))
+    kv = torch.randn(2, LAYERS, SLOTS, HIDDEN).to(DTYPE)
+    a = engine("A", holder, engines)
+    a.store(tokens[: 2 * CHUNK], kvcaches=kv, slot_mapping=torch.arange(2 * CHUNK))
+    wait_for_puts(a, 2)
+    keys = [key for _, _, key in a.token_database.process_tokens(tokens)]
+    ours = connector(a)
+
+    def on_loop(coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, ours.loop).result(10)
+
+    assert on_loop(ours.batched_async_contains("l1", keys)) == 2
+    got = on_loop(ours.batched_get_non_blocking("l1", [keys[0], keys[2], keys[1]]))
+    assert len(got) == 1 and torch.equal(got[0].tensor, kv[:, :, :CHUNK])
+    for obj in got:
+        obj.ref_count_down()
+
+
+def test_unsupported_lmcache_modes_stop_lmcache_with_a_clear_error(
+    holder: Holder, tmp_path: Path
+) -> None:
+    # LMCache logs a failing connector and runs on without its remote tier;
+    # a configuration kvstore cannot serve is irrecoverable instead.
+    import asyncio
+    from types import SimpleNamespace
+
+    from lmcache.v1.exceptions import IrrecoverableException
+
+    from kvstore.integrations.lmcache import KvstoreConnectorAdapter
+
+    adapter = KvstoreConnectorAdapter()
+    assert adapter.can_parse("plugin://kvstore") and not adapter.can_parse("plugin://fs")
+    for change, match in (({"use_layerwise": True}, "use_layerwise"),
+                          ({"remote_serde": "cachegen"}, "remote_serde")):  # fmt: skip
+        cfg = config(holder)
+        for name, value in change.items():
+            setattr(cfg, name, value)
+        context = SimpleNamespace(config=cfg, metadata=metadata(), loop=asyncio.new_event_loop(),
+                                  local_cpu_backend=None, url="plugin://kvstore",
+                                  plugin_name="kvstore")  # fmt: skip
+        with pytest.raises(IrrecoverableException, match=match):
+            adapter.create_connector(context)
+    cfg = config(holder)
+    cfg.extra_config = {**cfg.extra_config, "kvstore.model_digest": "md5"}
+    context = SimpleNamespace(
+        config=cfg,
+        metadata=metadata(),
+        loop=asyncio.new_event_loop(),
+        local_cpu_backend=None,
+        url="plugin://kvstore",
+        plugin_name="kvstore",
+    )
+    with pytest.raises(IrrecoverableException, match="model_digest"):
+        adapter.create_connector(context)

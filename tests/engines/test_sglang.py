@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-from kvstore.integrations.sglang import KvstoreHiCacheStorage  # noqa: E402
+from kvstore.integrations.sglang import KvstoreHiCacheStorage, canonical_page  # noqa: E402
 from kvstore.protocol import container as kc  # noqa: E402
 
 from .holder import Holder, start_holder  # noqa: E402
@@ -50,12 +50,14 @@ def host_pool(layout: str) -> Any:
                                 end_layer=device.end_layer)  # fmt: skip
 
 
-def backend(holder: Holder, pool: Any, tp_rank: int = 0) -> KvstoreHiCacheStorage:
+def backend(holder: Holder, pool: Any, tp_rank: int = 0,
+            pp: tuple[int, int] = (0, 1)) -> KvstoreHiCacheStorage:  # fmt: skip
     # What --hicache-storage-backend-extra-config carries (docs/integrations.md).
     extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
              "class_name": "KvstoreHiCacheStorage", "interface_v1": 1,
              **holder.options()}  # fmt: skip
-    config = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=1, pp_rank=0, pp_size=1,
+    config = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2 if tp_rank else 1,
+                                  pp_rank=pp[0], pp_size=pp[1],
                                   attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
                                   enable_storage_metrics=False,
                                   is_page_first_layout=pool.layout == "page_first",
@@ -176,19 +178,37 @@ def test_the_copying_interface_and_another_layout_share_the_pages(
     assert store.get("0" * 64, pool.get_dummy_flat_data_page()) is None
     assert store.exists(keys[0]) and not store.exists("0" * 64)
 
-    # A server whose host pool is layer_first reads the same pages.
-    other_pool = host_pool("layer_first")
-    other = backend(holder, other_pool)
-    made.append(other)
-    dst = other_pool.alloc(PAGES * PAGE)
-    assert other.batch_get_v1(keys, dst) == [True] * PAGES
-    for p, want in zip(range(0, len(dst), PAGE), written, strict=True):
-        page = other_pool.get_data_page(int(dst[p]), flat=False)  # [2, L, page, H, D]
-        assert torch.equal(page, want.view(2, PAGE, LAYERS, HEADS, HEAD_DIM).transpose(1, 2))
-    # Another tensor-parallel rank holds other heads: its names differ.
-    rank1 = backend(holder, pool, tp_rank=1)
-    made.append(rank1)
-    assert rank1.batch_exists(keys) == 0
+    # Servers whose host pools have the other layouts read the same pages,
+    # zero-copy and copying; and write pages page_first reads back.
+    canonical = [w.view(2, PAGE, LAYERS, HEADS, HEAD_DIM).transpose(1, 2) for w in written]
+    for layout in ("layer_first", "page_first_direct", "page_head"):
+        other_pool = host_pool(layout)
+        other = backend(holder, other_pool)
+        made.append(other)
+        dst = other_pool.alloc(PAGES * PAGE)
+        assert other.batch_get_v1(keys, dst) == [True] * PAGES, layout
+        for p, want in zip(range(0, len(dst), PAGE), canonical, strict=True):
+            page = canonical_page(other_pool.get_data_page(int(dst[p]), flat=False), layout,
+                                  other.geometry)  # fmt: skip
+            assert torch.equal(page, want), layout
+        flat = other.batch_get(keys[:1], [other_pool.get_dummy_flat_data_page()])[0]
+        assert flat is not None
+        other_pool.set_from_flat_data_page(int(dst[0]), flat)  # what SGLang does with it
+        page = canonical_page(other_pool.get_data_page(int(dst[0]), flat=False), layout,
+                              other.geometry)  # fmt: skip
+        assert torch.equal(page, canonical[0]), layout
+        mine = get_storage_hash_str([layout.__len__()] * PAGE, None, page_size=PAGE)
+        assert other.batch_set_v1(mine, dst[:PAGE]) == [True]
+        back = pool.alloc(PAGE)
+        assert store.batch_get_v1(mine, back) == [True]
+        assert torch.equal(canonical_page(pool.get_data_page(int(back[0]), flat=False),
+                                          "page_first", store.geometry), page), layout  # fmt: skip
+    # Other tensor-parallel ranks hold other heads, other pipeline stages
+    # other layers (with the same geometry): their names differ.
+    for ranks in ({"tp_rank": 1}, {"pp": (1, 2)}):
+        elsewhere = backend(holder, pool, **ranks)
+        made.append(elsewhere)
+        assert elsewhere.batch_exists(keys) == 0, ranks
 
 
 def test_a_holder_that_is_down_makes_pages_miss(
@@ -212,3 +232,35 @@ def test_a_holder_that_is_down_makes_pages_miss(
     assert not store.set(keys[0], pool.get_data_page(int(src[0])))
     assert time.monotonic() - started < 10
     assert store.store is not None and store.store.stats.errors >= 1
+
+
+def test_sglang_threads_calling_at_once_are_served(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    # SGLang's prefetch, backup and lookup threads call the backend at the
+    # same time; each call waits on the backend's own event loop.
+    import threading
+
+    pool = host_pool("page_first")
+    store = backend(holder, pool)
+    made.append(store)
+    errors: list[BaseException] = []
+    slots = [pool.alloc(PAGE) for _ in range(6)]
+    for s in slots:
+        fill(pool, s)
+
+    def work(n: int) -> None:
+        try:
+            keys = get_storage_hash_str([n] * PAGE, None, page_size=PAGE)
+            assert store.batch_set_v1(keys, slots[n]) == [True]
+            assert store.batch_exists(keys) == 1
+            assert store.batch_get_v1(keys, slots[n]) == [True]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and not any(t.is_alive() for t in threads)
