@@ -182,3 +182,45 @@ def test_options_are_checked(tmp_path: Path) -> None:
         geometry = GEOMETRY if name != "geometry" else Geometry(4, 2, 8, "bf16", 4)
         with pytest.raises(ConfigError, match=match):
             ChunkSettings.from_options(opts, namespace="t", geometry=geometry)
+
+
+async def test_a_chunk_that_fails_to_convert_is_a_miss_and_cancelling_gives_back(
+    holders: list[Holder],
+) -> None:
+    # convert (the engine's decode into its buffer) failing for one chunk is
+    # that chunk's miss; the lease is released all the same. A cancelled
+    # batch gives every converted chunk to release (the engine's buffers).
+    store = ChunkStore(settings(holders))
+    names = [f"c{n}" for n in range(6)]
+    for n in names:
+        assert await store.put(n, block())
+
+    def convert(i: int, body: bytes) -> bytes | None:
+        if i == 2:
+            raise ValueError("not a chunk of this geometry")
+        return body
+
+    got = await store.fetch_many(names, convert)
+    assert [x is None for x in got] == [False, False, True, False, False, False]
+    assert store.stats.errors == 1 and all(len(h.store.leases) == 0 for h in holders)
+
+    released: list[int] = []
+    arrived = asyncio.Event()
+
+    def slow(i: int, body: bytes) -> int:
+        arrived.set()
+        return i
+
+    async def hang_after_first() -> None:
+        await arrived.wait()
+
+    task = asyncio.create_task(store.fetch_many(names, slow, release=released.append))
+    await hang_after_first()
+    await asyncio.sleep(0)  # let a few more arrive
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert released and all(isinstance(i, int) for i in released)
+    await asyncio.sleep(0.2)  # the lease release in finally ran
+    assert all(len(h.store.leases) == 0 for h in holders)
+    await store.close()
