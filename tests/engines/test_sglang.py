@@ -264,3 +264,62 @@ def test_sglang_threads_calling_at_once_are_served(
     for t in threads:
         t.join(30)
     assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_sglangs_controller_attaches_the_backend_and_moves_pages(
+    holder: Holder, interface_v1: int
+) -> None:
+    # HiCacheController.attach_storage_backend("dynamic", ...) builds the
+    # backend from the extra configuration and picks its page functions
+    # (zero-copy with interface_v1, copying without); the functions its
+    # backup and prefetch threads call move pages through kvstore. The
+    # controller is built without a scheduler (only what attaching needs).
+    import threading
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.runtime_context import get_parallel
+
+    torch.manual_seed(3)
+    pool = host_pool("page_first")
+    extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
+             "class_name": "KvstoreHiCacheStorage", "interface_v1": interface_v1,
+             **holder.options()}  # fmt: skip
+
+    def storage_config(model_name: str, extra_config: dict[str, Any]) -> HiCacheStorageConfig:
+        return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                    attn_cp_size=1, is_mla_model=False,
+                                    enable_storage_metrics=False, is_page_first_layout=True,
+                                    model_name=model_name, extra_config=extra_config)  # fmt: skip
+
+    controller: Any = object.__new__(HiCacheController)
+    controller.enable_storage = False
+    controller.storage_stop_event = threading.Event()
+    controller.storage_host_pool = controller.mem_pool_host = pool
+    controller.host_memory_mode = "cache"
+    controller.page_size = PAGE
+    controller._stop_storage_threads = controller._start_storage_threads = lambda: None
+    controller._create_sync_groups = lambda: []
+    controller._generate_storage_config = storage_config
+    with get_parallel().override(attn_dcp_size=1):
+        controller.attach_storage_backend("dynamic", model_name="toy-model",
+                                          storage_backend_extra_config=extra)  # fmt: skip
+    backend_made = controller.storage_backend
+    try:
+        assert isinstance(backend_made, KvstoreHiCacheStorage)
+        expected = ("_page_set_zero_copy", "_page_get_zero_copy") if interface_v1 else (
+            "_generic_page_set", "_generic_page_get")  # fmt: skip
+        assert (controller.page_set_func.__name__, controller.page_get_func.__name__) == expected
+        keys = get_storage_hash_str(list(range(50, 50 + PAGES * PAGE)), None, page_size=PAGE)
+        src = pool.alloc(PAGES * PAGE)
+        fill(pool, src)
+        written = read(pool, src)
+        info = HiCacheStorageExtraInfo(prefix_keys=[])
+        assert controller.page_set_func(keys, src, info) is True
+        dst = pool.alloc(PAGES * PAGE)
+        operation = SimpleNamespace(request_id="r1", is_terminated=lambda: False)
+        assert controller.page_get_func(operation, keys, dst, info) == PAGES
+        assert all(torch.equal(a, b) for a, b in zip(written, read(pool, dst), strict=True))
+    finally:
+        backend_made.close()
