@@ -472,70 +472,18 @@ class TieredStore(TierIO):
         return bool(limit) and info.stored_at < self.wall_clock() - (limit or 0.0)
 
     async def expire(self, batch: int = 32) -> int:
-        """Remove every block stored more than ``retention_s`` ago, from every
-        tier, withdrawing it first (the eviction hook, P3); a leased one goes
-        once its lease ends (LE2). Returns how many went.
+        """Remove every block stored more than ``retention_s`` ago (SEC4);
+        see :func:`.retention.expire`. Returns how many went."""
+        from .retention import expire
 
-        The store lock is taken for ``batch`` blocks at a time, so that a
-        sweep of many blocks (each withdrawn from the IS) does not hold up
-        PUTs and GETs for its whole length."""
-        if not self.retention_s:
-            return 0
-        cutoff = self.wall_clock() - self.retention_s
-        due = [i for i in self._blocks.values() if i.stored_at < cutoff]
-        gone = 0
-        for start in range(0, len(due), batch):
-            async with self._locked():
-                for info in due[start : start + batch]:
-                    # Re-checked under the lock: replaced, deleted or leased since.
-                    if self._blocks.get(info.ref) is not info or self._pinned(info.ref):
-                        continue
-                    await self._evict(info, "retention")
-                    gone += 1
-            await asyncio.sleep(0)
-        if gone:
-            log.warning("retention: %d blocks older than %.0f s removed", gone, self.retention_s)
-        return gone
+        return await expire(self, batch)
 
     async def spill(self, timeout_s: float = 10.0) -> int:
-        """At a graceful shutdown: move what only memory tiers hold down to
-        the first persistent tier below (LMDB, Redis, S3), so that it
-        outlives the process, as far as room and ``timeout_s`` allow.
-        Returns the number of segments moved."""
-        if not any(s.tier.persistent for s in self.slots):
-            return 0
-        moved = 0
-        try:
-            async with asyncio.timeout(timeout_s), self._locked():
-                # The most recently used first; into free room only: nothing
-                # a persistent tier holds is evicted for them.
-                order: list[tuple[BlockRef, int]] = []
-                for slot in self.slots:
-                    if not slot.tier.persistent:
-                        order += reversed(list(slot.policy.candidates()))  # type: ignore[arg-type]
-                for ref, first in order:
-                    info = self._blocks.get(ref)
-                    segment = (
-                        None
-                        if info is None
-                        else next((x for x in info.segments if x.first == first), None)
-                    )
-                    if info is None or segment is None:
-                        continue
-                    current = segment
-                    while not self.slots[current.slot].tier.persistent:
-                        if not await self._demote(info, current, make_room=False):
-                            break
-                        found = next((x for x in info.segments if x.first == current.first),
-                                     None)  # fmt: skip
-                        if found is None:
-                            break
-                        current = found
-                        moved += 1
-        except TimeoutError:
-            log.warning("shutdown: %d segments moved to persistent tiers before the deadline",
-                        moved)  # fmt: skip
-        return moved
+        """At a graceful shutdown, move what only memory tiers hold into the
+        persistent tiers' free room; see :func:`.spill.spill`."""
+        from .spill import spill
+
+        return await spill(self, timeout_s)
 
     async def delete(self, ref: BlockRef) -> None:
         """Remove a block (an operator action); leased blocks are refused (LE2)."""
@@ -670,16 +618,9 @@ class TieredStore(TierIO):
         return self.leases.renew(client, lease_id, self._retention_ttl(ttl_ms, lease.sizes))
 
     def _retention_ttl(self, ttl_ms: int, refs: Iterable[BlockRef]) -> int:
-        """A lease never keeps a block past the retention limit (SEC4): the
-        granted TTL (LE1) ends when the oldest leased block must go. Once
-        that is now, the lease is granted for 0 ms: it protects nothing."""
-        if not self.retention_s:
-            return ttl_ms
-        stored = [self._blocks[r].stored_at for r in refs if r in self._blocks]
-        if not stored:
-            return ttl_ms
-        left_ms = int((min(stored) + self.retention_s - self.wall_clock()) * 1000)
-        return max(0, min(ttl_ms, left_ms))
+        from .retention import retention_ttl
+
+        return retention_ttl(self, ttl_ms, refs)
 
     def release_lease(self, client: str, lease_id: str) -> None:
         self.leases.release(client, lease_id)

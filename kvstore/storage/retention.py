@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..background import Background
-from .manager import TieredStore
+from .types import BlockRef
+
+if TYPE_CHECKING:
+    from .manager import TieredStore
 
 log = logging.getLogger("kvstore.storage")
 
@@ -29,3 +34,43 @@ class RetentionSweeper(Background):
             except Exception:
                 log.exception("retention sweep failed; retrying")
             await asyncio.sleep(self.interval_s)
+
+
+async def expire(store: TieredStore, batch: int = 32) -> int:
+    """Remove every block stored more than ``retention_s`` ago, from every
+    tier, withdrawing it first (the eviction hook, P3); a leased one goes
+    once its lease ends (LE2). Returns how many went.
+
+    The store lock is taken for ``batch`` blocks at a time, so that a
+    sweep of many blocks (each withdrawn from the IS) does not hold up
+    PUTs and GETs for its whole length."""
+    if not store.retention_s:
+        return 0
+    cutoff = store.wall_clock() - store.retention_s
+    due = [i for i in store._blocks.values() if i.stored_at < cutoff]
+    gone = 0
+    for start in range(0, len(due), batch):
+        async with store._locked():
+            for info in due[start : start + batch]:
+                # Re-checked under the lock: replaced, deleted or leased since.
+                if store._blocks.get(info.ref) is not info or store._pinned(info.ref):
+                    continue
+                await store._evict(info, "retention")
+                gone += 1
+        await asyncio.sleep(0)
+    if gone:
+        log.warning("retention: %d blocks older than %.0f s removed", gone, store.retention_s)
+    return gone
+
+
+def retention_ttl(store: TieredStore, ttl_ms: int, refs: Iterable[BlockRef]) -> int:
+    """A lease never keeps a block past the retention limit (SEC4): the
+    granted TTL (LE1) ends when the oldest leased block must go. Once
+    that is now, the lease is granted for 0 ms: it protects nothing."""
+    if not store.retention_s:
+        return ttl_ms
+    stored = [store._blocks[r].stored_at for r in refs if r in store._blocks]
+    if not stored:
+        return ttl_ms
+    left_ms = int((min(stored) + store.retention_s - store.wall_clock()) * 1000)
+    return max(0, min(ttl_ms, left_ms))
