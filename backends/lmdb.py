@@ -45,9 +45,13 @@ def _translated(path: str, writing: int = 0) -> Iterator[None]:
     except lmdb.MapFullError as exc:
         raise TierFull(f"LMDB map at {path} is full: {exc}") from exc
     except lmdb.Error as exc:
-        # A file system out of room fails LMDB's commit with ENOSPC or, from
-        # its page writes, EIO: a full tier (507), not a broken one.
-        free = _free_octets(path) if writing else None
+        # A file system out of room fails LMDB's commit with ENOSPC, EDQUOT
+        # or, from its page writes, EIO: a full tier (507), not a broken one.
+        # EIO means "full" only when the file system has no room for the write.
+        text = str(exc)
+        if any(x in text for x in ("No space left", "Disk quota exceeded")):
+            raise TierFull(f"the file system holding LMDB at {path} is full: {exc}") from exc
+        free = _free_octets(path) if writing and "Input/output error" in text else None
         if free is not None and free < 2 * writing + _SLACK:
             raise TierFull(f"the file system holding LMDB at {path} is full "
                            f"({free} octets free): {exc}") from exc  # fmt: skip
@@ -92,7 +96,7 @@ class LmdbTier(Tier):
             with self._env.begin(write=True) as txn:
                 txn.put(key.encode(), value)
 
-        await self._run(write, writing=len(value))
+        await self._run(write, writing=memoryview(value).nbytes)
 
     async def delete(self, key: str) -> None:
         def remove() -> None:

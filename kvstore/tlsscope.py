@@ -95,24 +95,35 @@ class TLSHttpToolsProtocol(_TLSScope, HttpToolsProtocol):  # type: ignore[misc]
     pass
 
 
-_REQUEST_TIMEOUT = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-    b"content-length: 29\r\nconnection: close\r\n\r\nrequest headers arrived late\n"
-)
+def _request_timeout() -> bytes:
+    from .protocol.problems import RequestTimeout, render_problem
+
+    body = render_problem(RequestTimeout("the request headers did not arrive in time"))
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\n"
+            b"cache-control: no-store\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
 
 
 class _HeaderDeadline:
     """Mixin for uvicorn's httptools protocol: a request's line and headers
     must arrive within ``header_timeout_s`` of the connection's open, or of
-    the request's first byte on a kept-alive connection; else 408 and the
-    connection is closed. uvicorn has no such limit: a client trickling its
+    the moment the server is ready to read them (a kept-alive connection's
+    next request); else the connection is closed, with a 408 problem if a
+    request had begun. uvicorn has no such limit: a client trickling its
     headers (or sending nothing at all after the TLS handshake) would keep a
-    socket and its buffers for as long as it liked (slow-loris)."""
+    socket and its buffers for as long as it liked (slow-loris).
+
+    The clock never runs while a response is being sent or a pipelined
+    request waits its turn: the server is not reading then, and a 408
+    written into a response in flight would corrupt it."""
 
     header_timeout_s: float = 10.0
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
+    cycle: Any
+    pipeline: Any
     _header_timer: asyncio.TimerHandle | None = None
+    _reading_headers = False  # a request has begun; its headers are not complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -120,16 +131,28 @@ class _HeaderDeadline:
 
     def on_message_begin(self) -> None:
         super().on_message_begin()  # type: ignore[misc]
-        if self._header_timer is None:
+        self._reading_headers = True
+        if self._header_timer is None and self._serving_nothing():
             self._arm_header_deadline()
 
     def on_headers_complete(self) -> None:
+        self._reading_headers = False
         self._disarm_header_deadline()
         super().on_headers_complete()  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        # Ready to read again: a request begun meanwhile has its clock now.
+        if self._reading_headers and self._header_timer is None and self._serving_nothing():
+            self._arm_header_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def _serving_nothing(self) -> bool:
+        cycle = self.cycle
+        return (cycle is None or cycle.response_complete) and not self.pipeline
 
     def _arm_header_deadline(self) -> None:
         if self.header_timeout_s > 0:
@@ -142,11 +165,15 @@ class _HeaderDeadline:
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
-            log.info("closing a connection whose request headers took over %.1f s",
-                     self.header_timeout_s)  # fmt: skip
-            self.transport.write(_REQUEST_TIMEOUT)
-            self.transport.close()
+        if self.transport.is_closing() or not self._serving_nothing():
+            return  # never a 408 into a response in flight
+        log.info("closing a connection whose request headers took over %.1f s",
+                 self.header_timeout_s)  # fmt: skip
+        if self._reading_headers:
+            self.transport.write(_request_timeout())
+        # Nothing received at all: closed without an answer, so a client's
+        # first request crossing it on the wire is not answered 408.
+        self.transport.close()
 
 
 def http1_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:

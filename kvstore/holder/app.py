@@ -130,9 +130,10 @@ def create_app(
         first = last = None
         if "layers" in request.query_params:
             first, last = parse_layers(request.query_params["layers"])
-        if request.method == "HEAD":
+        if request.method == "HEAD" and "codec" not in request.query_params:
             # An existence probe (engines send many): headers from what is
-            # known, no segment read, not a hit. Repr-Digest only once
+            # known, no segment read, not a hit (a HEAD asking for a codec
+            # takes the GET path: a transcoded length is not known). Repr-Digest only once
             # computed by a GET (RFC 9110 lets HEAD omit what only
             # generating the content would give).
             probe = store.read(ref, first, last, count=False)

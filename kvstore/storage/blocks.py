@@ -211,7 +211,9 @@ class BlockRead:
 
     def check_reachable(self) -> None:
         """Raise :class:`TierUnavailable` if a segment this read needs is in a
-        tier that failed a moment ago (what a GET would answer now)."""
+        tier that failed within its retry window. A probe's guess, from
+        metadata only: a GET tries the tier and may still succeed (or find
+        the data lost, a 404)."""
         store, now = self._store, self._store.clock()
         for segment in self._info.segments:
             slot = store.slots[segment.slot]

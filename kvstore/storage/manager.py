@@ -444,9 +444,10 @@ class TieredStore(TierIO):
         its segments, and nowhere else (a restart reads it back, see startup).
 
         ``strict`` (a new block): a table that cannot be written fails the
-        put, since a segment without its table is not recovered after a
-        restart and the PUT must not be acknowledged (a disk out of room
-        after the segment went in, say)."""
+        put. The table carries the block's stored time (SEC4: a restart
+        without it counts the block's age from then) and its layer
+        digests, so a PUT is acknowledged only with it in place: a disk out
+        of room after the segment went in is a 507, a tier gone a 503."""
         want = {x.slot for x in info.segments if self.slots[x.slot].tier.persistent}
         for index in sorted(want - info.meta_slots):
             slot = self.slots[index]
@@ -456,10 +457,10 @@ class TieredStore(TierIO):
                 info.meta_slots.add(index)
             except (TierUnavailable, TierFull) as exc:
                 if strict:
-                    raise InsufficientStorage(
-                        f"the layer table of {info.ref.block_key} could not be stored in "
-                        f"{slot.kind}: {exc.detail}"
-                    ) from exc
+                    what = f"the layer table of {info.ref.block_key} not stored in {slot.kind}"
+                    if isinstance(exc, TierUnavailable):
+                        raise TierUnavailable(f"{what}: {exc.detail}", tier=slot.kind) from exc
+                    raise InsufficientStorage(f"{what}: {exc.detail}") from exc
                 log.warning("layer table of %s not stored in %s: %s", info.ref.block_key,
                             slot.kind, exc.detail)  # fmt: skip
         for index in sorted(info.meta_slots - want):
@@ -610,7 +611,10 @@ class TieredStore(TierIO):
         if not held:
             raise NotFound("none of the block keys is held")
         self.leases.check_ttl(ttl_ms)
-        return self.leases.grant(client, held, self._retention_ttl(ttl_ms, [r for r, _ in held]))
+        from .retention import lease_terms
+
+        held, granted_ms = lease_terms(self, held, ttl_ms)
+        return self.leases.grant(client, held, granted_ms)
 
     def renew_lease(self, client: str, lease_id: str, ttl_ms: int) -> Lease:
         self.leases.check_ttl(ttl_ms)

@@ -74,3 +74,21 @@ def retention_ttl(store: TieredStore, ttl_ms: int, refs: Iterable[BlockRef]) -> 
         return ttl_ms
     left_ms = int((min(stored) + store.retention_s - store.wall_clock()) * 1000)
     return max(0, min(ttl_ms, left_ms))
+
+
+def lease_terms(
+    store: TieredStore, held: list[tuple[BlockRef, int]], ttl_ms: int
+) -> tuple[list[tuple[BlockRef, int]], int]:
+    """What a new lease covers, and for how long (LE1 under SEC4): the
+    blocks whose retention outlasts the TTL asked, for that TTL; a block
+    nearer its limit is left out (the grant's ``block_keys`` say so) rather
+    than cut every other block's protection short. If none outlasts it,
+    all of them, until the oldest must go."""
+    if not store.retention_s:
+        return held, ttl_ms
+    end = store.wall_clock() + ttl_ms / 1000
+    lasting = [(r, size) for r, size in held
+               if store._blocks[r].stored_at + store.retention_s >= end]  # fmt: skip
+    if lasting:
+        return lasting, ttl_ms
+    return held, retention_ttl(store, ttl_ms, [r for r, _ in held])

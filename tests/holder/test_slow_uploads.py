@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import uvicorn
@@ -97,7 +98,8 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
     # and headers server.header_timeout_s (here 0.5 s) from the connection's
     # open, or from the first byte of the next request on a kept-alive
     # connection. Silent, trickling and kept-alive-then-trickling clients all
-    # get 408 and a closed socket, while another client is served.
+    # lose their socket (those that began a request with a 408 problem),
+    # while another client is served.
     from kvstore.tlsscope import http1_protocol
 
     port = free_port()
@@ -118,9 +120,13 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
             await writer.drain()
             await asyncio.sleep(0.05)
 
-    async def cut_off(reader: asyncio.StreamReader, started: float) -> float:
+    async def cut_off(reader: asyncio.StreamReader, started: float, answered: bool = True) -> float:
         answer = await asyncio.wait_for(reader.read(), 5)  # to the close
-        assert answer.startswith(b"HTTP/1.1 408"), answer
+        if answered:  # a request had begun: a 408 problem, never cached
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert b"application/problem+json" in answer and b"no-store" in answer
+        else:  # nothing was sent: closed without an answer
+            assert answer == b"", answer
         return time.monotonic() - started
 
     try:
@@ -140,13 +146,69 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
                                   headers={"If-None-Match": "*",
                                            "Content-Type": "application/kvsp-block"})  # fmt: skip
             assert put.status_code == 201
-        for elapsed in (await cut_off(silent_r, started), await cut_off(slow_r, started),
-                        await cut_off(kept_r, kept_started)):  # fmt: skip
+        ends = (await cut_off(silent_r, started, answered=False),
+                await cut_off(slow_r, started), await cut_off(kept_r, kept_started))  # fmt: skip
+        for elapsed in ends:
             assert 0.4 < elapsed < 2.0, elapsed
         for t, w in ((slow, slow_w), (kept, kept_w), (None, silent_w)):
             if t is not None:
                 t.cancel()
             w.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_header_deadline_never_cuts_into_a_response_or_a_pipeline() -> None:
+    # The clock runs only while the server is ready to read: a pipelined
+    # request waiting behind a slow streaming response, and one whose
+    # headers arrive in pieces meanwhile, are answered in order, whole.
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from kvstore.tlsscope import http1_protocol
+
+    async def slow(request: object) -> StreamingResponse:
+        async def body() -> Any:
+            for _ in range(10):  # 1.5 s in all: three header deadlines
+                await asyncio.sleep(0.15)
+                yield b"x" * 10
+
+        return StreamingResponse(body())
+
+    async def fast(request: object) -> PlainTextResponse:
+        return PlainTextResponse("fast")
+
+    app = Starlette(routes=[Route("/slow", slow), Route("/fast", fast)])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="off", http=http1_protocol(0.5)))  # fmt: skip
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        third = b"GET /fast HTTP/1.1\r\nHost: x\r\nX-Late: 1\r\n\r\n"
+        writer.write(third[:10])  # begun while the first response streams ...
+        await writer.drain()
+        await asyncio.sleep(1.0)  # ... two deadlines' worth
+        writer.write(third[10:])
+        await writer.drain()
+        received = b""
+        deadline = time.monotonic() + 10
+        while received.count(b"fast") < 2 and time.monotonic() < deadline:
+            chunk = await asyncio.wait_for(reader.read(65536), 5)
+            if not chunk:
+                break
+            received += chunk
+        assert b"408" not in received, received
+        assert received.count(b"HTTP/1.1 200") == 3, received
+        assert received.count(b"a\r\n" + b"x" * 10 + b"\r\n") == 10  # the stream, whole
+        writer.close()
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)

@@ -53,6 +53,12 @@ def holder_pid(shell: int) -> int | None:
 
 
 async def test_a_full_file_system_refuses_puts_and_loses_nothing(tmp_path: Path) -> None:
+    # The test needs a mount namespace (root, or unprivileged user
+    # namespaces): said plainly if the machine refuses one, not a timeout.
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c",
+                            f'mount -t tmpfs -o size=1m probe "{tmp_path}"'],
+                           capture_output=True, text=True)  # fmt: skip
+    assert probe.returncode == 0, f"unshare -rm with a tmpfs mount refused: {probe.stderr}"
     create_dev_certificates(tmp_path / "certs", ["alice"])
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"

@@ -211,7 +211,10 @@ async def test_the_index_refuses_another_cas_certificate_and_none(
     request = LookupRequest(SCOPE, COMPAT, (key(1),))
     for context in (rogue, anonymous):
         async with IndexClient(uris["index"], context) as index:
-            with pytest.raises(KvspError):
+            with pytest.raises(KvspError) as refused:
                 await index.lookup(request)
+            # At the handshake: no HTTP answer at all (a 401 would mean the
+            # listener let the connection in).
+            assert refused.value.status == 500 and "POST" in refused.value.detail, refused.value
     async with IndexClient(uris["index"], cluster["context"]) as index:
         assert (await index.lookup(request)).matched in (0, 1)

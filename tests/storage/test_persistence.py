@@ -487,8 +487,10 @@ async def test_retention_is_not_fooled_by_the_sweep_or_a_clock_ahead(lmdb_path: 
 
 
 async def test_a_lease_never_keeps_a_block_past_the_retention_limit() -> None:
-    # SEC4 over LE1: the granted TTL ends when the oldest leased block must
-    # go, renewals included; a block already past the limit is not leased.
+    # SEC4 over LE1: a lease never outlasts a block's retention: blocks
+    # nearer their limit than the TTL asked are left out, or, if all are,
+    # the TTL ends when the oldest must go (renewals too); a block already
+    # past the limit is not leased.
     now = [1_000.0]
     store = TieredStore([(HostTier(), 4 * size_of())], retention_s=60,
                         wall_clock=lambda: now[0])  # fmt: skip
@@ -496,8 +498,11 @@ async def test_a_lease_never_keeps_a_block_past_the_retention_limit() -> None:
     now[0] += 20
     await store.put(ref(2), block())
     now[0] += 10  # ref(1) has 30 s left, ref(2) 50 s
+    # Asked for longer than ref(1) has left, but not ref(2): ref(2) alone.
+    partial = store.lease("c", [ref(1).block_key, ref(2).block_key], 40_000)
+    assert partial.ttl_ms == 40_000 and partial.blocks == (ref(2),)
     lease = store.lease("c", [ref(1).block_key, ref(2).block_key], 60_000)
-    assert lease.ttl_ms == 30_000
+    assert lease.ttl_ms == 30_000  # neither lasts that long: both, until ref(1) goes
     assert store.lease("c", [ref(2).block_key], 10_000).ttl_ms == 10_000  # shorter: as asked
     now[0] += 25
     assert store.renew_lease("c", lease.id, 60_000).ttl_ms == 5_000
