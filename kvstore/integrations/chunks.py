@@ -54,15 +54,6 @@ T = TypeVar("T")
 
 NAME_LABEL = b"KVSTORE-CHUNK-1\x00"
 
-#: torch dtype names -> the descriptor's ``kv_dtype`` (KVSP Element Types).
-KV_DTYPES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "float32": "fp32",
-    "float8_e4m3fn": "fp8-e4m3",
-    "float8_e5m2": "fp8-e5m2",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Geometry:

@@ -56,7 +56,8 @@ from ..config import ConfigError
 from ..protocol import container as kc
 from ..protocol.codecs import CODEC_RAW
 from ..protocol.problems import KvspError
-from .chunks import KV_DTYPES, ChunkSettings, ChunkStore, Geometry, options_with_prefix
+from ..protocol.tensors import kv_dtype_of
+from .chunks import ChunkSettings, ChunkStore, Geometry, options_with_prefix
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,13 @@ def geometry_of(metadata: Any) -> Geometry:
     if metadata.get_num_groups() != 1:
         raise ConfigError("kvstore: models with several KV layer groups are not supported")
     layers, kv, _, heads, head_dim = metadata.kv_shape
-    dtype = str(metadata.kv_dtype).removeprefix("torch.")
-    if kv != 2 or dtype not in KV_DTYPES:
-        raise ConfigError(f"kvstore: KV of shape {metadata.kv_shape} and {dtype} not supported")
-    return Geometry(layers, heads, head_dim, KV_DTYPES[dtype], metadata.chunk_size)
+    try:
+        kv_dtype = kv_dtype_of(metadata.kv_dtype)
+    except ValueError as exc:
+        raise ConfigError(f"kvstore: {exc}") from None
+    if kv != 2:
+        raise ConfigError(f"kvstore: KV of shape {metadata.kv_shape} not supported")
+    return Geometry(layers, heads, head_dim, kv_dtype, metadata.chunk_size)
 
 
 class KvstoreConnector(RemoteConnector):  # type: ignore[misc]

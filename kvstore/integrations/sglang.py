@@ -35,7 +35,6 @@ import concurrent.futures
 import logging
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +45,8 @@ from ..config import ConfigError
 from ..protocol import container as kc
 from ..protocol.codecs import CODEC_RAW
 from ..protocol.problems import KvspError
-from .chunks import KV_DTYPES, ChunkSettings, ChunkStore, Geometry, LoopThread
+from ..protocol.tensors import kv_dtype_of, section_to_tensor, tensor_to_section
+from .chunks import ChunkSettings, ChunkStore, Geometry, LoopThread, options_with_prefix
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if storage_config.is_mla_model:
             raise ConfigError("kvstore: MLA models are not supported by this backend")
         self.storage_config = storage_config
-        self.options = {k[len("kvstore.") :]: v
-                        for k, v in (storage_config.extra_config or {}).items()
-                        if k.startswith("kvstore.")}  # fmt: skip
+        self.options = options_with_prefix(storage_config.extra_config)
         # Tensor parallel ranks hold different heads of the same page, pipeline
         # stages different layers (two even stages have the same geometry, so
         # the same descriptor), context parallel ranks different tokens.
@@ -118,11 +116,13 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         host = mem_pool_host
         if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
             raise ConfigError("kvstore: K and V of different head dims are not supported")
-        dtype = str(host.dtype).removeprefix("torch.")
-        if dtype not in KV_DTYPES or host.layout not in LAYOUTS:
-            raise ConfigError(f"kvstore: a host pool of {dtype}, layout {host.layout!r}, "
-                              "is not supported")  # fmt: skip
-        self.geometry = Geometry(host.layer_num, host.head_num, host.head_dim, KV_DTYPES[dtype],
+        try:
+            kv_dtype = kv_dtype_of(host.dtype)
+        except ValueError as exc:
+            raise ConfigError(f"kvstore: {exc}") from None
+        if host.layout not in LAYOUTS:
+            raise ConfigError(f"kvstore: host layout {host.layout!r} not supported ({LAYOUTS})")
+        self.geometry = Geometry(host.layer_num, host.head_num, host.head_dim, kv_dtype,
                                  host.page_size)  # fmt: skip
         self.layout = host.layout
         self.dtype = host.dtype
@@ -158,11 +158,8 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def encode(self, page: torch.Tensor) -> bytearray:
         """One page (as :func:`canonical_page` sees it) as a container."""
-        sections = []
-        for layer in range(self.geometry.layers):
-            k = page[0, layer].contiguous().view(torch.uint8).numpy().data
-            v = page[1, layer].contiguous().view(torch.uint8).numpy().data
-            sections.append((k, v))
+        sections = [(tensor_to_section(page[0, layer]), tensor_to_section(page[1, layer]))
+                    for layer in range(self.geometry.layers)]  # fmt: skip
         return kc.encode(sections, token_count=self.geometry.block_tokens)
 
     def decode_into(self, body: bytes | None, page: torch.Tensor) -> bool:
@@ -182,13 +179,9 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 or any(len(x.k) != section or len(x.v) != section for x in container)):  # fmt: skip
             log.warning("kvstore: a holder served a page of another geometry; ignored")
             return False
-        shape = (g.block_tokens, g.kv_heads, g.head_dim)
-        with warnings.catch_warnings():
-            # Read-only buffers are only read from here (copied into the page).
-            warnings.simplefilter("ignore", UserWarning)
-            for layer, sections in enumerate(container):
-                page[0, layer].copy_(torch.frombuffer(sections.k, dtype=self.dtype).view(shape))
-                page[1, layer].copy_(torch.frombuffer(sections.v, dtype=self.dtype).view(shape))
+        for layer, sections in enumerate(container):
+            page[0, layer].copy_(section_to_tensor(sections.k, g.kv_dtype, g.kv_heads, g.head_dim))
+            page[1, layer].copy_(section_to_tensor(sections.v, g.kv_dtype, g.kv_heads, g.head_dim))
         return True
 
     def _pool_page(self, start: int) -> torch.Tensor:

@@ -619,12 +619,9 @@ class TieredStore(TierIO):
     def renew_lease(self, client: str, lease_id: str, ttl_ms: int) -> Lease:
         self.leases.check_ttl(ttl_ms)
         lease = self.leases.lookup(client, lease_id)
-        return self.leases.renew(client, lease_id, self._retention_ttl(ttl_ms, lease.sizes))
-
-    def _retention_ttl(self, ttl_ms: int, refs: Iterable[BlockRef]) -> int:
         from .retention import retention_ttl
 
-        return retention_ttl(self, ttl_ms, refs)
+        return self.leases.renew(client, lease_id, retention_ttl(self, ttl_ms, lease.sizes))
 
     def release_lease(self, client: str, lease_id: str) -> None:
         self.leases.release(client, lease_id)

@@ -23,7 +23,7 @@ from kvstore.integrations.chunks import ChunkSettings, ChunkStore
 from kvstore.integrations.lmcache import CPUKVConnector, KvstoreConnector, geometry_of
 from kvstore.protocol import container as kc
 
-from .holder import Holder, start_holder
+from .holder import Holder
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 4, 2, 8, 16
 HIDDEN = HEADS * HEAD_DIM
@@ -52,13 +52,6 @@ def config(holder: Holder, timeout_s: int = 5) -> LMCacheEngineConfig:
             **holder.options(),
         },
     )
-
-
-@pytest.fixture
-def holder(tmp_path: Path) -> Iterator[Holder]:
-    found = start_holder(tmp_path)
-    yield found
-    found.stop()
 
 
 @pytest.fixture

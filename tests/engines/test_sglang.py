@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from kvstore.integrations.sglang import KvstoreHiCacheStorage, canonical_page  # noqa: E402
 from kvstore.protocol import container as kc  # noqa: E402
 
-from .holder import Holder, start_holder  # noqa: E402
+from .holder import Holder  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS, PAGES = 3, 2, 8, 4, 32, 4
 DTYPE = torch.bfloat16
@@ -86,13 +85,6 @@ def read(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
         page.copy_(pool.get_data_page(int(indices[p]), flat=True))
         out.append(page)
     return out
-
-
-@pytest.fixture
-def holder(tmp_path: Path) -> Iterator[Holder]:
-    found = start_holder(tmp_path)
-    yield found
-    found.stop()
 
 
 @pytest.fixture
