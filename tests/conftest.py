@@ -16,10 +16,20 @@ from pathlib import Path
 import pytest
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now and never handed out before in this process: two
+    servers whose ports are picked before either binds (a cluster fixture)
+    cannot be given the same one (CI saw that once: EADDRINUSE)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def wait_for_port(port: int, timeout: float = 20.0) -> None:

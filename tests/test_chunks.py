@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from kvstore.protocol.compat import parse_descriptor
 from kvstore.security import Policy
 from kvstore.storage import TieredStore
 
-from .conftest import free_port
 from .storage.helpers import block
 
 OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
@@ -36,7 +36,12 @@ DESCRIPTOR = parse_descriptor({"model": "m", "model_digest": "sha-256:" + "1" * 
 
 class Holder:
     def __init__(self) -> None:
-        self.port = free_port()
+        # Bound here and handed to uvicorn: two holders made one after the
+        # other cannot be given the same free port (a pick-then-bind race).
+        self.socket = socket.socket()
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         self.uri = f"http://127.0.0.1:{self.port}/kvsp/"
         self.store = TieredStore([(HostTier(), 64 << 20)])
         self.server: uvicorn.Server | None = None
@@ -46,7 +51,7 @@ class Holder:
         app = create_app(HolderSettings(self.uri, allow_anonymous=True), self.store, OPEN)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="error", lifespan="off"))  # fmt: skip
-        self.task = asyncio.create_task(self.server.serve())
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]))
         while not self.server.started:
             await asyncio.sleep(0.01)
 
