@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 _GIVEN: set[int] = set()
 
 
