@@ -48,6 +48,7 @@ from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor, parse_descriptor
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError, NotFound, PreconditionFailed
+from ..protocol.records import LeaseGrant
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,6 +234,7 @@ class ChunkStore:
         self._gate: asyncio.Semaphore | None = None
         self._down_until: dict[str, float] = {}
         self._warned: dict[tuple[str, int], float] = {}
+        self._background: set[asyncio.Future[None]] = set()
         self.stats = ChunkStats()
 
     def block_key(self, name: str) -> str:
@@ -392,13 +394,23 @@ class ChunkStore:
     ) -> None:
         http = self._http()
         wanted = list(dict.fromkeys(keys[i] for i in indices))
-        grant = None
-        try:
+
+        async def take_lease() -> LeaseGrant:
             async with self._slot():
-                grant = await http.lease(holder, wanted, self.settings.lease_ms,
-                                         scope_id=self.scope_id,
-                                         compat_id=self.compat_id)  # fmt: skip
+                return await http.lease(holder, wanted, self.settings.lease_ms,
+                                        scope_id=self.scope_id,
+                                        compat_id=self.compat_id)  # fmt: skip
+
+        grant = None
+        call = asyncio.ensure_future(take_lease())
+        try:
+            grant = await asyncio.shield(call)
             self.stats.leases += 1
+        except asyncio.CancelledError:
+            # Cancelled while the holder may be granting it: released once
+            # granted, not left to pin the chunks (and the quota) until it expires.
+            self._later(self._release_when_granted(holder, call))
+            raise
         except NotFound:
             return  # none of them is there
         except Exception as exc:
@@ -430,6 +442,18 @@ class ChunkStore:
                 except Exception as exc:  # it expires by itself
                     log.info("lease %s at %s not released: %r", grant.lease, holder, exc)
 
+    def _later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_when_granted(self, holder: str, call: asyncio.Future[LeaseGrant]) -> None:
+        try:
+            grant = await call
+            await self._http().release_lease(holder, grant.lease)
+        except Exception as exc:  # not granted, or it expires by itself
+            log.info("a cancelled lease at %s not released: %r", holder, exc)
+
     async def reachable(self) -> bool:
         """True when at least one holder answers (a HEAD of a key nobody has)."""
         for holder in self.settings.holders:
@@ -441,6 +465,8 @@ class ChunkStore:
         return False
 
     async def close(self) -> None:
+        if self._background:  # late lease releases, before the pool goes
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
             self._client = None
