@@ -94,7 +94,7 @@ A holder's file, with every key and its default::
     max_output_tokens = 2048
     resume_deadline_ms = 4000         # a resume's restore (under the PC's 5 s)
     token_interval_ms = 0.0           # least time between a session's tokens
-    greedy_deterministic = true       # claim greedy output bit-identical (R4)
+    greedy_deterministic = false      # claim greedy output bit-identical (R4, CK3)
 
     [storage]
     encryption_key_file = ""          # 32 raw octets; empty: no encryption at rest
@@ -124,6 +124,15 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration file is wrong; the message names the key's path."""
+
+
+#: Whether an instance claims greedy decoding bit-identical on every instance
+#: that may resume its sessions (R4 ``sampler.deterministic``). Off by default:
+#: that holds only with batch-invariant kernels (a resume recomputes in one
+#: batch what was decoded token by token), and with the claim tokens go out
+#: before the PC acknowledges a checkpoint, so a migration could splice two
+#: different continuations (CK3). The one definition of this default.
+GREEDY_DETERMINISTIC = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +231,7 @@ class InstanceConfig:
     max_output_tokens: int = 2048
     resume_deadline_ms: int = 4000
     token_interval_ms: float = 0.0
-    greedy_deterministic: bool = True
+    greedy_deterministic: bool = GREEDY_DETERMINISTIC
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,3 +109,17 @@ def test_every_key_is_documented_with_its_default() -> None:
             )  # fmt: skip
             assert rows[field.name] == expected, f"{name}.{field.name}"
         assert set(rows) <= {f.name for f in fields(cls)}, f"[{name}] documents unknown keys"
+
+
+def test_greedy_is_not_claimed_deterministic_unless_configured(tmp_path: Path) -> None:
+    # CK3: claimed deterministic, greedy tokens go out before the PC has a
+    # checkpoint covering them, which is safe only with batch-invariant
+    # kernels. The file's default, the library's and an explicit claim.
+    from kvstore.instance.sessions import SessionSettings
+
+    file = tmp_path / "k.toml"
+    file.write_text("[instance]\n")
+    assert load(file).instance.greedy_deterministic is False
+    assert SessionSettings("https://ii.example/kvsp/").greedy_deterministic is False
+    file.write_text("[instance]\ngreedy_deterministic = true\n")
+    assert load(file).instance.greedy_deterministic is True

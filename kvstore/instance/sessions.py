@@ -13,11 +13,12 @@ their KV to the engine and recomputes only the rest (CK6). While it decodes:
 - a checkpoint goes to the PC at each completed output block and at least
   every ``checkpoint_tokens`` (at most 64) tokens (CK1), the first one right
   after the prefill so that the PC knows the session at once;
-- each output token carries its index and the session's epoch (CK4). With a
-  deterministic sampler (greedy) a token is released at once, and a resumed
-  instance regenerates the same tokens, which the front end drops by index
-  (CK3). Otherwise a token is released only after the PC acknowledged a
-  checkpoint covering it, ``release_tokens`` at a time (CK3).
+- each output token carries its index and the session's epoch (CK4). A
+  token is released only after the PC acknowledged a checkpoint covering
+  it, ``release_tokens`` at a time (CK3). Only where the operator claims
+  greedy decoding deterministic (``greedy_deterministic``) is a greedy token
+  released at once; a resumed instance then regenerates the same tokens,
+  which the front end drops by index (CK3).
 - a checkpoint the PC refuses for its epoch (409 ``kvsp-stale-epoch``) or
   owner (403) means the session was moved: it stops here (CK7).
 
@@ -43,6 +44,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import GREEDY_DETERMINISTIC
 from ..protocol.control import (
     GenerationLimits,
     ResumeRequest,
@@ -179,7 +181,7 @@ class SessionSettings:
     #: bit-identical logits, batch-invariant kernels included (a resume
     #: recomputes in one batch what was decoded token by token). Off, greedy
     #: tokens wait for acknowledged checkpoints like sampled ones (CK3).
-    greedy_deterministic: bool = False
+    greedy_deterministic: bool = GREEDY_DETERMINISTIC
 
 
 @dataclass(slots=True)
