@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,11 +180,27 @@ def cmd_serve(args: argparse.Namespace) -> Any:
         if args.config is None:
             # First use: a development server with everything under one
             # directory, made once (kvstore.firstuse).
-            from .firstuse import prepare
+            from .firstuse import FirstUseError, container_name, prepare
 
-            first = prepare(args.directory, port=args.port, host=args.host)
-            print(first.banner(), flush=True)
-            config = load(str(first.config))
+            # Where it listens: --host/--port, else KVSTORE_SERVER__HOST/PORT,
+            # else what the directory was made with. The URIs it prints, and
+            # those in its files, follow (the flags win over the variables).
+            environ = dict(os.environ)
+            host = args.host or environ.get("KVSTORE_SERVER__HOST") or None
+            port_text = environ.get("KVSTORE_SERVER__PORT", "").strip()
+            try:
+                port = args.port or (int(port_text) if port_text else None)
+            except ValueError:
+                raise CliError(f"KVSTORE_SERVER__PORT: {port_text!r} is not a port") from None
+            for name, flag in (("HOST", args.host), ("PORT", args.port)):
+                if flag is not None:
+                    environ.pop(f"KVSTORE_SERVER__{name}", None)
+            try:
+                first = prepare(args.directory, port=port, host=host)
+            except FirstUseError as exc:
+                raise CliError(str(exc)) from exc
+            print(first.banner(container_name()), flush=True)
+            config = load(str(first.config), environ)
             roles = args.roles or "holder,index,pc"
         else:
             config = load(args.config)
@@ -469,10 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
         "without --config: holder,index,pc)",
     )
     serve.add_argument("--directory", default=".kvstore", help="without --config: where it lives")
-    serve.add_argument("--port", type=int, default=8443, help="without --config: its port")
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="without --config: the address to listen on"
-    )
+    serve.add_argument("--port", type=int, help="without --config: its port (8443)")
+    serve.add_argument("--host", help="without --config: the address to listen on (127.0.0.1)")
 
     health = sub.add_parser("health", help="GET /healthz or /readyz; exit 0 when it answers 200")
     health.add_argument("url", help="e.g. https://127.0.0.1:8443/readyz")

@@ -12,6 +12,7 @@ A holder's file, with every key and its default::
     http2 = false                     # offer HTTP/2 by ALPN (uvicorn's experimental zttp)
     shutdown_grace_s = 7.0            # SIGTERM: the whole stop within about this
     header_timeout_s = 10.0           # a request's headers must arrive within this
+    log_level = "info"                # kvstore's own log lines: debug|info|warning|error
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -146,6 +147,7 @@ class ServerConfig:
     http2: bool = False
     shutdown_grace_s: float = 7.0
     header_timeout_s: float = 10.0
+    log_level: str = "info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +308,9 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
     return cls(**values)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
     """Validate a parsed TOML document."""
     unknown = set(data) - {"server", "holder", "index", "controller", "instance", "storage"}
@@ -334,8 +339,12 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         if "path" in options and isinstance(options["path"], str):
             options["path"] = str(root / options["path"])
         tiers.append(TierConfig(backend, capacity, options))
+    server = _section(ServerConfig, data.get("server", {}), "server", root)
+    if server.log_level not in LOG_LEVELS:
+        raise ConfigError(f"server.log_level: one of {', '.join(LOG_LEVELS)}, "
+                          f"not {server.log_level!r}")  # fmt: skip
     return Config(
-        server=_section(ServerConfig, data.get("server", {}), "server", root),
+        server=server,
         holder=_section(HolderConfig, data.get("holder", {}), "holder", root),
         index=_section(IndexConfig, data.get("index", {}), "index", root),
         controller=_section(ControllerConfig, data.get("controller", {}), "controller", root),

@@ -41,6 +41,16 @@ EXAMPLE_DESCRIPTOR = {
 EXAMPLE_TOKENS = [128000, 791, 6460, 374]
 
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8443
+#: Set in the image (docker/Dockerfile): the banner then says how to take the
+#: certificates out of the container and prints commands for the host.
+CONTAINER_ENV = "KVSTORE_CONTAINER"
+
+
+class FirstUseError(ValueError):
+    """The directory cannot be used as asked; the message says what to do."""
+
+
 @dataclass(frozen=True, slots=True)
 class FirstUse:
     root: Path
@@ -50,11 +60,24 @@ class FirstUse:
     created: bool
     note: str = ""
 
-    def banner(self) -> str:
-        certs = self.root / "certs"
+    def banner(self, container: str | None = None) -> str:
+        """What to try first. ``container``: the container this runs in
+        (its host name), whose files a user on the host reads by ``docker cp``."""
+        certs, example = self.root / "certs", self.root / "example"
+        take_out: list[str] = []
+        if container is not None:
+            # Neither /data/... (not on the host) nor curl (not in the image):
+            # the files copied out, and commands run from the host's shell.
+            take_out = [
+                f"  certificates      {certs} in the container; copy them to the host:",
+                f"    docker cp {container}:{certs} ./kvstore-certs",
+                f"    docker cp {container}:{example} ./kvstore-example",
+                "  (below, the port is the container's: use the one it is published on)",
+            ]
+            certs, example = Path("kvstore-certs"), Path("kvstore-example")
         tls = (f"--cacert {certs / 'ca.pem'} --cert {certs / 'client-client.pem'} "
                f"--key {certs / 'client-client.key'}")  # fmt: skip
-        example = self.root / "example" / "block.kvb"
+        block = example / "block.kvb"
         first = "made" if self.created else "reused"
         return "\n".join([
             f"kvstore: development server ({first} {self.root})",
@@ -63,43 +86,131 @@ class FirstUse:
             f"  index service     {self.base}/is/",
             f"  controller        {self.base}/pc/",
             f"  health            {self.base}/healthz  {self.base}/readyz",
-            f"  certificates      {certs} (CA ca.pem; you are client-client.pem/.key)",
+            *(take_out or [f"  certificates      {certs} (CA ca.pem; "
+                           "you are client-client.pem/.key)"]),
             f"  configuration     {self.config}",
             "",
             "  store a block (201; 412 once it is there: the key names the prefix, the",
             "  holder keeps its copy), then fetch it back and compare:",
             f"    curl {tls} -X PUT -H 'If-None-Match: *' \\",
-            f"      -H 'Content-Type: application/kvsp-block' --data-binary @{example} \\",
+            f"      -H 'Content-Type: application/kvsp-block' --data-binary @{block} \\",
             f"      {self.block_url}",
             f"    curl {tls} -o /tmp/fetched.kvb \\",
-            f"      {self.block_url} && cmp /tmp/fetched.kvb {example}",
+            f"      {self.block_url} && cmp /tmp/fetched.kvb {block}",
             "",
         ])  # fmt: skip
 
 
-def prepare(root: str | Path = DIRECTORY, port: int = 8443, host: str = "127.0.0.1") -> FirstUse:
-    """Make what is missing under ``root`` (nothing that exists is changed)."""
-    from .security import create_dev_certificates
+def container_name() -> str | None:
+    """The container's name for ``docker cp`` (its host name, which Docker
+    sets to the container ID), when running in the image."""
+    import socket
 
+    return socket.gethostname() if os.environ.get(CONTAINER_ENV) else None
+
+
+def prepare(
+    root: str | Path = DIRECTORY, port: int | None = None, host: str | None = None
+) -> FirstUse:
+    """Make what is missing under ``root`` (nothing that exists is changed,
+    but for a new host or port in files still as they were made).
+
+    ``host``/``port``: where to serve; None keeps what ``root`` was made
+    with (or the defaults)."""
     root = Path(root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    created = not (root / "kvstore.toml").exists()
+    try:
+        return _prepare(root, port, host)
+    except PermissionError as exc:
+        # A bind-mounted host directory owned by another user (root): one
+        # line naming who must be able to write it, not a traceback.
+        where = exc.filename or root
+        raise FirstUseError(
+            f"{where}: permission denied: {root} must be writable by uid {os.getuid()} "
+            f"(a host directory for the image: chown -R {os.getuid()}:{os.getgid()} it, "
+            "or use a named volume)"
+        ) from exc
+
+
+def _public_base(host: str, port: int) -> str:
     # Listening on every address (a container): the roles reach each other,
     # and a published port reaches them, on loopback.
     public = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     public = f"[{public}]" if ":" in public else public
-    base, note = f"https://{public}:{port}", ""
-    if not created:
-        # Reused: kvstore.toml says where it serves (it may have been edited).
-        import tomllib
+    return f"https://{public}:{port}"
 
-        saved = tomllib.loads((root / "kvstore.toml").read_text())
-        uri = str(saved.get("holder", {}).get("uri", base + "/kvsp/"))
-        base = uri.removesuffix("/").removesuffix("/kvsp")
-        where = (saved.get("server", {}).get("host"), saved.get("server", {}).get("port"))
-        if where != (host, port):
-            note = (f"(--host/--port ignored: {root / 'kvstore.toml'} says "
-                    f"{where[0]}:{where[1]}; edit it, or use another --directory)")  # fmt: skip
+
+def _policy(base: str) -> str:
+    return json.dumps({"principals": {
+        "urn:kvstore:client": {"roles": ["admin", "metrics"], "read_scopes": ["*"],
+                               "write_scopes": ["*"]},
+        "urn:kvstore:holder": {"roles": ["holder"], "holder": f"{base}/kvsp/",
+                               "write_scopes": ["*"]},
+        "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
+    }}, indent=2) + "\n"  # fmt: skip
+
+
+def _moved(root: Path, host: str | None, port: int | None) -> tuple[str, str]:
+    """Reused: the base URI to serve under, and a note. A new host or port
+    rewrites kvstore.toml and policy.json if they are as they were made (the
+    URIs in them follow the listener); edited ones are the user's."""
+    import tomllib
+
+    config, policy = root / "kvstore.toml", root / "policy.json"
+    text = config.read_text()
+    saved = tomllib.loads(text)
+    server = saved.get("server", {})
+    was = (str(server.get("host", DEFAULT_HOST)), int(server.get("port", DEFAULT_PORT)))
+    uri = str(saved.get("holder", {}).get("uri", _public_base(*was) + "/kvsp/"))
+    base = uri.removesuffix("/").removesuffix("/kvsp")
+    wanted = (host or was[0], port or was[1])
+    if wanted == was:
+        return base, ""
+    made = _public_base(*was)
+    unedited = text == _config(made, *was) and (
+        not policy.exists() or policy.read_text() == _policy(made)
+    )
+    if not unedited:
+        raise FirstUseError(
+            f"{config} serves on {was[0]}:{was[1]}, not {wanted[0]}:{wanted[1]} as asked, "
+            "and it was edited: change server.host/port and the role URIs there, "
+            "or use another --directory"
+        )
+    new = _public_base(*wanted)
+    public = new.removeprefix("https://").rsplit(":", 1)[0].strip("[]")
+    if public not in _certificate_hosts(root / "certs" / "server.pem"):
+        raise FirstUseError(
+            f"{root / 'certs' / 'server.pem'} is not for {public}: use another --directory "
+            "(a new one makes certificates for its host)"
+        )
+    config.write_text(_config(new, *wanted))
+    policy.write_text(_policy(new))
+    return new, f"(moved from {was[0]}:{was[1]} to {wanted[0]}:{wanted[1]})"
+
+
+def _certificate_hosts(path: Path) -> set[str]:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return {str(n) for n in names.get_values_for_type(x509.IPAddress)} | set(
+        names.get_values_for_type(x509.DNSName)
+    )
+
+
+def _prepare(root: Path, port: int | None, host: str | None) -> FirstUse:
+    from .security import create_dev_certificates
+
+    root.mkdir(parents=True, exist_ok=True)
+    created = not (root / "kvstore.toml").exists()
+    note = ""
+    if not created:
+        base, note = _moved(root, host, port)
+    host, port = host or DEFAULT_HOST, port or DEFAULT_PORT
+    if created:
+        base = _public_base(host, port)
     if not (root / "certs" / "ca.pem").exists():
         create_dev_certificates(root / "certs", ["client", "holder", "pc"],
                                 hosts=("localhost", "127.0.0.1", "::1", host))  # fmt: skip
@@ -108,13 +219,7 @@ def prepare(root: str | Path = DIRECTORY, port: int = 8443, host: str = "127.0.0
         with os.fdopen(fd, "wb") as out:
             out.write(os.urandom(32))
     if not (root / "policy.json").exists():
-        (root / "policy.json").write_text(json.dumps({"principals": {
-            "urn:kvstore:client": {"roles": ["admin", "metrics"], "read_scopes": ["*"],
-                                   "write_scopes": ["*"]},
-            "urn:kvstore:holder": {"roles": ["holder"], "holder": f"{base}/kvsp/",
-                                   "write_scopes": ["*"]},
-            "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
-        }}, indent=2) + "\n")  # fmt: skip
+        (root / "policy.json").write_text(_policy(base))
     example = root / "example"
     example.mkdir(exist_ok=True)
     if not (example / "descriptor.json").exists():

@@ -248,7 +248,7 @@ def build_sessions(
     directory = cfg.engine_dir or str(config.root / ".kvstore" / "engine")
     engine = ReferenceEngine(directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed,
                              device=cfg.engine_device)  # fmt: skip
-    log.warning("engine %s, compat_id %s", engine.descriptor.model,
+    log.info("engine %s, compat_id %s", engine.descriptor.model,
                 engine.descriptor.compat_id_hex)  # fmt: skip
     scope_keys = read_scope_keys(cfg.scope_keys)
     if not scope_keys:
@@ -366,7 +366,7 @@ def _server_class() -> Any:
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
                 self.stop_started = time.monotonic()
-                log.warning("stopping (signal %d): in-flight requests get %.0f s", sig,
+                log.info("stopping (signal %d): in-flight requests get %.0f s", sig,
                             self.config.timeout_graceful_shutdown or 0)  # fmt: skip
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
@@ -469,14 +469,14 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             assert store is not None
             publisher = build_publisher(config, store)
             apps.append((urlsplit(config.holder.uri).path, build_holder(config, store, publisher)))
-            log.warning("holder %s: %d blocks recovered", config.holder.uri, found)
+            log.info("holder %s: %d blocks recovered", config.holder.uri, found)
         if "instance" in roles:
             # Its blocks are in the store; with the holder role the holder
             # serves and publishes them (an instance is a holder of its tiers).
             assert store is not None
             instance_app, instance_parts = build_instance(config, store, publisher)
             apps.append((urlsplit(config.instance.uri).path, instance_app))
-            log.warning("instance %s", config.instance.uri)
+            log.info("instance %s", config.instance.uri)
         if "pc" in roles or ("index" in roles and config.controller.state == "redis"):
             # The IS estimates from the PC's instance status (L2): the PC's
             # state in this process, or the Redis PC processes share.
@@ -486,12 +486,12 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
             migrator = controller_app.state.migrator
             starter = controller_app.state.starter
             apps.append((urlsplit(config.controller.uri).path, controller_app))
-            log.warning("controller %s (%s state)", config.controller.uri,
+            log.info("controller %s (%s state)", config.controller.uri,
                         config.controller.state)  # fmt: skip
         if "index" in roles:
             index_app, index_state = build_index(config, pc_state)
             apps.append((urlsplit(config.index.uri).path, index_app))
-            log.warning("index %s (%s state)", config.index.uri, config.index.state)
+            log.info("index %s (%s state)", config.index.uri, config.index.state)
         app = Health(apps[0][1] if len(apps) == 1 else Dispatcher(apps), store, publisher)
         server = _Server(uvicorn_config(config, app))
         stopping["server"] = server
@@ -515,7 +515,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         starting = asyncio.create_task(start_when_listening(), name="kvstore-start")
         stopping["starting"] = starting
         scheme = "http" if config.server.insecure_http else "https"
-        log.warning("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
+        log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
                     config.server.port)  # fmt: skip
         await server.serve()
     finally:
@@ -566,7 +566,10 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
+    # Other libraries at WARNING; kvstore's own lines at server.log_level
+    # (INFO: normal events, WARNING: what an operator should look at).
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    logging.getLogger("kvstore").setLevel(config.server.log_level.upper())
     asyncio.run(serve(config, roles))

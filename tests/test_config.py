@@ -30,6 +30,7 @@ def test_minimal_file_takes_defaults(tmp_path: Path) -> None:
         ({**MINIMAL, "server": {"prot": 1}}, "server.prot"),
         ({**MINIMAL, "server": {"port": "8443"}}, "server.port"),
         ({**MINIMAL, "server": {"insecure_http": 1}}, "server.insecure_http"),
+        ({**MINIMAL, "server": {"log_level": "loud"}}, "server.log_level"),
         ({**MINIMAL, "holder": {"replica_ttl_ms": True}}, "holder.replica_ttl_ms"),
         ({**MINIMAL, "holder": {"descriptors": "d.json"}}, "holder.descriptors"),
         ({"storage": {"tiers": []}}, "storage.tiers"),

@@ -98,7 +98,7 @@ class ReshardCoordinator:
         outcome.unreached = await self._send_all(dict.fromkeys(plans, final), timeout_s=10.0)
         outcome.committed = committed
         outcome.version = target.version if committed else entry.current.version
-        log.warning("map %s: reshard to %d %s", target.map, target.version,
+        log.info("map %s: reshard to %d %s", target.map, target.version,
                     "committed" if committed else f"aborted ({sorted(missing)})")  # fmt: skip
         return outcome
 

@@ -103,7 +103,7 @@ class InstanceStarter:
         if uri is None:
             log.error("start_command printed %r, not an http(s) base URI", line[:200])
             return None
-        log.warning("started instance %s (PL3)", uri)
+        log.info("started instance %s (PL3)", uri)
         return uri
 
     async def _drain(self, process: asyncio.subprocess.Process) -> None:

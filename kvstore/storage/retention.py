@@ -59,7 +59,7 @@ async def expire(store: TieredStore, batch: int = 32) -> int:
                 gone += 1
         await asyncio.sleep(0)
     if gone:
-        log.warning("retention: %d blocks older than %.0f s removed", gone, store.retention_s)
+        log.info("retention: %d blocks older than %.0f s removed", gone, store.retention_s)
     return gone
 
 

@@ -113,3 +113,38 @@ def test_http2_is_offered_when_configured(tmp_path: Path) -> None:
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_the_port_of_the_environment_is_served_printed_and_logged_at_info(
+    tmp_path: Path,
+) -> None:
+    # KVSTORE_SERVER__PORT listened there but printed 8443 everywhere, and
+    # normal start-up lines came at WARNING.
+    directory, port, log = tmp_path / ".kvstore", free_port(), tmp_path / "serve.log"
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory)],
+            stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "KVSTORE_SERVER__PORT": str(port)},
+        )  # fmt: skip
+    try:
+        wait_for_port(port, timeout=30)
+        deadline = time.monotonic() + 30
+        while "serving" not in log.read_text():
+            assert time.monotonic() < deadline and process.poll() is None, log.read_text()
+            time.sleep(0.05)
+        text = log.read_text()
+        assert set(re.findall(r"https://[^/\s]+", text)) == {f"https://127.0.0.1:{port}"}, text
+        commands = re.findall(r"^    (curl .*?)(?=^    curl|\n\n)", text, re.M | re.S)
+        assert curl(commands[0])[0] == 201  # the holder's URIs are the listener's
+        tls = commands[0].split(" -X ")[0]
+        code, body = curl(f"{tls} https://127.0.0.1:{port}/readyz")
+        assert code == 200 and '"index": "ok"' in body, body
+        lines = [line for line in log.read_text().splitlines() if " kvstore." in line]
+        assert any(" INFO kvstore.serve serving holder,index,pc on " in line for line in lines)
+        assert any(" INFO kvstore.serve holder " in line and "blocks recovered" in line
+                   for line in lines), lines  # fmt: skip
+        assert not [line for line in lines if " WARNING " in line or " ERROR " in line], lines
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
