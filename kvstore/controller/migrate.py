@@ -14,6 +14,13 @@ compare-and-set lets one of them move it.
 A session without a checkpoint cannot be resumed (the PC never saw its
 prompt), nor one idle for ``session_idle_s`` (finished without being ended):
 both are forgotten, and counted.
+
+A session no instance took is tried again with an exponential backoff
+(``retry_base_s`` doubling up to ``retry_cap_s``, with jitter, so that PCs
+and sessions do not retry in step), not every round. Its first failure is
+logged as an error; later ones only at debug, with a summary of the
+sessions still waiting every ``summary_every_s`` (a failed instance used to
+write an error line every half second for as long as ``session_idle_s``).
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..background import Background
-from ..protocol.control import ResumeRequest
+from ..protocol.control import ResumeRequest, SessionCheckpoint
 from ..protocol.problems import InsufficientStorage, KvspError, StaleEpoch
 from .placer import Placer
 from .rules import SessionEntry
@@ -43,6 +53,15 @@ class MigrationCounters:
     sessions_dropped: int = 0
 
 
+@dataclass(slots=True)
+class _Retry:
+    """A session no instance took yet: when it is due again."""
+
+    failures: int
+    since: float
+    due: float
+
+
 class Migrator(Background):
     task_name = "kvstore-migrator"
 
@@ -57,33 +76,51 @@ class Migrator(Background):
         session_idle_s: float = 600.0,
         attempts: int = 3,
         counters: MigrationCounters | None = None,
+        retry_base_s: float = 1.0,
+        retry_cap_s: float = 60.0,
+        summary_every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
     ) -> None:
         """``instances``: an :class:`~kvstore.client.InstanceClient`."""
         self.state, self.placer, self.instances = state, placer, instances
         self.block_tokens = block_tokens
         self.interval_s, self.session_idle_s, self.attempts = interval_s, session_idle_s, attempts
         self.counters = counters or MigrationCounters()
+        self.retry_base_s, self.retry_cap_s = retry_base_s, retry_cap_s
+        self.summary_every_s, self.clock, self.jitter = summary_every_s, clock, jitter
+        self._retry: dict[str, _Retry] = {}
+        self._summarized: float | None = None  # when the last summary was logged
 
     async def run_once(self) -> int:
         """One round over the failed and the restarted instances; the number
         of sessions moved."""
         moved = 0
+        seen: set[str] = set()
         failed = await self.state.failed()
         for instance in failed:
             for entry in await self.state.sessions_of(instance):
-                moved += await self.migrate(entry, set(failed))
+                seen.add(entry.session)
+                moved += await self._consider(entry, set(failed))
         # S2, CK5: a new process (a higher epoch) has not the sessions its
         # predecessor owned; those it took on since are its own.
         for instance, epoch in await self.state.restarted():
-            unmoved = self.counters.migrations_failed
+            left = False
             for entry in await self.state.sessions_of(instance):
                 if entry.owner_epoch < epoch:
-                    moved += await self.migrate(entry, set(failed))
-            if self.counters.migrations_failed == unmoved:  # else: next round again
+                    seen.add(entry.session)
+                    moved += await self._consider(entry, set(failed))
+                    left = left or entry.session in self._retry
+            if not left:  # else: again once due
                 await self.state.sessions_moved(instance, epoch)
+        # Sessions that ended, or that another PC moved, wait no more.
+        for session in self._retry.keys() - seen:
+            del self._retry[session]
+        self._summarize()
         return moved
 
-    async def migrate(self, entry: SessionEntry, failed: set[str]) -> int:
+    async def _consider(self, entry: SessionEntry, failed: set[str]) -> int:
+        """Forget a session that cannot be resumed, else move it once due."""
         checkpoint = entry.checkpoint
         now = await self.state.now()
         if checkpoint is None or now - entry.touched > self.session_idle_s:
@@ -93,7 +130,48 @@ class Migrator(Background):
             with contextlib.suppress(KvspError):
                 await self.state.end_session(entry.session, entry.owner)
             self.counters.sessions_dropped += 1
+            self._retry.pop(entry.session, None)
             return 0
+        retry = self._retry.get(entry.session)
+        if retry is not None and self.clock() < retry.due:
+            return 0
+        return await self.migrate(entry, checkpoint, failed)
+
+    def _failed(self, entry: SessionEntry) -> None:
+        now = self.clock()
+        retry = self._retry.get(entry.session)
+        if retry is None:
+            retry = self._retry[entry.session] = _Retry(0, now, now)
+            if self._summarized is None:
+                self._summarized = now  # the first summary one period later
+            log.error("session %s of failed %s: no instance took it; trying again with a "
+                      "backoff of up to %.0f s", entry.session, entry.owner,
+                      self.retry_cap_s)  # fmt: skip
+        else:
+            log.debug("session %s: no instance took it (%d times)", entry.session,
+                      retry.failures + 1)  # fmt: skip
+        retry.failures += 1
+        # Exponential with a cap and "equal jitter": between half and all of it.
+        delay = min(self.retry_cap_s, self.retry_base_s * 2 ** (retry.failures - 1))
+        retry.due = now + delay * (0.5 + self.jitter() / 2)
+
+    def _summarize(self) -> None:
+        now = self.clock()
+        if not self._retry:
+            self._summarized = None
+        elif self._summarized is not None and now - self._summarized >= self.summary_every_s:
+            self._summarized = now
+            oldest = min(r.since for r in self._retry.values())
+            log.warning("%d session(s) of failed instances wait for an instance to take "
+                        "them, the oldest for %.0f s (%d tries in all)", len(self._retry),
+                        now - oldest, sum(r.failures for r in self._retry.values()))  # fmt: skip
+
+    async def migrate(
+        self, entry: SessionEntry, checkpoint: SessionCheckpoint, failed: set[str]
+    ) -> int:
+        """Move a session to a new instance, resumed from ``checkpoint``."""
+        # A session that failed before says why at debug only (_failed).
+        say = log.debug if entry.session in self._retry else log.warning
         block_tokens = self.block_tokens.get(checkpoint.compat_id, 0)
         total = len(checkpoint.prompt_blocks) * block_tokens + len(checkpoint.prompt_tail)
         placement = await self.placer.place(
@@ -109,11 +187,12 @@ class Migrator(Background):
                     entry.session, candidate.instance, epoch, keep_touched=True
                 )  # (a move is no sign of the session's life: its checkpoints are)
             except StaleEpoch:
+                self._retry.pop(entry.session, None)
                 return 0  # another PC moved it meanwhile, or it ended
             except InsufficientStorage as exc:
                 epoch -= 1
-                log.warning("%s cannot take session %s: %s", candidate.instance,
-                            entry.session, exc.detail)  # fmt: skip
+                say("%s cannot take session %s: %s", candidate.instance, entry.session,
+                    exc.detail)  # fmt: skip
                 continue
             # The checkpoint as the move found it: the failed instance may
             # have checkpointed since this round read the session (CK3).
@@ -121,15 +200,17 @@ class Migrator(Background):
             try:
                 await self.instances.resume(candidate.instance, ResumeRequest(epoch, latest))
             except KvspError as exc:
-                log.warning("resume of %s at %s failed: %s", entry.session,
-                            candidate.instance, exc.detail)  # fmt: skip
+                say("resume of %s at %s failed: %s", entry.session, candidate.instance,
+                    exc.detail)  # fmt: skip
                 continue
-            log.warning("session %s moved from %s to %s at epoch %d", entry.session,
-                        entry.owner, candidate.instance, epoch)  # fmt: skip
+            retry = self._retry.pop(entry.session, None)
+            log.warning("session %s moved from %s to %s at epoch %d%s", entry.session,
+                        entry.owner, candidate.instance, epoch,
+                        f" after {retry.failures} failed tries" if retry else "")  # fmt: skip
             self.counters.migrations += 1
             return 1
         self.counters.migrations_failed += 1
-        log.error("session %s of failed %s: no instance took it", entry.session, entry.owner)
+        self._failed(entry)
         if epoch > entry.epoch:
             # Back with the failed owner (fenced by the newer epoch) so that
             # the next round tries again, rather than left with a refuser.

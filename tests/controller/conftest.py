@@ -33,6 +33,7 @@ class Instances:
         self.reshards: list[tuple[str, dict[str, Any]]] = []
         self.slow: set[str] = set()  # answer reshard plans after 2 s
         self.refuse: set[str] = set()
+        self.refused: list[str] = []  # the resumes refused
         self.port = free_port()
 
     def uri(self, name: str) -> str:
@@ -42,6 +43,7 @@ class Instances:
         async def resume(request: Request) -> Response:
             name = request.path_params["name"]
             if name in self.refuse:
+                self.refused.append(name)
                 return Response(status_code=503)
             self.resumed.append((name, json.loads(await request.body())))
             return Response(status_code=200)

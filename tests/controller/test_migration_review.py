@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from typing import Any
 
@@ -41,14 +42,74 @@ async def test_a_session_every_candidate_refused_is_tried_again(instances: Insta
     await pc.put_status(status(good, ttl_ms=60_000))
     session = await failed_with_session(pc, clock, dead)
     instances.refuse.add("good")
+    retry = Clock()
     async with InstanceClient() as client:
-        migrator = Migrator(pc, Placer(pc, None), client, {})
+        migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 1.0)
         assert await migrator.run_once() == 0
         assert (await pc.session(session)).owner == dead  # still to be moved
         instances.refuse.clear()
+        assert await migrator.run_once() == 0  # not yet: it backs off for 1 s
+        retry.now += 1.0
         assert await migrator.run_once() == 1
     entry = await pc.session(session)
     assert entry.owner == good and entry.epoch == 4  # 2 refused, 3 back to dead, 4 moved
+
+
+async def test_retries_back_off_and_log_one_error_then_summaries(
+    instances: Instances, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A session no instance takes was tried every round (0.5 s), each time
+    # with an ERROR line, for as long as session_idle_s: now 1, 2, 4 ... s
+    # apart up to the cap, one error, then a summary a minute.
+    clock = Clock()
+    pc = MemoryControllerState(clock=clock)
+    dead, good = instances.uri("dead"), instances.uri("good")
+    await pc.put_status(status(good, ttl_ms=3_600_000))
+    session = await failed_with_session(pc, clock, dead)
+    instances.refuse.add("good")
+    retry = Clock()
+    caplog.set_level(logging.DEBUG, "kvstore.controller")
+    async with InstanceClient() as client:
+        migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 1.0,
+                            retry_cap_s=16.0)  # fmt: skip
+        for _ in range(240):  # two minutes of rounds every 0.5 s
+            assert await migrator.run_once() == 0
+            retry.now += 0.5
+        # Tries at 0, 1, 3, 7, 15, 31, 47, 63, ... 111 s: 1 + 4 + 6 capped.
+        assert len(instances.refused) == 11
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and session in errors[0].getMessage()
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        summaries = [m for m in said if "wait for an instance" in m]
+        assert len(summaries) == 1 and summaries[0].startswith("1 session(s)"), summaries
+        instances.refuse.clear()
+        retry.now += 16.0
+        assert await migrator.run_once() == 1
+    moved = [r.getMessage() for r in caplog.records if "moved from" in r.getMessage()]
+    assert moved and moved[-1].endswith("after 11 failed tries")
+    assert (await pc.session(session)).owner == good
+
+
+async def test_jitter_spreads_the_retries(instances: Instances) -> None:
+    # Between half and all of the backoff: sessions of one failed instance
+    # (and several PCs) do not all try again in the same round.
+    clock = Clock()
+    pc = MemoryControllerState(clock=clock)
+    good = instances.uri("good")
+    await pc.put_status(status(good, ttl_ms=3_600_000))
+    await failed_with_session(pc, clock, instances.uri("dead"))
+    instances.refuse.add("good")
+    retry = Clock()
+    async with InstanceClient() as client:
+        migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 0.0,
+                            retry_base_s=4.0)  # fmt: skip
+        await migrator.run_once()
+        retry.now += 1.9
+        await migrator.run_once()
+        assert len(instances.refused) == 1  # half of 4 s is not over
+        retry.now += 0.1
+        await migrator.run_once()
+        assert len(instances.refused) == 2
 
 
 async def test_a_full_candidate_is_skipped_not_the_round(instances: Instances) -> None:
