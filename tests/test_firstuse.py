@@ -50,7 +50,7 @@ def test_a_reused_directory_moves_to_a_new_port_while_unedited(tmp_path: Path) -
     assert "19443" in moved.config.read_text()
     # A host its certificate is not for: a new directory is the way.
     prepare(tmp_path / "e")
-    with pytest.raises(FirstUseError, match="not for 10.1.2.3"):
+    with pytest.raises(FirstUseError, match=r"not for 10\.1\.2\.3"):
         prepare(tmp_path / "e", host="10.1.2.3")
 
 

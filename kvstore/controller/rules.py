@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
-from ..protocol.problems import BadRequest, Forbidden, NotFound, PlanConflict, StaleEpoch
+from ..protocol.problems import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    PlanConflict,
+    StaleEpoch,
+    UnknownResource,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +193,8 @@ def after_checkpoint(
         # A session the PC has not placed: its first checkpoint registers
         # it, at epoch 1 only (a later epoch is the PC's to hand out).
         if checkpoint.epoch != 1:
-            raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned")
+            raise Conflict(f"epoch {checkpoint.epoch} was never assigned (an unknown session "
+                           "starts at epoch 1)")  # fmt: skip
         entry = SessionEntry(checkpoint.session, 1, instance)
     elif entry.checkpoint is not None and (
         (checkpoint.scope_id, checkpoint.compat_id)
@@ -195,7 +204,8 @@ def after_checkpoint(
     if checkpoint.epoch < entry.epoch:
         raise StaleEpoch(f"epoch {checkpoint.epoch} is older than {entry.epoch} (CK2)")
     if checkpoint.epoch > entry.epoch:
-        raise StaleEpoch(f"epoch {checkpoint.epoch} was never assigned (current {entry.epoch})")
+        # Newer than assigned, not stale: only the PC raises an epoch (CK5).
+        raise Conflict(f"epoch {checkpoint.epoch} was never assigned (current {entry.epoch})")
     if instance != entry.owner:
         # SEC5: an instance fenced off by a newer epoch cannot extend the session.
         raise Forbidden("the session belongs to another instance")
@@ -253,7 +263,7 @@ def after_reshard_started(
 ) -> MapEntry:
     """RS5: version v stays authoritative; one reshard of a map at a time."""
     if entry is None:
-        raise NotFound(f"unknown map {target.map}")
+        raise UnknownResource(f"unknown map {target.map}")
     if entry.pending is not None and entry.pending_until > now:
         raise PlanConflict(f"map {target.map} is being resharded to {entry.pending}")
     if target.version != entry.current.version + 1:

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
-from ..protocol.problems import InsufficientStorage, InvalidState, NotFound, StaleEpoch
+from ..protocol.problems import (
+    InsufficientStorage,
+    InvalidState,
+    NotFound,
+    StaleEpoch,
+    UnknownResource,
+)
 from ..protocol.wire import role_id
 from .rules import (
     InstanceEntry,
@@ -116,7 +122,7 @@ class ControllerState:
         """The instance's lifecycle state; ``failed`` once its record expired (S1)."""
         entry, now = await self._instance(instance)
         if entry is None:
-            raise NotFound("unknown instance")
+            raise UnknownResource("unknown instance")
         return entry.state_at(now)
 
     async def set_state(self, instance: str, state: str) -> None:
@@ -124,7 +130,7 @@ class ControllerState:
 
         def change(entry: InstanceEntry | None, now: float) -> InstanceEntry:
             if entry is None:
-                raise NotFound("unknown instance")
+                raise UnknownResource("unknown instance")
             return replace(entry, state=state)
 
         await self._change_instance(instance, change)
@@ -166,7 +172,7 @@ class ControllerState:
 
         def change(entry: InstanceEntry | None, now: float) -> InstanceEntry:
             if entry is None:
-                raise NotFound("unknown instance")
+                raise UnknownResource("unknown instance")
             if entry.highest_epoch != epoch:
                 return entry  # restarted again meanwhile: still to do
             return replace(entry, restarted=False)
@@ -179,7 +185,7 @@ class ControllerState:
         for entry in entries:
             if role_id(entry.status.instance) == instance_id:
                 return entry.status.instance
-        raise NotFound("unknown instance")
+        raise UnknownResource("unknown instance")
 
     async def require_active(self, instance: str) -> None:
         state = await self.state_of(instance)
@@ -257,7 +263,7 @@ class ControllerState:
     async def shard_map(self, map_id: str) -> MapEntry:
         entry = await self._map(map_id)
         if entry is None:
-            raise NotFound(f"unknown map {map_id}")
+            raise UnknownResource(f"unknown map {map_id}")
         return entry
 
     async def begin_reshard(self, target: ShardMap, hold_s: float) -> MapEntry:

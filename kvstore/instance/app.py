@@ -26,7 +26,14 @@ from ..http import base_path, json_response, principal, read_json, role_app
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import ResumeRequest, StateChange, parse_reshard
-from ..protocol.problems import BadRequest, InvalidState, KvspError, NotFound
+from ..protocol.problems import (
+    BadRequest,
+    InvalidState,
+    KvspError,
+    NotFound,
+    PlanConflict,
+    UnknownResource,
+)
 from ..protocol.records import PrefetchDirective
 from ..protocol.wire import NO_STORE
 from ..security import Policy
@@ -167,7 +174,7 @@ def create_app(
 
     def sharded() -> Shards:
         if shards is None:
-            raise NotFound("this instance holds no sharded contexts")
+            raise UnknownResource("this instance holds no sharded contexts")
         return shards
 
     async def put_context(request: Request) -> Response:
@@ -189,7 +196,9 @@ def create_app(
         # or an abort.
         from_pc(request)
         message = parse_reshard(await read_json(request, settings.max_json_octets))
-        return json_response(await sharded().reshard(message))
+        if shards is None:  # RS7: no version of any map here
+            raise PlanConflict(f"this instance holds no version of map {message.map} (RS7)")
+        return json_response(await shards.reshard(message))
 
     metrics = Metrics(counters=sessions.counters if sessions is not None else None,
                       counters_prefix="kvstore_instance")  # fmt: skip

@@ -41,7 +41,14 @@ from ..protocol.control import (
     ReshardMessage,
     ReshardPlan,
 )
-from ..protocol.problems import BadGateway, BadRequest, KvspError, NotFound, PlanConflict
+from ..protocol.problems import (
+    BadGateway,
+    BadRequest,
+    KvspError,
+    NotFound,
+    PlanConflict,
+    UnknownResource,
+)
 from ..protocol.records import LookupRequest
 from ..security import Policy
 from ..storage import BlockRef, TieredStore
@@ -137,7 +144,7 @@ class Shards:
     def get(self, map_id: str) -> Context:
         context = self.contexts.get(map_id)
         if context is None:
-            raise NotFound(f"unknown context {map_id}")
+            raise UnknownResource(f"unknown context {map_id}")
         return context
 
     def _ref(self, context: Context, index: int) -> BlockRef:
@@ -194,6 +201,10 @@ class Shards:
         return done
 
     async def reshard(self, message: ReshardMessage) -> dict[str, Any]:
+        if message.map not in self.contexts:
+            # RS7: a plan for a map of which this instance holds no version
+            # does not match its current version (there is none).
+            raise PlanConflict(f"this instance holds no version of map {message.map} (RS7)")
         context = self.get(message.map)
         async with self._lock(message.map):
             if isinstance(message, ReshardPlan):

@@ -11,7 +11,8 @@ one handler renders every error and one ``isinstance`` check catches them all::
     │   ├── MalformedContainer      B1: a KV Block Container cannot be decoded
     │   └── PayloadTooLarge         (413) a body over the configured limit
     ├── NotFound                    kvsp-not-found           404
-    │   └── LayersUnavailable       kvsp-layers-unavailable  404
+    │   ├── LayersUnavailable       kvsp-layers-unavailable  404
+    │   └── UnknownResource         (about:blank, 404)       a map, context or instance
     ├── ScopeDenied                 kvsp-scope-denied        403
     ├── Incompatible                kvsp-incompatible        409
     ├── LeaseQuota                  kvsp-lease-quota         429
@@ -20,6 +21,7 @@ one handler renders every error and one ``isinstance`` check catches them all::
     ├── DigestMismatch              kvsp-digest-mismatch     422
     │   └── CorruptData             stored segment fails decryption or its digest
     ├── PlanConflict                kvsp-plan-conflict       409
+    ├── Conflict                    (about:blank, 409)       e.g. an epoch never assigned
     ├── PreconditionFailed          (about:blank, 412)       BL7: replica exists
     ├── PreconditionRequired        (about:blank, 428)       BL7: If-None-Match missing
     ├── Forbidden / Unauthenticated (about:blank, 403/401)   SEC1: policy, no certificate
@@ -86,7 +88,7 @@ class MalformedContainer(BadRequest):
 
 
 class NotFound(KvspError):
-    suffix = "kvsp-not-found"
+    suffix: str | None = "kvsp-not-found"
     status = 404
     title = "Block, lease, session, or directive unknown"
 
@@ -94,6 +96,15 @@ class NotFound(KvspError):
 class LayersUnavailable(NotFound):
     suffix = "kvsp-layers-unavailable"
     title = "Requested layers not held"
+
+
+class UnknownResource(NotFound):
+    """None of what ``kvsp-not-found`` covers (a block, lease, session or
+    directive, H3) but a resource of our own: a shard map, a context, an
+    instance. A NotFound to code that catches one; ``about:blank`` on the wire."""
+
+    suffix = None
+    title = "Not Found"
 
 
 class ScopeDenied(KvspError):
@@ -136,6 +147,15 @@ class PlanConflict(KvspError):
     suffix = "kvsp-plan-conflict"
     status = 409
     title = "Reshard plan does not match the current map version"
+
+
+class Conflict(KvspError):
+    """A request at odds with the resource's state that no KVSP type names,
+    such as a checkpoint at an epoch the PC never assigned (the epoch is not
+    older than current: ``kvsp-stale-epoch`` would say the wrong thing)."""
+
+    status = 409
+    title = "Conflict"
 
 
 class PreconditionFailed(KvspError):

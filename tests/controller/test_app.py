@@ -112,6 +112,14 @@ async def test_checkpoints_and_fencing(
     other = await ii2.put(f"sessions/{uuid.uuid4()}/checkpoint",
                           json=checkpoint(session, 2, 10).to_json())  # fmt: skip
     assert other.status_code == 400
+    # An epoch the PC never assigned is newer than current, not stale: a
+    # 409 whose type does not say "older than current" (H3).
+    fresh = str(uuid.uuid4())
+    for body in (checkpoint(fresh, 2, 1), checkpoint(session, 3, 12)):
+        ahead = await ii2.put(f"sessions/{body.session}/checkpoint", json=body.to_json())
+        problem = ahead.json()
+        assert ahead.status_code == 409 and problem["type"] == "about:blank", problem
+        assert problem["title"] == "Conflict" and "never assigned" in problem["detail"]
 
 
 async def test_place_errors(as_: Callable[[str], httpx.AsyncClient]) -> None:

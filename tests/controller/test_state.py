@@ -15,6 +15,7 @@ from kvstore.controller.redis_state import RedisControllerState
 from kvstore.controller.state import ControllerState, MemoryControllerState, SleepPolicy
 from kvstore.protocol.control import InstanceStatus, Sampler, SessionCheckpoint
 from kvstore.protocol.problems import (
+    Conflict,
     Forbidden,
     InsufficientStorage,
     InvalidState,
@@ -171,8 +172,10 @@ async def test_resumed_session_fences_the_old_instance(make: Make) -> None:
     assert (await pc.session(session)).checkpoint.output_offset == 12  # type: ignore[union-attr]
     with pytest.raises(StaleEpoch):
         await pc.assign(session, II1, epoch=2)  # epochs only go up
-    with pytest.raises(StaleEpoch):
+    with pytest.raises(Conflict, match="never assigned"):  # newer, not stale
         await pc.put_checkpoint(checkpoint(session, 3, 1), II2)  # an epoch never assigned
+    with pytest.raises(Conflict, match="never assigned"):  # a first checkpoint, likewise
+        await pc.put_checkpoint(checkpoint(str(uuid.uuid4()), 2, 1), II2)
 
 
 async def test_status_source_for_the_index_sees_active_instances_only(make: Make) -> None:
@@ -190,7 +193,7 @@ async def test_first_checkpoint_registers_at_epoch_one_only(make: Make) -> None:
     # handed out (it would block every later resume).
     pc = make()
     session = str(uuid.uuid4())
-    with pytest.raises(StaleEpoch):
+    with pytest.raises(Conflict):  # never assigned: newer than current, not stale
         await pc.put_checkpoint(checkpoint(session, 2**53 - 1, 1), II2)
     await pc.put_checkpoint(checkpoint(session, 1, 1), II1)
     await pc.assign(session, II2, epoch=2)  # the PC can still move it

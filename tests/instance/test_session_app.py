@@ -145,8 +145,14 @@ async def test_resume_reshard_and_contexts_only_from_the_pc(
     assert (await http["tenant"].post("reshard", json=plan)).status_code == 403
     conflict = await http["pc"].post("reshard", json=plan)
     assert conflict.status_code == 409 and "plan-conflict" in conflict.json()["type"]
+    # RS7, H3: no version of the map here does not match the plan (maps are
+    # not what kvsp-not-found covers); its context is a plain 404.
     unknown = await http["pc"].post("reshard", json={**plan, "map": "n"})
-    assert unknown.status_code == 404
+    assert unknown.status_code == 409 and "plan-conflict" in unknown.json()["type"]
+    for message in ({"map": "n", "commit": 3}, {"map": "n", "abort": 3}):
+        assert (await http["pc"].post("reshard", json=message)).status_code == 409
+    missing = await http["pc"].get("contexts/n")
+    assert missing.status_code == 404 and missing.json()["type"] == "about:blank"
     ok = await http["pc"].post("reshard", json={**plan, "from": 1, "to": 2})
     assert ok.status_code == 200 and ok.json()["resharding_to"] == 2
     committed = await http["pc"].post("reshard", json={"map": "m", "commit": 2})

@@ -14,6 +14,7 @@ from kvstore.protocol.problems import (
     PROBLEM_MEDIA_TYPE,
     PROBLEM_TYPES,
     BadRequest,
+    Conflict,
     DigestMismatch,
     Incompatible,
     InsufficientStorage,
@@ -29,6 +30,7 @@ from kvstore.protocol.problems import (
     PreconditionFailed,
     ScopeDenied,
     StaleEpoch,
+    UnknownResource,
     error_from_problem,
     render_problem,
 )
@@ -59,6 +61,8 @@ NON_KVSP: list[tuple[type[KvspError], int]] = [
     (InvalidRecord, 400),
     (MalformedContainer, 400),
     (PreconditionFailed, 412),
+    (Conflict, 409),  # an epoch never assigned: not "older than current"
+    (UnknownResource, 404),  # a map, context or instance: not what kvsp-not-found covers
 ]
 
 ALL_CLASSES = [row[0] for row in TABLE] + [row[0] for row in NON_KVSP]
@@ -104,6 +108,7 @@ def test_hierarchy() -> None:
     assert issubclass(InvalidDescriptor, BadRequest)
     assert issubclass(MalformedContainer, BadRequest)
     assert issubclass(LayersUnavailable, NotFound)
+    assert issubclass(UnknownResource, NotFound)  # caught as one; about:blank on the wire
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES)
