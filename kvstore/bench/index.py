@@ -5,7 +5,9 @@ Redis state. Lookups go through the whole ASGI app (request parsing, scope
 check, answer assembly) called directly, without an HTTP client in the way.
 Baselines in the same run: as many Redis EXISTS in one redis-py pipeline
 (the issue's), and, for the Redis state, a raw HVALS pipeline fetching the
-same records (the octets a lookup must move: about 60 MB at 8k keys).
+same records (the octets a lookup must move: about 60 MB at 8k keys). The
+publish rate, the p99 and the throughput have nothing in the run doing the
+same work: they are plain figures, the 8k-key p99 with its goal of 10 ms.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import statistics
 import time
 import uuid
@@ -24,6 +27,30 @@ from . import Result
 COMPAT = hashlib.sha256(b"bench-index").hexdigest()
 SCOPE = "c" * 32
 HOLDERS = [f"https://h{i}.bench/kvsp/" for i in range(3)]
+#: The IS issue's goal: p99 of an 8k-key lookup, in ms (no goal for other sizes).
+P99_GOAL_MS = {8192: 10.0}
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest rank: the smallest sample with at least ``q`` of them at or below
+    it (the largest of fewer than 100 samples for q = 0.99)."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def lookup_rows(
+    label: str, size: int, latencies_s: list[float], baselines_ms: dict[str, float]
+) -> list[Result]:
+    """A lookup size's rows: p50 against each same-run baseline (lower is
+    better), then p99 and throughput as plain figures."""
+    p50 = statistics.median(latencies_s) * 1000
+    p99 = percentile(latencies_s, 0.99) * 1000
+    rows = [Result(f"{label}, p50", "ms", p50, name, base) for name, base in baselines_ms.items()]
+    if not rows:
+        rows.append(Result(f"{label}, p50", "ms", p50))
+    rows.append(Result(f"{label}, p99", "ms", p99, goal=P99_GOAL_MS.get(size)))
+    rows.append(Result(f"{label}, throughput", "keys/s", size / (p50 / 1000)))
+    return rows
 
 
 def _record(block_key: str, holder: str) -> ReplicaRecord:
@@ -83,7 +110,7 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
     for record in records:
         await state.put(record, 600_000)
     publish_rate = len(records) / (time.perf_counter() - start)
-    results = [Result(f"publish, {name} state", "records/s", publish_rate, "(none)", 0.0)]
+    results = [Result(f"publish, {name} state", "records/s", publish_rate)]
     raw_client = None
     if redis_url:
         import redis.asyncio as aioredis
@@ -99,9 +126,7 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
             latencies.append(time.perf_counter() - t)
         answer = json.loads(await _call(app, body))
         assert answer["matched"] == size and len(answer["replicas"][-1]) == len(HOLDERS)
-        p50 = statistics.median(latencies) * 1000
-        p99 = sorted(latencies)[max(0, int(len(latencies) * 0.99) - 1)] * 1000
-        baseline = 0.0
+        baselines: dict[str, float] = {}
         if raw_client is not None:
             base = []
             for _ in range(rounds):
@@ -111,10 +136,7 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
                         pipe.exists(k)
                     await pipe.execute()
                 base.append(time.perf_counter() - t)
-            baseline = statistics.median(base) * 1000
-        label = f"lookup {size // 1024}k keys x3, {name}"
-        results.append(Result(f"{label}, p50", "ms", p50, "redis-py EXISTS pipeline p50",
-                              baseline, None))  # fmt: skip
+            baselines["redis-py EXISTS pipeline p50"] = statistics.median(base) * 1000
         if raw_client is not None and name == "redis":
             # The same records' octets fetched raw (what a lookup must move).
             fetch = []
@@ -125,12 +147,9 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
                         pipe.hvals(f"{state.prefix}{{{k}}}:v")
                     await pipe.execute()
                 fetch.append(time.perf_counter() - t)
-            results.append(Result(f"{label}, p50", "ms", p50, "raw HVALS pipeline, same records",
-                                  statistics.median(fetch) * 1000, None))  # fmt: skip
-        results.append(Result(f"{label}, p99", "ms", p99, "goal (ms)",
-                              10.0 if size == 8192 else 0.0, None))  # fmt: skip
-        results.append(Result(f"{label}, throughput", "keys/s", size / (p50 / 1000),
-                              "(none)", 0.0))  # fmt: skip
+            baselines["raw HVALS pipeline, same records"] = statistics.median(fetch) * 1000
+        label = f"lookup {size // 1024}k keys x3, {name}"
+        results += lookup_rows(label, size, latencies, baselines)
     if raw_client is not None:
         await raw_client.aclose()
     await state.close()

@@ -7,7 +7,10 @@ the tier's own library with nothing around it:
 =============  ==========================================
 tier           baseline
 =============  ==========================================
-host           a plain dict of bytes
+host           put: one SHA-256 pass over the octets (the work B3
+               requires; a dict put stores a reference and moves no
+               octets); get: a dict get, both sides copying the octets
+               out as a send would
 local-storage  raw ``lmdb`` put/get (same map, same sync)
 remote-memory  raw redis-py SET/GET
 remote-storage raw aiobotocore put_object/get_object
@@ -32,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvstore.protocol import container as kc
+from kvstore.protocol._bytes import BytesLike
 from kvstore.storage import BlockRef, SegmentSealer, TieredStore
 from kvstore.storage.tier import Tier
 
@@ -62,9 +66,10 @@ async def _best(fn: Callable[[], Awaitable[None]], repeat: int) -> float:
 
 async def _measure_store(
     make_tier: Callable[[], Tier], blocks: list[tuple[BlockRef, bytes]], repeat: int,
-    sealer: SegmentSealer | None = None,
+    sealer: SegmentSealer | None = None, consume: Callable[[BytesLike], None] | None = None,
 ) -> tuple[float, float]:  # fmt: skip
-    """(put seconds, get seconds) for all blocks through a fresh store each round."""
+    """(put seconds, get seconds) for all blocks through a fresh store each round;
+    ``consume`` is called on each chunk read."""
     puts, gets = [], []
     for _ in range(repeat):
         tier = make_tier()
@@ -75,8 +80,9 @@ async def _measure_store(
         puts.append(time.perf_counter() - start)
         start = time.perf_counter()
         for ref, _ in blocks:
-            async for _chunk in store.read(ref):
-                pass
+            async for chunk in store.read(ref):
+                if consume is not None:
+                    consume(chunk)
         gets.append(time.perf_counter() - start)
         for ref, _ in blocks:
             await store.delete(ref)
@@ -98,29 +104,34 @@ async def bench_host(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
     from backends.host import HostTier
 
     octets = sum(len(d) for _, d in blocks)
-    ours = await _measure_store(HostTier, blocks, repeat)
-    table: dict[str, bytes] = {}
+    # The host tier keeps the very bytes object and a read yields views of
+    # it: a raw dict put or get moves no octets (a reference, in microseconds:
+    # thousands of "GB/s", and a ratio of 0.00). Both sides of the get copy
+    # what they read into one send buffer, as a server's socket write would.
+    sink = bytearray(max(len(d) for _, d in blocks))
 
-    async def put() -> None:
-        for ref, data in blocks:
-            table[ref.block_key] = data
+    def copy_out(chunk: BytesLike) -> None:
+        sink[: len(chunk)] = chunk
+
+    ours = await _measure_store(HostTier, blocks, repeat, consume=copy_out)
+    table = {ref.block_key: data for ref, data in blocks}
 
     async def get() -> None:
         for ref, _ in blocks:
-            table[ref.block_key]
+            copy_out(table[ref.block_key])
 
     async def hash_once() -> None:
         for _, data in blocks:
             hashlib.sha256(data).digest()
 
-    raw = (await _best(put, repeat), await _best(get, repeat))
     # A put must hash every layer (B3): against one SHA-256 pass over the same
     # octets, the ratio shows what the store adds beyond that mandatory work.
     hashed = await _best(hash_once, repeat)
+    raw_get = await _best(get, repeat)
     gb = octets / 1e9
     return [
-        *_rows("host", octets, ours, raw, "dict"),
         Result("host put", "GB/s", gb / ours[0], "one sha256 pass", gb / hashed, goal=0.8),
+        Result("host get", "GB/s", gb / ours[1], "dict get, same copy out", gb / raw_get, 0.7),
     ]
 
 
@@ -135,8 +146,11 @@ async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
         counter = iter(range(10**6))
 
         def fresh() -> LmdbTier:
+            # sync=False as the raw side (module docstring): fsync is the disk's time.
             return LmdbTier(
-                os.path.join(root, f"s{next(counter)}"), map_size=4 * octets + (64 << 20)
+                os.path.join(root, f"s{next(counter)}"),
+                map_size=4 * octets + (64 << 20),
+                sync=False,
             )
 
         ours = await _measure_store(fresh, blocks, repeat)
@@ -296,7 +310,8 @@ def run(
         moto = _start_moto()
         s3_endpoint = moto[1] if moto else None
     try:
-        return asyncio.run(_run(4 if quick else 16, 2.0, 1 if quick else 5, redis_url, s3_endpoint))
+        # Quick: two rounds, as one alone is the cold one (thread pool, first page faults).
+        return asyncio.run(_run(4 if quick else 16, 2.0, 2 if quick else 5, redis_url, s3_endpoint))
     finally:
         if moto is not None:
             moto[0].kill()
