@@ -71,17 +71,20 @@ def test_the_banner_in_a_container_gives_commands_for_the_host(tmp_path: Path) -
 
 def test_an_unwritable_directory_is_one_line_naming_the_uid(tmp_path: Path) -> None:
     # A bind-mounted host directory owned by someone else (the image runs as
-    # uid 10001): here root without CAP_DAC_OVERRIDE, a directory of uid 12345.
+    # uid 10001). As root: without CAP_DAC_OVERRIDE, a directory of uid 12345;
+    # as another user: a directory it may not write.
     import os
 
     data = tmp_path / "data"
     data.mkdir()
-    os.chown(data, 12345, 12345)
-    done = subprocess.run(
-        ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--",
-         sys.executable, "-m", "kvstore", "serve", "--directory", str(data)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "kvstore", "serve", "--directory", str(data)]
+    if os.geteuid() == 0:
+        os.chown(data, 12345, 12345)
+        command = ["setpriv", "--inh-caps=-all",
+                   "--bounding-set=-dac_override,-dac_read_search", "--", *command]  # fmt: skip
+    else:
+        data.chmod(0o555)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("kvstore: error: ") and "Traceback" not in done.stderr
