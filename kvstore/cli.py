@@ -240,63 +240,18 @@ def cmd_certs_init(args: argparse.Namespace) -> Any:
     }
 
 
-def cmd_config_check(args: argparse.Namespace) -> Any:
-    """Validate a configuration as ``serve`` would read it (environment
-    overrides included), building what can be built without serving."""
-    from .config import ConfigError, load
-
-    try:
-        config = load(args.file)
-        roles = tuple(r.strip() for r in args.roles.split(","))
-        problems = check_roles(config, roles)
-    except ConfigError as exc:
-        raise CliError(str(exc)) from exc
-    if problems:
-        for problem in problems[1:]:
-            print(f"kvstore: error: {problem}", file=sys.stderr)
-        raise CliError(problems[0])
-    return f"{args.file}: ok for roles {','.join(roles)}"
-
-
-def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
-    """What a role needs that the configuration lacks (the first one found)."""
-    from .security import Policy
-
-    known = {"holder": "holder", "index": "index", "pc": "controller", "instance": "instance"}
-    out: list[str] = []
-    for role in roles:
-        if role not in known:
-            return [f"roles: {role!r} unknown; available: {', '.join(known)}"]
-        section = getattr(config, known[role])
-        if not section.policy:
-            out.append(f"{known[role]}.policy: a policy file is required")
-            continue
-        try:
-            Policy.load(section.policy)
-        except (OSError, ValueError) as exc:
-            out.append(f"{known[role]}.policy: {exc}")
-    if ("holder" in roles or "instance" in roles) and not config.storage.tiers:
-        out.append("storage.tiers: at least one [[storage.tiers]] is required")
-    out += _check_parts(config, roles)
-    server = config.server
-    if not server.insecure_http:
-        for key in ("certfile", "keyfile", "cafile"):
-            value = getattr(server, key)
-            if not value:
-                out.append(f"server.{key}: required unless insecure_http = true")
-            elif not Path(value).exists():
-                out.append(f"server.{key}: {value} does not exist")
-    return out
-
-
 def cmd_health(args: argparse.Namespace) -> Any:
     """A probe for containers and load balancers (``HEALTHCHECK``)."""
     import ssl
     import urllib.error
     import urllib.request
 
+    if (args.cert is None) != (args.key is None):
+        raise CliError("health: --cert and --key go together")
     try:
-        context = _dev_context(args.certs) if args.url.startswith("https:") else None
+        context = None
+        if args.url.startswith("https:"):
+            context = _dev_context(args.certs, args.cafile, args.cert, args.key, args.principal)
         with urllib.request.urlopen(args.url, timeout=args.timeout, context=context) as answer:
             return answer.read().decode()
     except urllib.error.HTTPError as exc:
@@ -312,21 +267,37 @@ def _ops_context(args: argparse.Namespace) -> Any:
         return None
     try:
         return _dev_context(args.certs, args.cafile, args.cert, args.key)
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from exc
     except (OSError, ssl.SSLError) as exc:
         raise CliError(f"client certificate: {exc}") from exc
 
 
 def _dev_context(
-    certs: str, cafile: str | None = None, cert: str | None = None, key: str | None = None
+    certs: str,
+    cafile: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    principal: str | None = None,
 ) -> Any:
     """A client TLS context from a certificate directory of ``kvstore serve``'s
-    first use (ca.pem, client-client.pem/.key), each file overridable."""
+    first use or ``kvstore certs init`` (ca.pem, client-NAME.pem/.key, NAME
+    ``principal`` or ``client``), each file overridable. A missing file is a
+    :class:`FileNotFoundError` naming it."""
     import ssl
 
     root = Path(certs)
-    context = ssl.create_default_context(cafile=cafile or str(root / "ca.pem"))
-    context.load_cert_chain(cert or str(root / "client-client.pem"),
-                            key or str(root / "client-client.key"))  # fmt: skip
+    stem = f"client-{principal or 'client'}"
+    files = {
+        "CA certificate": cafile or str(root / "ca.pem"),
+        "client certificate": cert or str(root / f"{stem}.pem"),
+        "client key": key or str(root / f"{stem}.key"),
+    }
+    for what, file in files.items():
+        if not Path(file).is_file():
+            raise FileNotFoundError(f"{what} {file} does not exist")
+    context = ssl.create_default_context(cafile=files["CA certificate"])
+    context.load_cert_chain(files["client certificate"], files["client key"])
     return context
 
 
@@ -376,58 +347,6 @@ def cmd_openapi(args: argparse.Namespace) -> Any:
     return render(args.role).rstrip("\n")
 
 
-def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
-    """What ``serve`` would refuse beyond the file's syntax: backends, state
-    names, descriptors, the sealing key, TLS files, plain HTTP off loopback."""
-    import json as json_
-
-    from backends import BACKENDS
-
-    from .protocol.compat import parse_descriptor
-    from .serve import _is_loopback
-
-    out: list[str] = []
-    if "holder" in roles or "instance" in roles:
-        for index, tier in enumerate(config.storage.tiers):
-            if tier.backend not in BACKENDS:
-                out.append(f"storage.tiers[{index}].backend: {tier.backend!r}; known: "
-                           f"{', '.join(sorted(BACKENDS))}")  # fmt: skip
-        key = config.storage.encryption_key_file
-        if key:
-            try:
-                if len(Path(key).read_bytes()) != 32:
-                    out.append("storage.encryption_key_file: must hold exactly 32 octets")
-            except OSError as exc:
-                out.append(f"storage.encryption_key_file: {exc.strerror}: {key}")
-    for section, role in (("index", "index"), ("controller", "pc")):
-        if role in roles and getattr(config, section).state not in ("memory", "redis"):
-            out.append(f"{section}.state: {getattr(config, section).state!r} is not "
-                       "'memory' or 'redis'")  # fmt: skip
-    for section, role in (("holder", "holder"), ("index", "index"), ("controller", "pc")):
-        if role not in roles:
-            continue
-        for file in getattr(config, section).descriptors:
-            try:
-                parse_descriptor(json_.loads(Path(file).read_text()))
-            except (OSError, ValueError, KvspError) as exc:
-                out.append(f"{section}.descriptors: {file}: {exc}")
-    server = config.server
-    if server.insecure_http and not _is_loopback(server.host):
-        out.append("server.insecure_http: refused on a non-loopback address")
-    if not server.insecure_http and all(
-        getattr(server, k) and Path(getattr(server, k)).exists()
-        for k in ("certfile", "keyfile", "cafile")
-    ):
-        import ssl
-
-        try:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=server.cafile)
-            context.load_cert_chain(server.certfile, server.keyfile)
-        except (OSError, ssl.SSLError) as exc:
-            out.append(f"server.certfile / keyfile / cafile: {exc}")
-    return out
-
-
 def cmd_demo(args: argparse.Namespace) -> Any:
     import importlib.util
 
@@ -440,6 +359,8 @@ def cmd_demo(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import checks  # it uses CliError from here
+
     parser = argparse.ArgumentParser(
         prog="kvstore",
         description="KV Cache Storage Protocol (KVSP) tools, cache server and benchmarks.",
@@ -454,6 +375,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", required=True, help="comma-separated token ids, a JSON array, or - for stdin"
     )
     keys.set_defaults(func=cmd_keys)
+
+    desc = sub.add_parser(
+        "descriptor", help="an instance's Compatibility Descriptor and its compat_id (C1, C2)"
+    )
+    desc.add_argument(
+        "--descriptor", metavar="FILE", help="a descriptor file to validate (with --config or "
+        "--engine: it must be the engine's)",
+    )  # fmt: skip
+    source = desc.add_mutually_exclusive_group()
+    source.add_argument(
+        "--config", metavar="FILE",
+        help="the engine of this configuration's [instance], as kvstore serve --roles instance "
+        "builds it",
+    )  # fmt: skip
+    source.add_argument("--engine", choices=["reference"], help="the reference engine")
+    desc.add_argument("--engine-dir", metavar="DIR",
+                      help="with --engine: its weights (default: those --seed makes)")  # fmt: skip
+    desc.add_argument("--seed", type=int, default=0, help="with --engine (default 0)")
+    desc.add_argument("--block-tokens", type=int, default=16, help="with --engine (default 16)")
+    desc.add_argument("--canonical", action="store_true", help="JCS (RFC 8785), one line")
+    desc.add_argument("--json", action="store_true", help='{"compat_id": ..., "descriptor": ...}')
+    desc.set_defaults(func=checks.cmd_descriptor)
 
     container = sub.add_parser("container", help="KV Block Container tools")
     csub = container.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -495,6 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--certs", default=".kvstore/certs",
         help="directory with ca.pem and client-client.pem/.key (kvstore serve's first use)",
     )  # fmt: skip
+    who = health.add_mutually_exclusive_group()
+    who.add_argument(
+        "--principal",
+        metavar="NAME",
+        help="use client-NAME.pem/.key of --certs (kvstore certs init --principal)",
+    )
+    who.add_argument("--cert", metavar="FILE", help="client certificate (with --key)")
+    health.add_argument("--key", metavar="FILE", help="its private key (with --cert)")
+    health.add_argument("--cafile", metavar="FILE", help="CA certificate (default: --certs/ca.pem)")
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=cmd_health)
     serve.set_defaults(func=cmd_serve)
@@ -534,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = config_sub.add_parser("check", help="validate a file; errors name the key's path")
     check.add_argument("file")
     check.add_argument("--roles", default="holder", help="the roles it is for")
-    check.set_defaults(func=cmd_config_check)
+    check.set_defaults(func=checks.cmd_config_check)
 
     demo = sub.add_parser(
         "demo", help="prefix reuse and a migration after SIGKILL, on real processes"

@@ -7,14 +7,16 @@ maps principals to what they may do::
 
     {
       "principals": {
-        "urn:kvstore:alice":  {"read_scopes": ["<hex16>"], "write_scopes": ["<hex16>"]},
+        "urn:kvstore:alice":  {"read_scopes": ["<scope id>"], "write_scopes": ["<scope id>"]},
         "urn:kvstore:holder1": {"roles": ["holder"], "holder": "https://h1:8443/kvsp/",
-                                "read_scopes": ["*"], "write_scopes": ["*"]},
+                                "write_scopes": ["*"]},
         "urn:kvstore:pc":     {"roles": ["pc"], "read_scopes": ["*"]}
       }
     }
 
-An unknown principal has no rights at all. ``"*"`` means every scope.
+An unknown principal has no rights at all. ``"*"`` means every scope; a
+scope id is 32 lowercase hex digits. docs/security.md ("The policy file")
+describes every member, the roles and what each needs, with an example.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import re
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .protocol.problems import Forbidden, ScopeDenied, Unauthenticated
 
@@ -96,47 +100,182 @@ class Grant:
         return "*" in self.write_scopes or scope_id in self.write_scopes
 
 
+#: The members of a principal's entry (docs/security.md).
+GRANT_MEMBERS = ("roles", "read_scopes", "write_scopes", "holder", "instance")
+_SCOPE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class PolicyError(ValueError):
+    """An invalid policy document: every problem found, in ``problems``, each
+    the source (a file name, or ``policy``), the JSON path of the member and
+    the reason, e.g. ``policy.json: principals["urn:x"].read_scopes[1]: ...``.
+    Its message is all of them on one line, the source said once."""
+
+    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
+        #: (JSON path, reason) pairs; the path is "" for the document itself.
+        self.members = tuple(problems)
+        self.source = source
+        self.problems = tuple(f"{source}: {_where(path, reason)}" for path, reason in problems)
+        super().__init__(f"{source}: " + "; ".join(_where(p, r) for p, r in problems))
+
+
+def _where(path: str, reason: str) -> str:
+    return f"{path}: {reason}" if path else reason
+
+
+class _Members(dict[str, Any]):
+    """A JSON object as :meth:`Policy.load` reads it, with its repeated names."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _members(pairs: list[tuple[str, Any]]) -> _Members:
+    out = _Members(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        repeated: dict[str, None] = {}
+        for name, _ in pairs:
+            if name in seen:
+                repeated[name] = None
+            seen.add(name)
+        out.duplicates = tuple(repeated)
+    return out
+
+
+def _key(path: str, name: str) -> str:
+    return f"{path}[{json.dumps(name)}]"
+
+
+def _member(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _check_uri(value: Any, path: str, problems: list[tuple[str, str]]) -> str | None:
+    if value is None:
+        return None
+    try:
+        parts = urlsplit(value) if isinstance(value, str) else None
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        parts = None
+    if parts is None or parts.scheme not in ("https", "http") or not parts.netloc:
+        problems.append((path, "must be an absolute https (or http) base URI"))
+        return None
+    return str(value)
+
+
+def _strings(
+    raw: Mapping[str, Any],
+    name: str,
+    path: str,
+    problems: list[tuple[str, str]],
+    what: str,
+    check: Callable[[str], str | None],
+) -> frozenset[str]:
+    """The items of an array member of strings; a problem for each wrong one
+    (``check`` says what is wrong with a string, or None)."""
+    value = raw.get(name, [])
+    if not isinstance(value, list):
+        problems.append((_member(path, name), f"must be an array of {what}"))
+        return frozenset()
+    out = set()
+    for index, item in enumerate(value):
+        where = f"{_member(path, name)}[{index}]"
+        reason = check(item) if isinstance(item, str) else f"must be a string ({what})"
+        if reason is None:
+            out.add(item)
+        else:
+            problems.append((where, reason))
+    return frozenset(out)
+
+
+def _role(name: str) -> str | None:
+    return None if name in ROLES else f"unknown role {name!r}; known: {', '.join(sorted(ROLES))}"
+
+
+def _scope(name: str) -> str | None:
+    if name == "*" or _SCOPE_ID.fullmatch(name):
+        return None
+    return 'must be a hex16 scope id (32 lowercase hex digits) or "*"'
+
+
+def _grant(raw: Any, path: str, problems: list[tuple[str, str]]) -> Grant | None:
+    if not isinstance(raw, Mapping):
+        problems.append((path, "must be an object"))
+        return None
+    before = len(problems)
+    for name in getattr(raw, "duplicates", ()):
+        problems.append((_member(path, name), "given more than once"))
+    for name in raw:
+        if name not in GRANT_MEMBERS:
+            problems.append(
+                (_member(path, name), f"unknown member; known: {', '.join(GRANT_MEMBERS)}")
+            )
+    roles = _strings(raw, "roles", path, problems, "role names", _role)
+    scopes = {name: _strings(raw, name, path, problems, 'scope ids or "*"', _scope)
+              for name in ("read_scopes", "write_scopes")}  # fmt: skip
+    uris = {name: _check_uri(raw.get(name), _member(path, name), problems)
+            for name in ("holder", "instance")}  # fmt: skip
+    if len(problems) != before:
+        return None
+    return Grant(
+        roles=roles if "roles" in raw else frozenset({"client"}),
+        read_scopes=scopes["read_scopes"],
+        write_scopes=scopes["write_scopes"],
+        holder=uris["holder"],
+        instance=uris["instance"],
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Principals and their grants (SEC1, SEC2)."""
+    """Principals and their grants (SEC1, SEC2); the format is docs/security.md's."""
 
     principals: Mapping[str, Grant] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, data: Any) -> Policy:
-        if not isinstance(data, Mapping) or not isinstance(data.get("principals"), Mapping):
-            raise ValueError('policy: expected {"principals": {...}}')
-        grants = {}
-        for name, raw in data["principals"].items():
-            where = f"policy.principals[{name!r}]"
-            if not isinstance(raw, Mapping):
-                raise ValueError(f"{where}: must be an object")
-            roles = frozenset(raw.get("roles", ["client"]))
-            unknown = roles - ROLES
-            if unknown:
-                raise ValueError(f"{where}.roles: unknown {sorted(unknown)}; known {sorted(ROLES)}")
-            for member in ("read_scopes", "write_scopes"):
-                value = raw.get(member, [])
-                if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                    raise ValueError(f"{where}.{member}: must be an array of scope ids or '*'")
-            holder = raw.get("holder")
-            if holder is not None and not isinstance(holder, str):
-                raise ValueError(f"{where}.holder: must be a base URI")
-            instance = raw.get("instance")
-            if instance is not None and not isinstance(instance, str):
-                raise ValueError(f"{where}.instance: must be a base URI")
-            grants[str(name)] = Grant(
-                roles=roles,
-                read_scopes=frozenset(raw.get("read_scopes", [])),
-                write_scopes=frozenset(raw.get("write_scopes", [])),
-                holder=holder,
-                instance=instance,
-            )
+    def from_json(cls, data: Any, source: str = "policy") -> Policy:
+        """The policy of a parsed document; :class:`PolicyError` naming every
+        invalid member by its JSON path, after ``source``."""
+        problems: list[tuple[str, str]] = []
+        grants: dict[str, Grant] = {}
+        if not isinstance(data, Mapping):
+            problems.append(("", 'must be a JSON object {"principals": {...}}'))
+        else:
+            for name in getattr(data, "duplicates", ()):
+                problems.append((name, "given more than once"))
+            for name in data:
+                if name != "principals":
+                    problems.append((name, "unknown member; known: principals"))
+            principals = data.get("principals")
+            if principals is None:
+                problems.append(("principals", "required member is missing"))
+            elif not isinstance(principals, Mapping):
+                problems.append(("principals", "must be an object of principal names"))
+            else:
+                for name in getattr(principals, "duplicates", ()):
+                    problems.append((_key("principals", name), "given more than once"))
+                for name, raw in principals.items():
+                    where = _key("principals", name)
+                    named = isinstance(name, str) and bool(name)
+                    if not named:
+                        problems.append((where, "a principal name must be a non-empty string"))
+                    grant = _grant(raw, where, problems)
+                    if grant is not None and named:
+                        grants[name] = grant
+        if problems:
+            raise PolicyError(source, problems)
         return cls(grants)
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """The policy file at ``path``: :class:`OSError` when it cannot be
+        read, :class:`PolicyError` (a ValueError) when it is not a valid policy."""
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text, object_pairs_hook=_members)
+        except json.JSONDecodeError as exc:
+            raise PolicyError(str(path), [("", f"not JSON: {exc}")]) from exc
+        return cls.from_json(data, source=str(path))
 
     def grant(self, principal: str | None) -> Grant:
         """The principal's grant; :class:`Forbidden` for an unknown one."""

@@ -245,7 +245,7 @@ def build_sessions(
         from .instance.reference import ReferenceEngine
     except ImportError as exc:
         raise ConfigError(f"instance.engine: the engine extra is not installed ({exc})") from exc
-    directory = cfg.engine_dir or str(config.root / ".kvstore" / "engine")
+    directory = engine_directory(config)
     engine = ReferenceEngine(directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed,
                              device=cfg.engine_device)  # fmt: skip
     log.info("engine %s, compat_id %s", engine.descriptor.model,
@@ -264,6 +264,11 @@ def build_sessions(
     return Sessions(settings, engine, store, scope_keys, lifecycle, load,
                     prefetcher=prefetcher, publisher=publisher, controller=controller,
                     holders=holders)  # fmt: skip
+
+
+def engine_directory(config: Config) -> str:
+    """Where the instance's engine keeps its weights and tokenizer (made on first use)."""
+    return config.instance.engine_dir or str(config.root / ".kvstore" / "engine")
 
 
 def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:

@@ -305,3 +305,194 @@ def test_the_grafana_dashboard_uses_documented_metrics() -> None:
         suffix = stem.rsplit("_", 1)[-1]
         assert name in documented or stem in documented or f"_{suffix}" in documented, name
     assert len(dashboard["panels"]) >= 10
+
+
+GOOD_TOML = ('[server]\ninsecure_http = true\n[holder]\npolicy = "p.json"\n'
+             '[index]\npolicy = "p.json"\n'
+             '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n')  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "paths"),
+    [
+        ({"principals": {"urn:x": {"read_scopes": ["*", "A1"]}}},
+         ['principals["urn:x"].read_scopes[1]: must be a hex16 scope id']),
+        ({"principals": {"urn:h": {"roles": ["holder", "hodler"], "holder": "h1/kvsp/"},
+                         "urn:c": {"write_scopes": "*", "read_scope": ["*"]}}},
+         ["principals[\"urn:h\"].roles[1]: unknown role 'hodler'",
+          'principals["urn:h"].holder: must be an absolute https (or http) base URI',
+          'principals["urn:c"].read_scope: unknown member',
+          'principals["urn:c"].write_scopes: must be an array']),
+        ({"principals": {"urn:i": {"roles": "instance", "instance": 8443}}},
+         ['principals["urn:i"].roles: must be an array of role names',
+          'principals["urn:i"].instance: must be an absolute']),
+        ({"principal": {}}, ["principal: unknown member", "principals: required member"]),
+    ],
+)  # fmt: skip
+def test_config_check_names_each_invalid_policy_member(
+    tmp_path: Path, policy: Any, paths: list[str]
+) -> None:
+    (tmp_path / "k.toml").write_text(GOOD_TOML)
+    (tmp_path / "p.json").write_text(json.dumps(policy))
+    done = kvstore("config", "check", str(tmp_path / "k.toml"))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    # One line per invalid member: the configuration key, the file, the JSON path.
+    assert len(lines) == len(paths), done.stderr
+    for line, path in zip(lines, paths, strict=True):
+        assert line.startswith(f"kvstore: error: holder.policy: {tmp_path / 'p.json'}: {path}"), (
+            line
+        )
+    both = kvstore("config", "check", str(tmp_path / "k.toml"), "--roles", "holder,index")
+    assert f"index.policy: {tmp_path / 'p.json'}: {paths[0]}" in both.stderr
+
+
+def test_config_check_reports_an_unreadable_or_non_json_policy(tmp_path: Path) -> None:
+    (tmp_path / "k.toml").write_text(GOOD_TOML)
+    missing = kvstore("config", "check", str(tmp_path / "k.toml"))
+    assert missing.returncode == 2
+    assert f"holder.policy: No such file or directory: {tmp_path / 'p.json'}" in missing.stderr
+    (tmp_path / "p.json").write_text('{"principals": {')
+    broken = kvstore("config", "check", str(tmp_path / "k.toml"))
+    assert broken.returncode == 2
+    assert f"holder.policy: {tmp_path / 'p.json'}: not JSON: " in broken.stderr
+
+
+class _TLSProbe:
+    """A real mutual-TLS HTTPS server in a thread, answering /healthz and
+    remembering each client's principal."""
+
+    def __init__(self, certs: Path) -> None:
+        import http.server
+        import threading
+
+        from kvstore.security import principal_of, server_context
+
+        seen: list[str | None] = []
+        self.seen = seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append(principal_of(self.connection.getpeercert()))
+                body = b'{"status": "ok"}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        context = server_context(str(certs / "server.pem"), str(certs / "server.key"),
+                                 str(certs / "ca.pem"))  # fmt: skip
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.server.server_address[1]}/healthz"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def test_health_picks_the_client_certificate(tmp_path: Path) -> None:
+    import shutil
+
+    from kvstore.security import create_dev_certificates
+
+    certs = tmp_path / "certs"
+    create_dev_certificates(certs, ["client", "ops"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("ca.pem", "client-ops.pem", "client-ops.key"):
+        shutil.copy(certs / name, elsewhere / name)
+    probe = _TLSProbe(certs)
+    try:
+        # --certs alone: client-client.pem/.key, as before.
+        done = kvstore("health", probe.url, "--certs", str(certs))
+        assert done.returncode == 0 and '"ok"' in done.stdout, done.stderr
+        # --principal NAME: client-NAME.pem/.key of --certs.
+        done = kvstore("health", probe.url, "--certs", str(certs), "--principal", "ops")
+        assert done.returncode == 0, done.stderr
+        # --cert/--key/--cafile: any files, no directory.
+        done = kvstore("health", probe.url, "--certs", str(tmp_path / "none"),
+                       "--cert", str(elsewhere / "client-ops.pem"),
+                       "--key", str(elsewhere / "client-ops.key"),
+                       "--cafile", str(elsewhere / "ca.pem"))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert probe.seen == ["urn:kvstore:client", "urn:kvstore:ops", "urn:kvstore:ops"]
+        # Missing files: one line naming the file, unhealthy (exit 1).
+        for args, named in (
+            (["--principal", "nobody"], f"client certificate {certs / 'client-nobody.pem'}"),
+            (["--cafile", str(tmp_path / "ca.pem")], f"CA certificate {tmp_path / 'ca.pem'}"),
+            (["--cert", str(elsewhere / "client-ops.pem"), "--key", str(elsewhere / "x.key")],
+             f"client key {elsewhere / 'x.key'}"),
+        ):  # fmt: skip
+            done = kvstore("health", probe.url, "--certs", str(certs), *args)
+            assert done.returncode == 1, done.stderr
+            assert done.stderr.strip().splitlines() == [
+                f"kvstore: unhealthy: {probe.url}: {named} does not exist"
+            ]
+        half = kvstore("health", probe.url, "--cert", str(elsewhere / "client-ops.pem"))
+        assert half.returncode == 2 and "--cert and --key go together" in half.stderr
+        both = kvstore("health", probe.url, "--principal", "ops", "--cert", "c.pem")
+        assert both.returncode == 2 and "not allowed with" in both.stderr
+        assert len(probe.seen) == 3
+    finally:
+        probe.close()
+
+
+def test_descriptor_of_a_file(descriptor_file: Path, tmp_path: Path) -> None:
+    import rfc8785
+
+    done = kvstore("descriptor", "--descriptor", str(descriptor_file))
+    assert done.returncode == 0, done.stderr
+    first, rest = done.stdout.split("\n", 1)
+    assert first == f"compat_id {COMPAT_ID}"
+    assert json.loads(rest) == DESCRIPTOR
+    canonical = kvstore("descriptor", "--descriptor", str(descriptor_file), "--canonical")
+    as_read = json.loads(descriptor_file.read_text())
+    assert canonical.stdout.splitlines()[1] == rfc8785.dumps(as_read).decode()
+    as_json = kvstore("descriptor", "--descriptor", str(descriptor_file), "--json")
+    assert json.loads(as_json.stdout) == {"compat_id": COMPAT_ID, "descriptor": DESCRIPTOR}
+    one_line = kvstore("descriptor", "--descriptor", str(descriptor_file), "--json", "--canonical")
+    assert one_line.stdout.count("\n") == 1
+    assert json.loads(one_line.stdout)["compat_id"] == COMPAT_ID
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(DESCRIPTOR, layers=0)))
+    refused = kvstore("descriptor", "--descriptor", str(bad))
+    assert refused.returncode == 2 and f"{bad}: descriptor.layers" in refused.stderr
+    nothing = kvstore("descriptor")
+    assert nothing.returncode == 2 and "--descriptor FILE, --config FILE" in nothing.stderr
+
+
+def test_descriptor_of_an_instance_configuration(tmp_path: Path) -> None:
+    # What `kvstore serve --roles instance` would build: the reference engine
+    # of [instance], its weights from engine_seed unless engine_dir has some.
+    from kvstore.instance.reference import ReferenceEngine
+
+    (tmp_path / "k.toml").write_text('[instance]\nengine = "reference"\nengine_dir = "engine"\n'
+                                     "engine_seed = 3\nblock_tokens = 8\n")  # fmt: skip
+    expected = ReferenceEngine(tmp_path / "seed3", block_tokens=8, seed=3).descriptor
+    done = kvstore("descriptor", "--config", str(tmp_path / "k.toml"), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "compat_id": expected.compat_id_hex, "descriptor": expected.to_json()
+    }  # fmt: skip
+    assert not (tmp_path / "engine").exists()  # nothing made where serve keeps its weights
+    (tmp_path / "seed3.json").write_text(json.dumps(expected.to_json()))
+    same = kvstore("descriptor", "--engine", "reference", "--seed", "3", "--block-tokens", "8",
+                   "--descriptor", str(tmp_path / "seed3.json"))  # fmt: skip
+    assert same.returncode == 0, same.stderr
+    assert same.stdout.splitlines()[0] == f"compat_id {expected.compat_id_hex}"
+    # Weights already in engine_dir are what serve would load.
+    ReferenceEngine(tmp_path / "engine", block_tokens=8, seed=4)
+    other = kvstore("descriptor", "--config", str(tmp_path / "k.toml"),
+                    "--descriptor", str(tmp_path / "seed3.json"))  # fmt: skip
+    assert other.returncode == 2
+    assert "is not the engine's" in other.stderr and "(model_digest differ)" in other.stderr
+    (tmp_path / "none.toml").write_text("[instance]\n")
+    none = kvstore("descriptor", "--config", str(tmp_path / "none.toml"))
+    assert none.returncode == 2 and "instance.engine: ''" in none.stderr

@@ -1,0 +1,197 @@
+"""``kvstore config check`` and ``kvstore descriptor``: what a configuration,
+and the engine an instance configuration builds, amount to, without serving."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cli import CliError, _read_json
+from .protocol.problems import KvspError
+
+
+def cmd_config_check(args: argparse.Namespace) -> Any:
+    """Validate a configuration as ``serve`` would read it (environment
+    overrides included), building what can be built without serving."""
+    from .config import ConfigError, load
+
+    try:
+        config = load(args.file)
+        roles = tuple(r.strip() for r in args.roles.split(","))
+        problems = check_roles(config, roles)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    if problems:
+        # In the order found, one a line; the last one is the exit's error.
+        for problem in problems[:-1]:
+            print(f"kvstore: error: {problem}", file=sys.stderr)
+        raise CliError(problems[-1])
+    return f"{args.file}: ok for roles {','.join(roles)}"
+
+
+def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
+    """What a role needs that the configuration lacks (every one found)."""
+    from .security import Policy, PolicyError
+
+    known = {"holder": "holder", "index": "index", "pc": "controller", "instance": "instance"}
+    out: list[str] = []
+    for role in roles:
+        if role not in known:
+            return [f"roles: {role!r} unknown; available: {', '.join(known)}"]
+        section = getattr(config, known[role])
+        if not section.policy:
+            out.append(f"{known[role]}.policy: a policy file is required")
+            continue
+        try:
+            Policy.load(section.policy)
+        except PolicyError as exc:
+            # One line per invalid member, each with its path in the document.
+            out += [f"{known[role]}.policy: {problem}" for problem in exc.problems]
+        except OSError as exc:
+            out.append(f"{known[role]}.policy: {exc.strerror or exc}: {section.policy}")
+        except ValueError as exc:
+            out.append(f"{known[role]}.policy: {exc}")
+    if ("holder" in roles or "instance" in roles) and not config.storage.tiers:
+        out.append("storage.tiers: at least one [[storage.tiers]] is required")
+    out += _check_parts(config, roles)
+    server = config.server
+    if not server.insecure_http:
+        for key in ("certfile", "keyfile", "cafile"):
+            value = getattr(server, key)
+            if not value:
+                out.append(f"server.{key}: required unless insecure_http = true")
+            elif not Path(value).exists():
+                out.append(f"server.{key}: {value} does not exist")
+    return out
+
+
+def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
+    """What ``serve`` would refuse beyond the file's syntax: backends, state
+    names, descriptors, the sealing key, TLS files, plain HTTP off loopback."""
+    import json as json_
+
+    from backends import BACKENDS
+
+    from .protocol.compat import parse_descriptor
+    from .serve import _is_loopback
+
+    out: list[str] = []
+    if "holder" in roles or "instance" in roles:
+        for index, tier in enumerate(config.storage.tiers):
+            if tier.backend not in BACKENDS:
+                out.append(f"storage.tiers[{index}].backend: {tier.backend!r}; known: "
+                           f"{', '.join(sorted(BACKENDS))}")  # fmt: skip
+        key = config.storage.encryption_key_file
+        if key:
+            try:
+                if len(Path(key).read_bytes()) != 32:
+                    out.append("storage.encryption_key_file: must hold exactly 32 octets")
+            except OSError as exc:
+                out.append(f"storage.encryption_key_file: {exc.strerror}: {key}")
+    for section, role in (("index", "index"), ("controller", "pc")):
+        if role in roles and getattr(config, section).state not in ("memory", "redis"):
+            out.append(f"{section}.state: {getattr(config, section).state!r} is not "
+                       "'memory' or 'redis'")  # fmt: skip
+    for section, role in (("holder", "holder"), ("index", "index"), ("controller", "pc")):
+        if role not in roles:
+            continue
+        for file in getattr(config, section).descriptors:
+            try:
+                parse_descriptor(json_.loads(Path(file).read_text()))
+            except (OSError, ValueError, KvspError) as exc:
+                out.append(f"{section}.descriptors: {file}: {exc}")
+    server = config.server
+    if server.insecure_http and not _is_loopback(server.host):
+        out.append("server.insecure_http: refused on a non-loopback address")
+    if not server.insecure_http and all(
+        getattr(server, k) and Path(getattr(server, k)).exists()
+        for k in ("certfile", "keyfile", "cafile")
+    ):
+        import ssl
+
+        try:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=server.cafile)
+            context.load_cert_chain(server.certfile, server.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            out.append(f"server.certfile / keyfile / cafile: {exc}")
+    return out
+
+
+def cmd_descriptor(args: argparse.Namespace) -> Any:
+    """A Compatibility Descriptor and its Compatibility ID (C1, C2): of a file,
+    of an instance configuration's engine, or of the reference engine; given
+    a file and an engine, the file must be the engine's."""
+    from .protocol.compat import parse_descriptor
+
+    found = None
+    if args.descriptor:
+        try:
+            found = parse_descriptor(_read_json(args.descriptor))
+        except KvspError as exc:
+            raise CliError(f"{args.descriptor}: {exc}") from exc
+    engine = None
+    if args.config:
+        engine = _config_engine_descriptor(args.config)
+    elif args.engine:
+        if args.block_tokens < 1:
+            raise CliError("--block-tokens: at least 1")
+        engine = _reference_descriptor(args.engine_dir, args.block_tokens, args.seed)
+    if found is None and engine is None:
+        raise CliError("descriptor: give --descriptor FILE, --config FILE or --engine reference")
+    if found is not None and engine is not None and found.compat_id != engine.compat_id:
+        mine, theirs = found.to_json(), engine.to_json()
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise CliError(f"{args.descriptor}: compat_id {found.compat_id_hex} is not the "
+                       f"engine's {engine.compat_id_hex} ({', '.join(differ)} differ)")  # fmt: skip
+    descriptor = engine or found
+    assert descriptor is not None
+    if args.json:
+        out = {"compat_id": descriptor.compat_id_hex, "descriptor": descriptor.to_json()}
+        if args.canonical:
+            import rfc8785
+
+            return rfc8785.dumps(out).decode()
+        return out
+    text = descriptor.canonical().decode() if args.canonical else json.dumps(
+        descriptor.to_json(), indent=2)  # fmt: skip
+    return f"compat_id {descriptor.compat_id_hex}\n{text}"
+
+
+def _config_engine_descriptor(file: str) -> Any:
+    """The descriptor of the engine ``kvstore serve --roles instance`` builds
+    from the configuration's [instance] section (kvstore.serve.build_sessions)."""
+    from .config import ConfigError, load
+
+    try:
+        config = load(file)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    cfg = config.instance
+    if cfg.engine != "reference":
+        raise CliError(f"instance.engine: {cfg.engine!r}; a descriptor needs an engine "
+                       '(available: "reference")')  # fmt: skip
+    if cfg.block_tokens < 1:
+        raise CliError("instance.block_tokens: at least 1")
+    from .serve import engine_directory
+
+    directory = engine_directory(config)
+    return _reference_descriptor(directory, cfg.block_tokens, cfg.engine_seed)
+
+
+def _reference_descriptor(directory: str | None, block_tokens: int, seed: int) -> Any:
+    """The reference engine's descriptor: of the weights in ``directory`` when
+    they exist there, else of those ``seed`` makes (drawn in a temporary
+    directory: nothing is written to ``directory``)."""
+    import tempfile
+
+    try:
+        from .instance.reference import ReferenceEngine
+    except ImportError as exc:
+        raise CliError(f"the engine extra is not installed ({exc})") from exc
+    if directory and (Path(directory) / "model.safetensors").is_file():
+        return ReferenceEngine(directory, block_tokens=block_tokens, seed=seed).descriptor
+    with tempfile.TemporaryDirectory(prefix="kvstore-engine-") as scratch:
+        return ReferenceEngine(scratch, block_tokens=block_tokens, seed=seed).descriptor
