@@ -102,6 +102,7 @@ A holder's file, with every key and its default::
     compress = false
     fast_layers = 0                   # 0: no split
     promote = true
+    write_through = false             # PUT acknowledged once in a persistent tier
     lease_max_ttl_ms = 60000
     lease_max_octets_per_client = 8589934592
     retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
@@ -249,6 +250,7 @@ class StorageConfig:
     compress: bool = False
     fast_layers: int = 0
     promote: bool = True
+    write_through: bool = False
     lease_max_ttl_ms: int = 60_000
     lease_max_octets_per_client: int = 8 << 30
     retention_s: float = 0.0

@@ -82,6 +82,8 @@ class _StoreCollector(Collector):
         moves = CounterMetricFamily("kvstore_store_moves", "Segment moves", labels=["direction"])
         moves.add_metric(["demotion"], stats.demotions)
         moves.add_metric(["promotion"], stats.promotions)
+        # A persistent copy given up for room (the block stays in a faster tier).
+        moves.add_metric(["copy_dropped"], stats.copies_dropped)
         yield moves
         yield CounterMetricFamily(
             "kvstore_digest_failures", "Integrity check failures", value=stats.integrity_failures

@@ -39,6 +39,9 @@ def build_store(config: Config) -> TieredStore:
             tiers.append((create_tier(tier.backend, **tier.options), tier.capacity))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"storage.tiers[{index}]: {exc}") from exc
+    if cfg.write_through and not any(t.persistent for t, _ in tiers[1:]):
+        raise ConfigError("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
+                          "below the first one")  # fmt: skip
     return TieredStore(
         tiers,
         sealer=SegmentSealer(key, compress=cfg.compress),
@@ -47,6 +50,7 @@ def build_store(config: Config) -> TieredStore:
             max_ttl_ms=cfg.lease_max_ttl_ms,
         ),
         promote=cfg.promote,
+        write_through=cfg.write_through,
         fast_layers=cfg.fast_layers or None,
         retention_s=cfg.retention_s or None,
     )

@@ -124,3 +124,17 @@ def test_greedy_is_not_claimed_deterministic_unless_configured(tmp_path: Path) -
     assert SessionSettings("https://ii.example/kvsp/").greedy_deterministic is False
     file.write_text("[instance]\ngreedy_deterministic = true\n")
     assert load(file).instance.greedy_deterministic is True
+
+
+def test_write_through_needs_a_persistent_tier_below_the_first(tmp_path: Path) -> None:
+    from kvstore.serve import build_store
+
+    file = tmp_path / "k.toml"
+    file.write_text("[storage]\nwrite_through = true\n"
+                    '[[storage.tiers]]\nbackend = "host"\ncapacity = 4096\n')  # fmt: skip
+    with pytest.raises(ConfigError, match="write_through"):
+        build_store(load(file))
+    with file.open("a") as out:
+        out.write(f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 1048576\n'
+                  f'path = "{tmp_path / "lmdb"}"\nmap_size = 1048576\n')  # fmt: skip
+    assert build_store(load(file)).write_through

@@ -80,6 +80,11 @@ class BlockInfo:
     layers: dict[int, tuple[int, int, bytes]]
     segments: list[Segment]
     readers: int = 0
+    #: Copies in persistent tiers of segments a faster tier serves (tiers are
+    #: inclusive below memory: a promotion, or a write-through PUT, leaves the
+    #: persistent copy in place until that tier evicts it). Each covers the
+    #: same layers as one of ``segments``; reads never use them.
+    copies: list[Segment] = field(default_factory=list)
     #: Repr-Digest of the whole container, computed on the first whole read.
     whole_repr_digest: str | None = None
     #: Persistent tiers holding this block's layer table (see :meth:`meta`).
@@ -182,6 +187,8 @@ class StoreStats:
     misses: int = 0
     demotions: int = 0
     promotions: int = 0
+    #: Persistent copies given up for room while a faster tier serves the block.
+    copies_dropped: int = 0
     evictions: int = 0
     fault_evictions: int = 0
     #: Blocks removed for being older than the retention limit (SEC4).

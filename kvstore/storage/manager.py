@@ -14,6 +14,11 @@ Rules, with the requirement they serve:
   can withdraw it from the Index Service first (P3); data lost to a fault
   (a tier that no longer has a segment) notifies before it is forgotten,
   leased or not (LE4);
+* tiers are inclusive below memory: a promotion copies a segment up and the
+  persistent tier keeps its copy (``BlockInfo.copies``) until that tier needs
+  the room, so what reached LMDB, Redis or S3 stays there when it is read
+  (a demotion back down is then free); ``write_through`` also makes a PUT
+  write that copy before it is acknowledged (acknowledged = durable);
 * a tier that raises :class:`TierUnavailable` is marked degraded and skipped
   for new writes until its retry time; reads of segments there fail with
   that error and the caller treats it as a miss (P4). No backend decides this.
@@ -74,6 +79,7 @@ class TieredStore(TierIO):
         clock: Callable[[], float] = time.monotonic,
         retention_s: float | None = None,
         wall_clock: Callable[[], float] = time.time,
+        write_through: bool = False,
     ) -> None:
         """
         ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
@@ -87,6 +93,9 @@ class TieredStore(TierIO):
         encryption on against one).
         ``retention_s``: blocks stored longer ago than this are removed by
         :meth:`expire` (SEC4: the retention limit of the originating service).
+        ``write_through``: a PUT is acknowledged once every layer is also in
+        the first persistent tier below the one serving it (a copy there),
+        so that an acknowledged block survives a crash.
         """
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -100,6 +109,7 @@ class TieredStore(TierIO):
         self.on_evict = on_evict
         self.clock = clock
         self.retention_s, self.wall_clock = retention_s, wall_clock
+        self.write_through = write_through and any(s.tier.persistent for s in self.slots)
         self.stats = StoreStats()
         self._blocks: dict[BlockRef, BlockInfo] = {}
         self._by_key: dict[str, set[BlockRef]] = {}
@@ -224,7 +234,9 @@ class TieredStore(TierIO):
                             part: BytesLike = data  # the whole container: no copy
                         else:
                             part = container.slice(first, last).tobytes()
-                        await self._place(info, first, last, part, slot)
+                        segment = await self._place(info, first, last, part, slot)
+                        if self.write_through and not self.slots[segment.slot].tier.persistent:
+                            await self._place_copy(info, segment, part)
                     info.layers = await hashing
                     await self._sync_meta(info, strict=True)
                 except BaseException:
@@ -246,7 +258,7 @@ class TieredStore(TierIO):
 
     async def _place(
         self, info: BlockInfo, first: int, last: int, plain: BytesLike, start: int
-    ) -> None:
+    ) -> Segment:
         """Write a new segment in the first tier from ``start`` that can take it."""
         errors: list[str] = []
         for index in range(start, len(self.slots)):
@@ -266,9 +278,39 @@ class TieredStore(TierIO):
                 errors.append(f"{slot.kind}: {exc.detail}")
                 continue
             self._attach(info, segment)
-            return
+            return segment
         raise InsufficientStorage(
             f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
+        )
+
+    async def _place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
+        """Write-through: a copy of a new segment in the first persistent tier
+        below it that can take it; else the PUT fails (it would not be durable)."""
+        errors: list[str] = []
+        for index in range(segment.slot + 1, len(self.slots)):
+            slot = self.slots[index]
+            if not slot.tier.persistent:
+                continue
+            if slot.degraded_until > self.clock():
+                errors.append(f"{slot.kind}: degraded")
+                continue
+            stored, crc = await self._stored_form(slot, info.ref, segment.first, segment.last,
+                                                  plain)  # fmt: skip
+            size = len(memoryview(stored))
+            if not await self._make_room(index, size, exclude=info.ref):
+                errors.append(f"{slot.kind}: full")
+                continue
+            copy = Segment(info.ref, segment.first, segment.last, index, size, crc)
+            try:
+                await self._tier_call(slot, slot.tier.put(copy.key, stored))
+            except (TierUnavailable, TierFull) as exc:
+                errors.append(f"{slot.kind}: {exc.detail}")
+                continue
+            self._attach_copy(info, copy)
+            return
+        raise InsufficientStorage(
+            f"write_through: no persistent tier can store layers {segment.first}-{segment.last}"
+            f" of {info.ref.block_key} ({'; '.join(errors)})"
         )
 
     def _attach(self, info: BlockInfo, segment: Segment) -> None:
@@ -283,6 +325,30 @@ class TieredStore(TierIO):
         slot.used -= segment.stored_octets
         slot.policy.remove(segment.id)
         info.segments.remove(segment)
+
+    def _attach_copy(self, info: BlockInfo, copy: Segment) -> None:
+        slot = self.slots[copy.slot]
+        slot.used += copy.stored_octets
+        slot.policy.add(copy.id)
+        info.copies.append(copy)
+
+    def _detach_copy(self, info: BlockInfo, copy: Segment) -> None:
+        slot = self.slots[copy.slot]
+        slot.used -= copy.stored_octets
+        slot.policy.remove(copy.id)
+        info.copies.remove(copy)
+
+    def _copy_of(self, info: BlockInfo, segment: Segment) -> Segment | None:
+        """The persistent copy below ``segment`` (same layers), if one is kept."""
+        return next((x for x in info.copies if (x.first, x.last) == (segment.first, segment.last)),
+                    None)  # fmt: skip
+
+    async def _drop_copy(self, info: BlockInfo, copy: Segment) -> None:
+        """A tier needs the room of a copy: the faster tier above still serves it."""
+        self._detach_copy(info, copy)
+        await self._quiet_delete(self.slots[copy.slot], copy.key)
+        await self._sync_meta(info)
+        self.stats.copies_dropped += 1
 
     def _pinned(self, ref: BlockRef) -> bool:
         info = self._blocks.get(ref)
@@ -306,6 +372,9 @@ class TieredStore(TierIO):
                 continue  # a block still being put: not a candidate yet
             segment = next((x for x in info.segments if x.first == first and x.slot == index), None)
             if segment is None:
+                copy = next((x for x in info.copies if x.first == first and x.slot == index), None)
+                if copy is not None:
+                    await self._drop_copy(info, copy)
                 continue
             if await self._demote(info, segment):
                 continue
@@ -322,6 +391,17 @@ class TieredStore(TierIO):
         room is used).
         """
         src = self.slots[segment.slot]
+        copy = self._copy_of(info, segment)
+        if copy is not None:
+            # Inclusive tiers: the copy below takes over, nothing is written.
+            self._detach(info, segment)
+            info.copies.remove(copy)
+            info.segments.append(copy)
+            info.segments.sort(key=lambda s: s.first)
+            await self._quiet_delete(src, segment.key)
+            await self._sync_meta(info)
+            self.stats.demotions += 1
+            return True
         try:
             plain = await self._load(info, segment)
         except (TierUnavailable, CorruptData, NotFound):
@@ -379,8 +459,15 @@ class TieredStore(TierIO):
                 await self._quiet_delete(top, moved.key)
                 return
             src = self.slots[segment.slot]
-            self._replace(info, segment, moved)
-            await self._quiet_delete(src, segment.key)
+            if src.tier.persistent:
+                # Inclusive: the persistent copy stays (and keeps its room
+                # there) until that tier evicts it; the block stays durable.
+                info.segments.remove(segment)
+                info.copies.append(segment)
+                self._attach(info, moved)
+            else:
+                self._replace(info, segment, moved)
+                await self._quiet_delete(src, segment.key)
             await self._sync_meta(info)
             self.stats.promotions += 1
 
@@ -408,9 +495,11 @@ class TieredStore(TierIO):
                 return
         # Unregistered at once, with no await in between: a cancelled or
         # failing eviction never leaves a block registered without its data.
-        segments = list(info.segments)
-        for segment in segments:
+        segments = list(info.segments) + list(info.copies)
+        for segment in info.segments[:]:
             self._detach(info, segment)
+        for copy in info.copies[:]:
+            self._detach_copy(info, copy)
         del self._blocks[info.ref]
         refs = self._by_key.get(info.ref.block_key)
         if refs is not None:
@@ -429,9 +518,11 @@ class TieredStore(TierIO):
 
     async def _discard(self, info: BlockInfo) -> None:
         """Remove the segments of a block that was never registered (a failed put)."""
-        segments = list(info.segments)
-        for segment in segments:
+        segments = list(info.segments) + list(info.copies)
+        for segment in info.segments[:]:
             self._detach(info, segment)
+        for copy in info.copies[:]:
+            self._detach_copy(info, copy)
         await asyncio.shield(self._delete_segments(segments, info))
 
     async def _delete_segments(self, segments: Sequence[Segment], info: BlockInfo) -> None:
@@ -448,7 +539,9 @@ class TieredStore(TierIO):
         without it counts the block's age from then) and its layer
         digests, so a PUT is acknowledged only with it in place: a disk out
         of room after the segment went in is a 507, a tier gone a 503."""
-        want = {x.slot for x in info.segments if self.slots[x.slot].tier.persistent}
+        want = {
+            x.slot for x in [*info.segments, *info.copies] if self.slots[x.slot].tier.persistent
+        }
         for index in sorted(want - info.meta_slots):
             slot = self.slots[index]
             stored = self.sealer.seal(info.ref.meta_name, info.meta())

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol import container as kc
 from ..protocol.problems import TierFull, TierUnavailable
@@ -42,6 +42,8 @@ async def recover(store: TieredStore) -> int:
                         known[:3], len(info.segments))  # fmt: skip
             for segment in list(info.segments):
                 store._detach(info, segment)
+            for copy in list(info.copies):
+                store._detach_copy(info, copy)
             del store._blocks[info.ref]
             store._by_key.get(info.ref.block_key, set()).discard(info.ref)
     return len(store._blocks)
@@ -81,23 +83,49 @@ async def _recover_key(store: TieredStore, index: int, slot: TierSlot, key: str)
         return
     info = _info(store, ref, container.codec, container.token_count)
     first, last = span
+    same = any((x.first, x.last) == span for x in [*info.segments, *info.copies])
+    if info.codec == container.codec and same and not any(x.slot == index for x in info.copies):
+        # The same layers in a slower persistent tier: tiers are inclusive,
+        # so it is a copy kept below the faster one (tiers are read fastest
+        # first). Checked like a segment, then kept as a copy.
+        copy = _checked(store, info, container, key, slot, index, stored, span)
+        if copy is not None:
+            store._attach_copy(info, copy)
+        return
     if any(x.first <= last and first <= x.last for x in info.segments) or (
         info.codec != container.codec
     ):
-        # A second copy (e.g. a demotion interrupted between its write and delete).
+        # Overlapping other layers (e.g. a demotion interrupted between its
+        # write and delete, under another split): not kept.
         await store._quiet_delete(slot, key)
         return
+    segment = _checked(store, info, container, key, slot, index, stored, span)
+    if segment is not None:
+        store._attach(info, segment)
+
+
+def _checked(
+    store: TieredStore,
+    info: BlockInfo,
+    container: kc.Container,
+    key: str,
+    slot: TierSlot,
+    index: int,
+    stored: Any,
+    span: tuple[int, int],
+) -> Segment | None:
+    """The segment of ``stored`` once every layer matches the known digests."""
     for layer in container:
         known = info.layers.get(layer.index)
         digest = layer.digest()
         if known is not None and known[2] != digest:
             store.stats.integrity_failures += 1
             log.warning("skipping %s in %s: layer %d fails its digest", key, slot.kind, layer.index)
-            return
+            return None
         info.layers[layer.index] = (len(layer.k), len(layer.v), digest)
     size = len(memoryview(stored))
     crc = None if store.sealer.authenticates else zlib.crc32(stored)
-    store._attach(info, Segment(ref, first, last, index, size, crc))
+    return Segment(info.ref, span[0], span[1], index, size, crc)
 
 
 async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int) -> None:

@@ -87,3 +87,71 @@ async def test_acknowledged_puts_survive_sigkill(tmp_path: Path) -> None:
             assert served >= len(acknowledged)
     finally:
         holder.stop()
+
+
+async def test_blocks_read_after_reaching_lmdb_and_write_through_puts_survive_sigkill(
+    tmp_path: Path,
+) -> None:
+    # Host memory (room for 3 blocks) over LMDB. A hit used to move a block
+    # out of LMDB into memory, where a SIGKILL lost it; and a PUT acknowledged
+    # from memory was lost too. Now LMDB keeps its copy when a block is read,
+    # and with storage.write_through a 201 means "in LMDB".
+    import random
+
+    from kvstore.protocol import container as kc
+
+    create_dev_certificates(tmp_path / "certs", ["alice"])
+    port = free_port()
+    uri = f"https://127.0.0.1:{port}/kvsp/"
+    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
+        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
+    config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
+              '[[storage.tiers]]\nbackend = "host"\ncapacity = 3500000\n'
+              '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 268435456\npath = "lmdb"\n'
+              "map_size = 536870912\n")  # fmt: skip
+    holder = Process(tmp_path, "holder", config, "holder")
+    certs = tmp_path / "certs"
+    context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
+                             str(certs / "client-alice.key"))  # fmt: skip
+
+    def body_of(n: int) -> bytes:  # 1 MiB
+        rng = random.Random(n)
+        return bytes(kc.encode([(rng.randbytes(64 << 10), rng.randbytes(64 << 10))
+                                for _ in range(8)], token_count=4))  # fmt: skip
+
+    async def kill_and_restart() -> None:
+        assert holder.process is not None
+        holder.process.send_signal(signal.SIGKILL)
+        holder.process.wait(timeout=10)
+        holder.start(port)
+
+    try:
+        holder.start(port)
+        async with HolderClient(context, timeout_s=10) as client:
+            for n in range(12):
+                await client.put_block(uri, COMPAT, SCOPE, ref(n).block_key, body_of(n))
+            # 0-8 reached LMDB (3 blocks of room above); read them: each
+            # is copied up, and pushes others down.
+            for n in range(9):
+                assert await client.get_block(uri, COMPAT, SCOPE, ref(n).block_key) == body_of(n)
+        await kill_and_restart()
+        async with HolderClient(context, timeout_s=10) as client:
+            for n in range(9):
+                body = await client.get_block(uri, COMPAT, SCOPE, ref(n).block_key)
+                assert body == body_of(n), f"block {n} altered"
+        # write_through: every acknowledged PUT is in LMDB, however recent.
+        holder.stop()
+        (tmp_path / "holder.toml").write_text(
+            config.replace("[holder]", "[storage]\nwrite_through = true\n[holder]")
+        )
+        holder.start(port)
+        async with HolderClient(context, timeout_s=10) as client:
+            for n in range(100, 104):
+                await client.put_block(uri, COMPAT, SCOPE, ref(n).block_key, body_of(n))
+        await kill_and_restart()
+        async with HolderClient(context, timeout_s=10) as client:
+            for n in range(100, 104):
+                body = await client.get_block(uri, COMPAT, SCOPE, ref(n).block_key)
+                assert body == body_of(n), f"acknowledged block {n} lost or altered"
+    finally:
+        holder.stop()

@@ -19,10 +19,11 @@ from .helpers import Recorder, block, ref, size_of
 
 
 def accounting(store: TieredStore) -> tuple[list[int], list[int]]:
-    """(what each tier's counter says, what the attached segments add up to)."""
+    """(what each tier's counter says, what the attached segments and the
+    persistent copies kept below them add up to)."""
     expected = [0] * len(store.slots)
     for info in store.blocks():
-        for segment in info.segments:
+        for segment in [*info.segments, *info.copies]:
             expected[segment.slot] += segment.stored_octets
     return [slot.used for slot in store.slots], expected
 

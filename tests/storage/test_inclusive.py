@@ -1,0 +1,171 @@
+"""Inclusive tiers below memory (issue 17, part): a promotion copies, so a
+block that reached LMDB stays there when it is read; a demotion back down is
+then free; a full tier gives up copies before the blocks only it holds; with
+``write_through`` an acknowledged PUT is already in the persistent tier."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.host import HostTier
+from backends.lmdb import LmdbTier
+from kvstore.protocol.problems import InsufficientStorage, NotFound
+from kvstore.storage import TieredStore
+
+from .helpers import Recorder, block, ref, size_of
+from .test_concurrency import accounting
+
+SIZE = size_of()
+
+
+def counting(tier: LmdbTier) -> list[str]:
+    """The keys ``tier`` is asked to put from now on."""
+    puts: list[str] = []
+    real = tier.put
+
+    def put(key: str, value: Any) -> Any:
+        puts.append(key)
+        return real(key, value)
+
+    tier.put = put  # type: ignore[method-assign]
+    return puts
+
+
+async def test_a_block_read_after_reaching_lmdb_survives_a_crash(tmp_path: Path) -> None:
+    # It was moved up on a read: memory-only again, lost by a SIGKILL.
+    lmdb = LmdbTier(str(tmp_path / "lmdb"))
+    store = TieredStore([(HostTier(), 2 * SIZE), (lmdb, 64 * SIZE)])
+    data = {n: block() for n in (1, 2, 3)}
+    for n, octets in data.items():
+        await store.put(ref(n), octets)
+    assert store.residency(ref(1))[0].tier == "local-storage"  # demoted by 3
+    assert await store.get(ref(1)) == data[1]
+    assert store.residency(ref(1))[0].tier == "host"  # promoted on the hit ...
+    assert await lmdb.get(ref(1).segment_key(0, 7)) is not None  # ... and still in LMDB
+    assert store.stats.promotions == 1 and accounting(store)[0] == accounting(store)[1]
+    # A crash: what memory held is gone, LMDB is reopened as it is.
+    await lmdb.close()
+    again = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
+    await again.recover()
+    assert await again.get(ref(1)) == data[1]
+    await again.close()
+
+
+async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
+    lmdb = LmdbTier(str(tmp_path / "lmdb"))
+    store = TieredStore([(HostTier(), 2 * SIZE), (lmdb, 64 * SIZE)])
+    data = {n: block() for n in (1, 2, 3, 4)}
+    for n in (1, 2, 3):
+        await store.put(ref(n), data[n])
+    await store.get(ref(1))  # promoted; 2 goes down to make room
+    await store.get(ref(3))  # 1 is now the least recently used in host
+    puts = counting(lmdb)
+    demotions = store.stats.demotions
+    await store.put(ref(4), data[4])  # host makes room: 1 goes back to its copy
+    assert puts == [] and store.stats.demotions == demotions + 1
+    assert store.residency(ref(1))[0].tier == "local-storage"
+    assert [await store.get(ref(n)) for n in (1, 2, 3, 4)] == [data[n] for n in (1, 2, 3, 4)]
+    assert accounting(store)[0] == accounting(store)[1]
+    await store.close()
+
+
+async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path: Path) -> None:
+    recorder = Recorder()
+    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * SIZE)],
+                        on_evict=recorder)  # fmt: skip
+    recorder.store = store
+    data = {n: block() for n in (1, 2, 3, 4)}
+    for n in (1, 2, 3, 4):
+        await store.put(ref(n), data[n])  # host: 3, 4; LMDB: 1, 2
+    await store.get(ref(1))  # copied up; 3 goes down: LMDB 1 (copy), 2, 3
+    await store.get(ref(2))  # copied up; 4 must go down: the copy of 1 makes room
+    assert store.stats.copies_dropped == 1 and recorder.calls == []
+    assert [await store.get(ref(n)) for n in (1, 2, 3, 4)] == [data[n] for n in (1, 2, 3, 4)]
+    assert accounting(store)[0] == accounting(store)[1]
+    assert store.slots[1].used <= store.slots[1].capacity
+    await store.close()
+
+
+async def test_write_through_acknowledges_what_lmdb_holds(tmp_path: Path) -> None:
+    lmdb = LmdbTier(str(tmp_path / "lmdb"))
+    store = TieredStore([(HostTier(), 4 * SIZE), (lmdb, 64 * SIZE)], write_through=True)
+    data = block()
+    await store.put(ref(1), data)
+    assert store.residency(ref(1))[0].tier == "host"  # served from memory ...
+    assert await lmdb.get(ref(1).segment_key(0, 7)) is not None  # ... durable already
+    assert accounting(store)[0] == accounting(store)[1]
+    await lmdb.close()  # a crash right after the 201
+    again = TieredStore([(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
+    assert await again.recover() == 1 and await again.get(ref(1)) == data
+    await again.close()
+
+
+async def test_write_through_refuses_what_no_persistent_tier_takes(tmp_path: Path) -> None:
+    # Acknowledged means durable: a PUT that only memory could take fails.
+    store = TieredStore([(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), SIZE // 2)],
+                        write_through=True)  # fmt: skip
+    with pytest.raises(InsufficientStorage, match="write_through"):
+        await store.put(ref(1), block())
+    assert ref(1) not in store and [s.used for s in store.slots] == [0, 0]
+    await store.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_random_interleavings_lose_nothing_and_account_exactly(
+    tmp_path: Path, seed: int
+) -> None:
+    # Puts, gets (promotions), layer-range reads, leases and deletes, several
+    # at a time, over host and a small LMDB: every block held reads back as
+    # it was put, and each tier's counter is the sum of what it holds.
+    import asyncio
+
+    rng = random.Random(seed)
+    store = TieredStore([(HostTier(), 3 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 8 * SIZE)],
+                        write_through=seed % 2 == 1)  # fmt: skip
+    data: dict[int, bytes] = {}
+    writing: dict[int, list[bytes]] = {}  # puts not yet acknowledged
+
+    async def one(step: int) -> None:
+        n = rng.randrange(14)
+        op = rng.random()
+        try:
+            if op < 0.4:
+                octets = block()
+                writing.setdefault(n, []).append(octets)
+                try:
+                    await store.put(ref(n), octets)
+                    data[n] = octets
+                finally:
+                    writing[n].remove(octets)
+            elif op < 0.8:
+                # What the block was at some moment of the read: when it began
+                # (a delete may end before it does) or when it ended.
+                before = (data.get(n), *writing.get(n, ()))
+                got = await store.get(ref(n))
+                assert got in (*before, data.get(n), *writing.get(n, ())), f"block {n} altered"
+            elif op < 0.9:
+                lease = store.lease("c", [ref(n).block_key], 1000)
+                await store.get(ref(n), 2, 5)
+                store.release_lease("c", lease.id)
+            else:
+                await store.delete(ref(n))
+                data.pop(n, None)
+        except (NotFound, InsufficientStorage):
+            pass
+        except Exception as exc:  # PreconditionFailed: held already, or pinned
+            assert type(exc).__name__ == "PreconditionFailed", exc
+
+    for start in range(0, 120, 4):
+        await asyncio.gather(*(one(i) for i in range(start, start + 4)))
+    store.promote = False  # read at quiescence: nothing moves any more
+    for info in store.blocks():
+        n = next(k for k in data if ref(k) == info.ref)
+        assert await store.get(info.ref) == data[n]
+    used, expected = accounting(store)
+    assert used == expected
+    assert all(s.used <= s.capacity for s in store.slots)
+    await store.close()
