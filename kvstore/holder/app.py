@@ -155,9 +155,19 @@ def create_app(
             )
             headers = _block_headers(repr_digest(body), settings)
             return Response(bytes(body), headers=headers, media_type=BLOCK_MEDIA_TYPE)
-        headers = _block_headers(await read.repr_digest(), settings)
+        digest = read.known_repr_digest()
+        if digest is not None and read.in_memory:
+            # Hot: streamed from memory tiers (B4), nothing read before the header.
+            chunks: Any = _stream(read)
+        else:
+            # From a persistent tier, or a range not served before: one read
+            # of the tiers gives the digest and the octets, and a tier that
+            # fails does so before the status line (a 503, not a cut body).
+            digest, loaded = await read.buffered()
+            chunks = _from_memory(loaded)
+        headers = _block_headers(digest, settings)
         headers["Content-Length"] = str(len(read))
-        return StreamingResponse(_stream(read), headers=headers, media_type=BLOCK_MEDIA_TYPE)
+        return StreamingResponse(chunks, headers=headers, media_type=BLOCK_MEDIA_TYPE)
 
     async def put_block(request: Request) -> Response:
         ref = _ref(request)
@@ -254,4 +264,9 @@ def _block_headers(digest: str, settings: HolderSettings) -> dict[str, str]:
 
 async def _stream(read: Any) -> AsyncIterator[Any]:
     async for chunk in read:
+        yield chunk
+
+
+async def _from_memory(chunks: list[Any]) -> AsyncIterator[Any]:
+    for chunk in chunks:
         yield chunk

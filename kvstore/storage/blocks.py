@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from .manager import TieredStore
 
 RANGE_DIGESTS_KEPT = 8
+
+
+def repr_digest_of(data: BytesLike) -> str:
+    """``Repr-Digest`` field value of these octets (BL4, RFC 9530)."""
+    return "sha-256=:" + base64.b64encode(hashlib.sha256(data).digest()).decode() + ":"
 
 
 def layer_table(container: kc.Container) -> dict[int, tuple[int, int, bytes]]:
@@ -189,6 +194,8 @@ class StoreStats:
     promotions: int = 0
     #: Persistent copies given up for room while a faster tier serves the block.
     copies_dropped: int = 0
+    #: Hits not promoted because enough promotions were under way already.
+    promotions_dropped: int = 0
     evictions: int = 0
     fault_evictions: int = 0
     #: Blocks removed for being older than the retention limit (SEC4).
@@ -229,6 +236,14 @@ class BlockRead:
                 raise TierUnavailable(f"layers {segment.first}-{segment.last} are in tier "
                                       f"{slot.kind}, unavailable", tier=slot.kind)  # fmt: skip
 
+    @property
+    def in_memory(self) -> bool:
+        """Every segment this read needs is in a memory tier (host, device):
+        streaming it cannot fail half way for a tier's sake."""
+        slots = self._store.slots
+        return all(not slots[x.slot].tier.persistent for x in self._info.segments
+                   if x.last >= self.first and x.first <= self.last)  # fmt: skip
+
     def known_repr_digest(self) -> str | None:
         """``Repr-Digest`` if already computed (no segment is read for it)."""
         if self.whole:
@@ -238,18 +253,32 @@ class BlockRead:
     async def repr_digest(self) -> str:
         """``Repr-Digest`` of exactly what this read sends (BL4).
 
-        For a whole-block read it is computed once and kept, so a hot GET
-        hashes nothing; a layer-range read hashes its data (one extra pass).
+        For a whole-block read it is computed once and kept (at PUT time), so
+        a hot GET hashes nothing; a layer-range read hashes its data (one
+        extra pass: a server uses :meth:`buffered` instead).
         """
-        info, span = self._info, (self.first, self.last)
-        if self.whole and info.whole_repr_digest is not None:
-            return info.whole_repr_digest
-        cached = info.range_digests.get(span)
-        if cached is not None:
-            return cached
+        known = self.known_repr_digest()
+        if known is not None:
+            return known
         hasher = hashlib.sha256()
         async for chunk in self._chunks(promote=False):
             hasher.update(chunk)
+        return self._keep_digest(hasher)
+
+    async def buffered(self) -> tuple[str, list[BytesLike]]:
+        """The ``Repr-Digest`` and the chunks of this read, from one pass over
+        its segments (a cold GET: the header needs the digest before the body,
+        and reading the tiers twice would cost twice). The chunks are views of
+        the loaded segments, in order; at most the read's size in memory."""
+        hasher = hashlib.sha256()
+        chunks: list[BytesLike] = []
+        async for chunk in self:
+            hasher.update(chunk)
+            chunks.append(chunk)
+        return self._keep_digest(hasher), chunks
+
+    def _keep_digest(self, hasher: Any) -> str:
+        info, span = self._info, (self.first, self.last)
         value = "sha-256=:" + base64.b64encode(hasher.digest()).decode() + ":"
         if self.whole:
             info.whole_repr_digest = value
@@ -286,8 +315,10 @@ class BlockRead:
                 yield kc.decode(plain).span(start, stop)
         finally:
             info.readers -= 1
-        for segment, plain in promoted:
-            await store._promote(info, segment, plain)
+        if promoted:
+            # In the background: this read (a GET's response) is over once
+            # its bytes are out, whatever the promotion then costs.
+            store._promote_later(info, promoted)
 
     async def read_all(self) -> bytes:
         """The whole answer in one buffer (library use; servers should stream)."""

@@ -48,7 +48,15 @@ from ..protocol.problems import (
     TierUnavailable,
 )
 from ..protocol.records import ReplicaRecord, Residency
-from .blocks import BlockInfo, BlockRead, Segment, StoreStats, TierSlot, layer_table
+from .blocks import (
+    BlockInfo,
+    BlockRead,
+    Segment,
+    StoreStats,
+    TierSlot,
+    layer_table,
+    repr_digest_of,
+)
 from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits, LeaseTable
 from .policy import LRU, EvictionPolicy
@@ -116,6 +124,8 @@ class TieredStore(TierIO):
         self._lock = asyncio.Lock()
         self._owner: asyncio.Task[Any] | None = None
         self._hooks_running = 0
+        #: Promotions running in the background (bounded: see _promote_later).
+        self._moving: set[asyncio.Task[None]] = set()
 
     # --- queries -------------------------------------------------------
 
@@ -222,6 +232,9 @@ class TieredStore(TierIO):
             hashing.set_result(table)
         else:
             hashing = asyncio.ensure_future(asyncio.to_thread(layer_table, container))
+        # BL4: the Repr-Digest of the whole block, taken now (off the loop,
+        # while the segments are written) so that no GET reads it twice.
+        whole = asyncio.ensure_future(asyncio.to_thread(repr_digest_of, data))
         async with self._locked():
             try:
                 if ref in self._blocks:
@@ -238,12 +251,13 @@ class TieredStore(TierIO):
                         if self.write_through and not self.slots[segment.slot].tier.persistent:
                             await self._place_copy(info, segment, part)
                     info.layers = await hashing
+                    info.whole_repr_digest = await whole
                     await self._sync_meta(info, strict=True)
                 except BaseException:
                     await self._discard(info)
                     raise
             finally:
-                await asyncio.gather(hashing, return_exceptions=True)
+                await asyncio.gather(hashing, whole, return_exceptions=True)
             self._blocks[ref] = info
             self._by_key.setdefault(ref.block_key, set()).add(ref)
             self.stats.puts += 1
@@ -433,6 +447,36 @@ class TieredStore(TierIO):
             self.stats.demotions += 1
             return True
         return False
+
+    #: Promotions waiting or running at once; beyond, a hit is not promoted
+    #: (dropped, not waited for: a GET never queues behind tier writes).
+    MAX_PROMOTIONS = 4
+
+    def _promote_later(self, info: BlockInfo, segments: list[tuple[Segment, BytesLike]]) -> None:
+        """Copy a read's lower segments up in a background task, if few run."""
+        # A hook reading a block it is told about must not set off more
+        # evictions (and more hooks) by promoting it.
+        if self._hooks_running or len(self._moving) >= self.MAX_PROMOTIONS:
+            self.stats.promotions_dropped += 1
+            return
+
+        async def promote() -> None:
+            for segment, plain in segments:
+                await self._promote(info, segment, plain)
+
+        task = asyncio.get_running_loop().create_task(promote(), name="kvstore-promote")
+        self._moving.add(task)
+        task.add_done_callback(self._moved)
+
+    def _moved(self, task: asyncio.Task[None]) -> None:
+        self._moving.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("promotion failed", exc_info=task.exception())
+
+    async def settle(self) -> None:
+        """Wait for the background promotions started so far (tests, shutdown)."""
+        while self._moving:
+            await asyncio.gather(*self._moving, return_exceptions=True)
 
     async def _promote(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
         """Copy a segment read from a lower tier into the first tier (promotion on hit)."""
@@ -740,6 +784,7 @@ class TieredStore(TierIO):
             return found
 
     async def close(self) -> None:
+        await self.settle()
         for slot in self.slots:
             await slot.tier.close()
 

@@ -13,7 +13,7 @@ import pytest
 from kvstore.protocol import container as kc
 from kvstore.protocol.codecs import CODEC_RAW, CODEC_ZSTD_RAW
 from kvstore.protocol.records import LeaseGrant, ReplicaRecord
-from kvstore.protocol.wire import parse_repr_digest
+from kvstore.protocol.wire import parse_repr_digest, repr_digest
 from kvstore.storage import BlockRef, TieredStore
 
 from ..storage.helpers import SCOPE, block
@@ -263,10 +263,14 @@ async def test_head_is_a_probe_that_reads_no_segment(
     head = await alice.head(path())
     assert head.status_code == 200 and head.content == b""
     assert int(head.headers["content-length"]) == len(data)
-    assert "repr-digest" not in head.headers  # not computed yet: not computed for a HEAD
+    # BL4: taken at PUT time, so a HEAD (and a hot GET) reads no segment for it.
+    assert head.headers["repr-digest"] == repr_digest(data)
     assert loads == [] and store.stats.hits == hits
     got = await alice.get(path())
     assert loads and store.stats.hits == hits + 1
+    assert got.headers["repr-digest"] == head.headers["repr-digest"] == repr_digest(got.content)
+    ranged = await alice.head(path() + "?layers=1-2")
+    assert "repr-digest" not in ranged.headers  # a range not served yet: nothing read for it
     again = await alice.head(path())
     assert again.headers["repr-digest"] == got.headers["repr-digest"]
     assert (await alice.head(path(KEY2))).status_code == 404

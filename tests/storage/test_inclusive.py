@@ -22,6 +22,13 @@ from .test_concurrency import accounting
 SIZE = size_of()
 
 
+async def settled(store: TieredStore, r: Any) -> bytes:
+    """A read, and the promotion it starts (in the background) done."""
+    data = await store.get(r)
+    await store.settle()
+    return data
+
+
 def counting(tier: LmdbTier) -> list[str]:
     """The keys ``tier`` is asked to put from now on."""
     puts: list[str] = []
@@ -43,7 +50,7 @@ async def test_a_block_read_after_reaching_lmdb_survives_a_crash(tmp_path: Path)
     for n, octets in data.items():
         await store.put(ref(n), octets)
     assert store.residency(ref(1))[0].tier == "local-storage"  # demoted by 3
-    assert await store.get(ref(1)) == data[1]
+    assert await settled(store, ref(1)) == data[1]
     assert store.residency(ref(1))[0].tier == "host"  # promoted on the hit ...
     assert await lmdb.get(ref(1).segment_key(0, 7)) is not None  # ... and still in LMDB
     assert store.stats.promotions == 1 and accounting(store)[0] == accounting(store)[1]
@@ -51,7 +58,7 @@ async def test_a_block_read_after_reaching_lmdb_survives_a_crash(tmp_path: Path)
     await lmdb.close()
     again = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
     await again.recover()
-    assert await again.get(ref(1)) == data[1]
+    assert await settled(again, ref(1)) == data[1]
     await again.close()
 
 
@@ -61,14 +68,14 @@ async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3):
         await store.put(ref(n), data[n])
-    await store.get(ref(1))  # promoted; 2 goes down to make room
-    await store.get(ref(3))  # 1 is now the least recently used in host
+    await settled(store, ref(1))  # promoted; 2 goes down to make room
+    await settled(store, ref(3))  # 1 is now the least recently used in host
     puts = counting(lmdb)
     demotions = store.stats.demotions
     await store.put(ref(4), data[4])  # host makes room: 1 goes back to its copy
     assert puts == [] and store.stats.demotions == demotions + 1
     assert store.residency(ref(1))[0].tier == "local-storage"
-    assert [await store.get(ref(n)) for n in (1, 2, 3, 4)] == [data[n] for n in (1, 2, 3, 4)]
+    assert [await settled(store, ref(n)) for n in (1, 2, 3, 4)] == [data[n] for n in (1, 2, 3, 4)]
     assert accounting(store)[0] == accounting(store)[1]
     await store.close()
 
@@ -81,10 +88,10 @@ async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3, 4):
         await store.put(ref(n), data[n])  # host: 3, 4; LMDB: 1, 2
-    await store.get(ref(1))  # copied up; 3 goes down: LMDB 1 (copy), 2, 3
-    await store.get(ref(2))  # copied up; 4 must go down: the copy of 1 makes room
+    await settled(store, ref(1))  # copied up; 3 goes down: LMDB 1 (copy), 2, 3
+    await settled(store, ref(2))  # copied up; 4 must go down: the copy of 1 makes room
     assert store.stats.copies_dropped == 1 and recorder.calls == []
-    assert [await store.get(ref(n)) for n in (1, 2, 3, 4)] == [data[n] for n in (1, 2, 3, 4)]
+    assert [await settled(store, ref(n)) for n in (1, 2, 3, 4)] == [data[n] for n in (1, 2, 3, 4)]
     assert accounting(store)[0] == accounting(store)[1]
     assert store.slots[1].used <= store.slots[1].capacity
     await store.close()
@@ -100,7 +107,7 @@ async def test_write_through_acknowledges_what_lmdb_holds(tmp_path: Path) -> Non
     assert accounting(store)[0] == accounting(store)[1]
     await lmdb.close()  # a crash right after the 201
     again = TieredStore([(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
-    assert await again.recover() == 1 and await again.get(ref(1)) == data
+    assert await again.recover() == 1 and await settled(again, ref(1)) == data
     await again.close()
 
 
@@ -161,6 +168,7 @@ async def test_random_interleavings_lose_nothing_and_account_exactly(
 
     for start in range(0, 120, 4):
         await asyncio.gather(*(one(i) for i in range(start, start + 4)))
+    await store.settle()
     store.promote = False  # read at quiescence: nothing moves any more
     for info in store.blocks():
         n = next(k for k in data if ref(k) == info.ref)

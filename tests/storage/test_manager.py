@@ -183,6 +183,7 @@ async def test_promotion_on_hit(lmdb_path: str) -> None:
     assert store.residency(ref(1))[0].tier == "local-storage"
     data = await store.get(ref(1))
     assert kc.decode(data).layer_digests() == store.info(ref(1)).layer_digests
+    await store.settle()  # promotions run in the background, after the read
     assert store.residency(ref(1))[0].tier == "host"
     assert store.stats.promotions == 1
     assert store.slots[0].used <= store.slots[0].capacity

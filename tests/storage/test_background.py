@@ -1,0 +1,102 @@
+"""Promotion is background work (issue 17, part): a read is over once its
+bytes are out, whatever copying it up then costs; promotions are bounded
+(a hit beyond the bound is not promoted, never waited for); a block's
+whole Repr-Digest is taken at PUT time, so no GET reads a segment for it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from backends.host import HostTier
+from backends.lmdb import LmdbTier
+from kvstore.protocol.wire import repr_digest
+from kvstore.storage import TieredStore
+
+from .helpers import block, ref, size_of
+
+SIZE = size_of()
+
+
+class GatedHost(HostTier):
+    """Host memory whose writes wait while ``gate`` is closed (a slow tier)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.waiting = 0
+
+    async def put(self, key: str, value: Any) -> None:
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
+        await super().put(key, value)
+
+
+async def stored_below(
+    tmp_path: Path, blocks: int
+) -> tuple[TieredStore, GatedHost, dict[int, bytes]]:
+    host = GatedHost()
+    store = TieredStore([(host, 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
+    data = {n: block() for n in range(blocks)}
+    for n, octets in data.items():
+        await store.put(ref(n), octets)
+    return store, host, data
+
+
+async def test_a_read_ends_before_its_promotion(tmp_path: Path) -> None:
+    store, host, data = await stored_below(tmp_path, 3)
+    assert store.residency(ref(0))[0].tier == "local-storage"
+    host.gate.clear()  # copying up will hang ...
+    async with asyncio.timeout(5):
+        assert await store.get(ref(0)) == data[0]  # ... the read does not
+    async with asyncio.timeout(5):
+        while not host.waiting:  # the promotion makes room, then waits on the write
+            await asyncio.sleep(0.01)
+    assert store.stats.promotions == 0  # under way, behind the read
+    assert await store.get(ref(1)) == data[1]  # and other reads go on
+    host.gate.set()
+    await store.settle()
+    assert store.stats.promotions >= 1 and store.residency(ref(0))[0].tier == "host"
+    await store.close()
+
+
+async def test_promotions_are_bounded_and_dropped_not_waited_for(tmp_path: Path) -> None:
+    blocks = TieredStore.MAX_PROMOTIONS + 4
+    store, host, data = await stored_below(tmp_path, blocks)
+    host.gate.clear()
+    async with asyncio.timeout(5):
+        for n in range(blocks - 2):  # all below: each hit would promote
+            assert await store.get(ref(n)) == data[n]
+    assert len(store._moving) == TieredStore.MAX_PROMOTIONS
+    assert store.stats.promotions_dropped == blocks - 2 - TieredStore.MAX_PROMOTIONS
+    host.gate.set()
+    await store.settle()
+    assert not store._moving
+    assert [await store.get(ref(n)) for n in range(blocks)] == [data[n] for n in range(blocks)]
+    await store.close()  # waits for what the last reads started
+
+
+async def test_the_whole_digest_is_taken_at_put_and_reads_nothing(tmp_path: Path) -> None:
+    store, _, data = await stored_below(tmp_path, 3)
+    loads: list[object] = []
+    original = store._load
+
+    async def counted(*args: Any) -> Any:
+        loads.append(args)
+        return await original(*args)
+
+    store._load = counted  # type: ignore[method-assign]
+    for n in range(3):
+        read = store.read(ref(n))
+        assert read.known_repr_digest() == repr_digest(data[n])  # what a GET sends
+    assert loads == []
+    # A range not served before: digest and octets from one read of its segment.
+    digest, chunks = await store.read(ref(0), 2, 5).buffered()
+    assert len(loads) == 1 and digest == repr_digest(*chunks)
+    assert store.read(ref(0), 2, 5).known_repr_digest() == digest
+    await store.close()
