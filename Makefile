@@ -66,6 +66,7 @@ bench: $(VENV)/.installed-test $(ENGINES)/.installed
 	$(BIN)/kvstore bench protocol
 	$(BIN)/kvstore bench store
 	$(BIN)/kvstore bench holder
+	$(BIN)/kvstore bench load
 	$(BIN)/kvstore bench index
 	$(BIN)/kvstore bench controller
 	$(ENGINES)/bin/kvstore bench engines

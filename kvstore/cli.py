@@ -153,6 +153,14 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import engines as bench_engines
 
         results = bench_engines.run(quick=args.quick)
+    elif args.suite == "load":
+        from .bench import load as bench_load
+
+        results = bench_load.run(
+            quick=args.quick, seconds=args.seconds,
+            redis_url=None if args.redis_url == "none" else args.redis_url,
+            start_moto=not args.no_s3,
+        )  # fmt: skip
     elif args.suite == "index":
         from .bench import index as bench_index
 
@@ -518,6 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     suite("controller", "placements/s and status updates/s", "shorter runs")
+    load = suite("load", "a holder process under mixed PUT/GET traffic from 1, 4, 16 clients, "
+                 "per tier chain against host only", "3 s runs, 1 and 16 clients")  # fmt: skip
+    load.add_argument("--seconds", type=float, help="each run (default 25, quick 3)")
+    load.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
+    load.add_argument("--no-s3", action="store_true", help="skip the S3 chain")
     soak = suite("soak", "a holder under mixed PUT/GET/lease traffic: errors, loss, memory",
                  "10 s instead of 60")  # fmt: skip
     soak.add_argument("--seconds", type=float, help="how long (default 60, quick 10)")

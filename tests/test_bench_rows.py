@@ -197,3 +197,27 @@ async def test_store_host_rows_compare_work_that_moves_the_octets() -> None:
         ("host put", "one sha256 pass"),
         ("host get", "dict get, same copy out"),
     ]
+
+
+def test_load_rows_compare_each_chain_with_host_only_at_the_same_c() -> None:
+    from kvstore.bench.load import CHAINS, Run, _rows
+
+    runs = {}
+    for chain, rate in zip(CHAINS, (100.0, 85.0, 70.0, 40.0), strict=True):
+        for clients, factor in ((1, 0.5), (16, 1.0)):
+            run = Run(chain, clients, 10.0, operations=int(rate * factor * 10))
+            run.latencies = {"put": [0.02, 0.03 * factor], "hot-get": [0.01, 0.01 * factor]}
+            runs[(chain, clients)] = run
+    runs[("host+lmdb+s3", 16)].errors.append("get 3: 500")
+    rows = {r.name: r for r in _rows(runs, (1, 16))}
+    assert rows["host, C=16: ops/s"].plain  # the baseline itself
+    lmdb = rows["host+lmdb, C=16: ops/s"]
+    assert lmdb.baseline == 100.0 and lmdb.goal == 0.8 and lmdb.met is True
+    s3 = rows["host+lmdb+s3, C=16: ops/s"]
+    assert s3.goal == 0.5 and s3.met is False  # 0.4 of host only
+    assert rows["host+lmdb+s3, C=16: errors"].met is False  # errors are reported, judged
+    assert rows["host+lmdb, C=1: ops/s"].goal is None  # goals are for C=16
+    hot = rows["host+lmdb, C=16: hot-get p99"]
+    assert hot.lower_is_better and hot.goal == 2.0 and hot.met is True
+    assert rows["host+lmdb: C=16 ops/s"].ratio == 2.0 and rows["host+lmdb: C=16 ops/s"].goal == 1.5
+    assert all(r.plain or r.baseline for r in rows.values())

@@ -237,6 +237,19 @@ def test_bench_controller_quick() -> None:
     assert placed["placements, 512-key prompts, 64 instances, 1 at once"]["value"] > 0
 
 
+def test_bench_load_quick_drives_real_holders(redis_server: Any) -> None:
+    # Mixed PUT/GET traffic against holder processes over mTLS: every chain
+    # but S3 (moto is the slow part), 1 and 16 clients, no errors.
+    out = kvstore("bench", "load", "--quick", "--json", "--seconds", "1", "--no-s3",
+                  "--redis-url", redis_server.url)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert not [n for n in rows if n.endswith("errors")], rows
+    assert rows["host, C=16: ops/s"]["value"] > 0
+    compared = rows["host+lmdb+redis, C=16: ops/s"]
+    assert compared["baseline_name"] == "host only, same C" and compared["ratio"] > 0
+
+
 def test_instance_config_is_checked(tmp_path: Path) -> None:
     # Bad [instance] values are refused at start, with the key named.
     from backends.host import HostTier
