@@ -61,6 +61,7 @@ def _translated(path: str, writing: int = 0) -> Iterator[None]:
 class LmdbTier(Tier):
     kind = "local-storage"
     persistent = True
+    deadline_s = 10.0  # a local disk (or a network file system under it)
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ def _translated(url: str) -> Iterator[None]:
 class RedisTier(Tier):
     kind = "remote-memory"
     persistent = True
+    deadline_s = 2.0  # remote memory: well over a round trip and a 64 MiB value
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ def _translated(where: str) -> Iterator[None]:
 class S3Tier(Tier):
     kind = "remote-storage"
     persistent = True
+    deadline_s = 30.0  # networked storage: retries of a large object included
 
     def __init__(
         self,

@@ -35,10 +35,19 @@ def build_store(config: Config) -> TieredStore:
             raise ConfigError("storage.encryption_key_file: must hold exactly 32 octets")
     tiers = []
     for index, tier in enumerate(cfg.tiers):
+        options = dict(tier.options)
+        deadline = options.pop("deadline_s", None)  # the manager's, not the backend's
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0
+        ):
+            raise ConfigError(f"storage.tiers[{index}].deadline_s: a positive number of seconds")
         try:
-            tiers.append((create_tier(tier.backend, **tier.options), tier.capacity))
+            made = create_tier(tier.backend, **options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"storage.tiers[{index}]: {exc}") from exc
+        if deadline is not None:
+            made.deadline_s = float(deadline)
+        tiers.append((made, tier.capacity))
     if cfg.write_through and not any(t.persistent for t, _ in tiers[1:]):
         raise ConfigError("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
                           "below the first one")  # fmt: skip

@@ -35,6 +35,10 @@ class Tier(ABC):
     persistent: bool = False
     #: Rate this tier can be read at, for residency records (PL1); None if unknown.
     read_mbit_per_s: float | None = None
+    #: Longest a call may take: past it the manager counts the tier unavailable
+    #: (a miss or the next tier, never a request waiting on a hung tier).
+    #: None: no deadline (memory tiers). Set per tier by ``deadline_s``.
+    deadline_s: float | None = None
 
     @abstractmethod
     async def get(self, key: str) -> BytesLike | None:

@@ -33,9 +33,25 @@ class TierIO:
     clock: Callable[[], float]
 
     async def _tier_call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
-        """Run a tier operation; record failures and successes (one place, STYLE 8)."""
+        """Run a tier operation within the tier's deadline; record failures and
+        successes (one place, STYLE 8). A call past its deadline is the tier
+        being unavailable: degraded like any failure, so the next calls skip
+        it at once instead of each waiting the deadline out. (A call a thread
+        runs, LMDB's, may still finish after its deadline: a segment written
+        late is an orphan that costs room, never a block acknowledged.)"""
+        deadline = slot.tier.deadline_s
         try:
-            result = await call
+            if deadline is None:
+                result = await call
+            else:
+                try:
+                    async with asyncio.timeout(deadline):
+                        result = await call
+                except TimeoutError:
+                    raise TierUnavailable(
+                        f"{slot.kind}: no answer within its deadline of {deadline:g} s",
+                        tier=slot.kind,
+                    ) from None
         except TierUnavailable as exc:
             slot.failures += 1
             slot.last_error = exc.detail
