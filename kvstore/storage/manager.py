@@ -274,8 +274,28 @@ class TieredStore(TierIO):
         self, info: BlockInfo, first: int, last: int, plain: BytesLike, start: int
     ) -> Segment:
         """Write a new segment in the first tier from ``start`` that can take it."""
+        segment = await self._write_first(info, first, last, plain, range(start, len(self.slots)))
+        self._attach(info, segment)
+        return segment
+
+    async def _place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
+        """Write-through: a copy of a new segment in the first persistent tier
+        below it that can take it; else the PUT fails (it would not be durable)."""
+        below = [i for i in range(segment.slot + 1, len(self.slots))
+                 if self.slots[i].tier.persistent]  # fmt: skip
+        try:
+            copy = await self._write_first(info, segment.first, segment.last, plain, below)
+        except InsufficientStorage as exc:
+            raise InsufficientStorage(f"write_through: {exc.detail}") from exc
+        self._attach_copy(info, copy)
+
+    async def _write_first(
+        self, info: BlockInfo, first: int, last: int, plain: BytesLike, slots: Iterable[int]
+    ) -> Segment:
+        """Store layers ``first..last`` in the first of ``slots`` that can take
+        them (making room there); the segment written, not yet attached."""
         errors: list[str] = []
-        for index in range(start, len(self.slots)):
+        for index in slots:
             slot = self.slots[index]
             if slot.degraded_until > self.clock():
                 errors.append(f"{slot.kind}: degraded")
@@ -291,40 +311,9 @@ class TieredStore(TierIO):
             except (TierUnavailable, TierFull) as exc:
                 errors.append(f"{slot.kind}: {exc.detail}")
                 continue
-            self._attach(info, segment)
             return segment
         raise InsufficientStorage(
             f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
-        )
-
-    async def _place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
-        """Write-through: a copy of a new segment in the first persistent tier
-        below it that can take it; else the PUT fails (it would not be durable)."""
-        errors: list[str] = []
-        for index in range(segment.slot + 1, len(self.slots)):
-            slot = self.slots[index]
-            if not slot.tier.persistent:
-                continue
-            if slot.degraded_until > self.clock():
-                errors.append(f"{slot.kind}: degraded")
-                continue
-            stored, crc = await self._stored_form(slot, info.ref, segment.first, segment.last,
-                                                  plain)  # fmt: skip
-            size = len(memoryview(stored))
-            if not await self._make_room(index, size, exclude=info.ref):
-                errors.append(f"{slot.kind}: full")
-                continue
-            copy = Segment(info.ref, segment.first, segment.last, index, size, crc)
-            try:
-                await self._tier_call(slot, slot.tier.put(copy.key, stored))
-            except (TierUnavailable, TierFull) as exc:
-                errors.append(f"{slot.kind}: {exc.detail}")
-                continue
-            self._attach_copy(info, copy)
-            return
-        raise InsufficientStorage(
-            f"write_through: no persistent tier can store layers {segment.first}-{segment.last}"
-            f" of {info.ref.block_key} ({'; '.join(errors)})"
         )
 
     def _attach(self, info: BlockInfo, segment: Segment) -> None:

@@ -61,11 +61,10 @@ async def test_a_hung_tier_costs_at_most_its_deadline_then_is_skipped() -> None:
     # A PUT that would demote into it: the tier is skipped at once (degraded),
     # the PUT goes on, and host memory reads go on.
     calls = below.calls
-    started = time.monotonic()
     async with asyncio.timeout(5):
         await store.put(ref(3), data[3])
         assert await store.get(ref(2)) == data[2]
-    assert below.calls == calls and time.monotonic() - started < 1
+    assert below.calls == calls  # not even tried: no request waits on it again
     below.hung = False
     store.retry_after_s = 0  # its retry time is over
     for slot in store.slots:
