@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
+import ssl
 import time
 from pathlib import Path
 
 from kvstore.client import HolderClient
+from kvstore.protocol import container as kc
 from kvstore.protocol.problems import KvspError
 from kvstore.security import client_context, create_dev_certificates
 
@@ -20,31 +23,35 @@ from ..conftest import free_port
 from ..storage.helpers import COMPAT, SCOPE, ref
 from .test_index import SERVER, Process
 
+LMDB = '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 268435456\npath = "lmdb"\n'
 
-async def test_acknowledged_puts_survive_sigkill(tmp_path: Path) -> None:
+
+def holder_over(tmp_path: Path, tiers: str) -> tuple[Process, int, str, ssl.SSLContext, str]:
+    """A holder process (not started) over ``tiers``; alice may read and write.
+    Returns it, its port, its URI, alice's TLS context and its configuration."""
     create_dev_certificates(tmp_path / "certs", ["alice"])
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
     (tmp_path / "policy.json").write_text(json.dumps({"principals": {
         "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
     config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-              '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 268435456\npath = "lmdb"\n'
-              "map_size = 536870912\n")  # fmt: skip
-    holder = Process(tmp_path, "holder", config, "holder")
-    holder.start(port)
+              + tiers + "map_size = 536870912\n")  # fmt: skip
     certs = tmp_path / "certs"
     context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
                              str(certs / "client-alice.key"))  # fmt: skip
-    # Regenerated from seeds, not kept: 400 bodies would weigh on the suite.
-    import random
+    return Process(tmp_path, "holder", config, "holder"), port, uri, context, config
 
-    from kvstore.protocol import container as kc
 
-    def body_of(n: int) -> bytes:
-        rng = random.Random(n)
-        return bytes(kc.encode([(rng.randbytes(64 << 10), rng.randbytes(64 << 10))
-                                for _ in range(8)], token_count=4))  # fmt: skip
+def body_of(n: int) -> bytes:
+    """Block n, 1 MiB: regenerated from its seed, not kept (400 would weigh)."""
+    rng = random.Random(n)
+    return bytes(kc.encode([(rng.randbytes(64 << 10), rng.randbytes(64 << 10))
+                            for _ in range(8)], token_count=4))  # fmt: skip
 
+
+async def test_acknowledged_puts_survive_sigkill(tmp_path: Path) -> None:
+    holder, port, uri, context, _ = holder_over(tmp_path, LMDB)
+    holder.start(port)
     acknowledged: set[int] = set()
     try:
         async with HolderClient(context, timeout_s=10) as client:
@@ -96,28 +103,8 @@ async def test_blocks_read_after_reaching_lmdb_and_write_through_puts_survive_si
     # out of LMDB into memory, where a SIGKILL lost it; and a PUT acknowledged
     # from memory was lost too. Now LMDB keeps its copy when a block is read,
     # and with storage.write_through a 201 means "in LMDB".
-    import random
-
-    from kvstore.protocol import container as kc
-
-    create_dev_certificates(tmp_path / "certs", ["alice"])
-    port = free_port()
-    uri = f"https://127.0.0.1:{port}/kvsp/"
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
-    config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-              '[[storage.tiers]]\nbackend = "host"\ncapacity = 3500000\n'
-              '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 268435456\npath = "lmdb"\n'
-              "map_size = 536870912\n")  # fmt: skip
-    holder = Process(tmp_path, "holder", config, "holder")
-    certs = tmp_path / "certs"
-    context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
-                             str(certs / "client-alice.key"))  # fmt: skip
-
-    def body_of(n: int) -> bytes:  # 1 MiB
-        rng = random.Random(n)
-        return bytes(kc.encode([(rng.randbytes(64 << 10), rng.randbytes(64 << 10))
-                                for _ in range(8)], token_count=4))  # fmt: skip
+    host = '[[storage.tiers]]\nbackend = "host"\ncapacity = 3500000\n'
+    holder, port, uri, context, config = holder_over(tmp_path, host + LMDB)
 
     async def kill_and_restart() -> None:
         assert holder.process is not None
