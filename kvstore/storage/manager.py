@@ -126,6 +126,7 @@ class TieredStore(TierIO):
         self._hooks_running = 0
         #: Promotions running in the background (bounded: see _promote_later).
         self._moving: set[asyncio.Task[None]] = set()
+        self._closing = False  # spill() or close(): no more promotions
 
     # --- queries -------------------------------------------------------
 
@@ -395,6 +396,10 @@ class TieredStore(TierIO):
         """
         src = self.slots[segment.slot]
         copy = self._copy_of(info, segment)
+        if copy is not None and self.slots[copy.slot].degraded_until > self.clock():
+            # Its tier is down: not a place to serve from; written anew below.
+            await self._drop_copy(info, copy)
+            copy = None
         if copy is not None:
             # Inclusive tiers: the copy below takes over, nothing is written.
             self._detach(info, segment)
@@ -405,6 +410,9 @@ class TieredStore(TierIO):
             await self._sync_meta(info)
             self.stats.demotions += 1
             return True
+        now = self.clock()
+        if all(s.degraded_until > now for s in self.slots[segment.slot + 1 :]):
+            return False  # nowhere to go: not even worth reading it
         try:
             plain = await self._load(info, segment)
         except (TierUnavailable, CorruptData, NotFound):
@@ -445,6 +453,8 @@ class TieredStore(TierIO):
         """Copy a read's lower segments up in a background task, if few run."""
         # A hook reading a block it is told about must not set off more
         # evictions (and more hooks) by promoting it.
+        if self._closing:
+            return
         if self._hooks_running or len(self._moving) >= self.MAX_PROMOTIONS:
             self.stats.promotions_dropped += 1
             return
@@ -461,6 +471,13 @@ class TieredStore(TierIO):
         self._moving.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("promotion failed", exc_info=task.exception())
+
+    async def _stop_promotions(self) -> None:
+        """No promotion starts from now on; those under way are cancelled."""
+        self._closing = True
+        for task in list(self._moving):
+            task.cancel()
+        await asyncio.gather(*self._moving, return_exceptions=True)
 
     async def settle(self) -> None:
         """Wait for the background promotions started so far (tests, shutdown)."""
@@ -610,6 +627,9 @@ class TieredStore(TierIO):
         persistent tiers' free room; see :func:`.spill.spill`."""
         from .spill import spill
 
+        # Promotions are optional work: none may run after the spill, where
+        # making room for one would evict what the spill kept.
+        await self._stop_promotions()
         return await spill(self, timeout_s)
 
     async def delete(self, ref: BlockRef) -> None:
@@ -773,7 +793,7 @@ class TieredStore(TierIO):
             return found
 
     async def close(self) -> None:
-        await self.settle()
+        await self._stop_promotions()
         for slot in self.slots:
             await slot.tier.close()
 

@@ -84,7 +84,7 @@ async def _recover_key(store: TieredStore, index: int, slot: TierSlot, key: str)
     info = _info(store, ref, container.codec, container.token_count)
     first, last = span
     same = any((x.first, x.last) == span for x in [*info.segments, *info.copies])
-    if info.codec == container.codec and same and not any(x.slot == index for x in info.copies):
+    if info.codec == container.codec and same:
         # The same layers in a slower persistent tier: tiers are inclusive,
         # so it is a copy kept below the faster one (tiers are read fastest
         # first). Checked like a segment, then kept as a copy.

@@ -7,6 +7,7 @@ that records a tier's failures and recoveries (STYLE 8).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import zlib
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,14 @@ class TierIO:
         runs, LMDB's, may still finish after its deadline: a segment written
         late is an orphan that costs room, never a block acknowledged.)"""
         deadline = slot.tier.deadline_s
+        if slot.degraded_until > self.clock():
+            # Failed a moment ago: not asked again until its retry time, so
+            # one request never waits out a hung tier's deadline twice.
+            if inspect.iscoroutine(call):
+                call.close()  # made by the caller, never to run
+            raise TierUnavailable(f"{slot.kind}: unavailable ({slot.last_error}); retried "
+                                  f"after {slot.degraded_until - self.clock():.1f} s",
+                                  tier=slot.kind)  # fmt: skip
         try:
             if deadline is None:
                 result = await call

@@ -78,7 +78,7 @@ async def test_promotions_are_bounded_and_dropped_not_waited_for(tmp_path: Path)
     await store.settle()
     assert not store._moving
     assert [await store.get(ref(n)) for n in range(blocks)] == [data[n] for n in range(blocks)]
-    await store.close()  # waits for what the last reads started
+    await store.close()  # cancels what the last reads started
 
 
 async def test_the_whole_digest_is_taken_at_put_and_reads_nothing(tmp_path: Path) -> None:

@@ -98,3 +98,19 @@ def test_deadlines_are_configured_per_tier(tmp_path: Any) -> None:
     file.write_text(file.read_text().replace("deadline_s = 1.5", "deadline_s = 0"))
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.deadline_s"):
         build_store(load(file))
+
+
+async def test_one_request_waits_out_a_hung_tier_once() -> None:
+    # Degraded after its first missed deadline, the tier was still read and
+    # deleted from (and written to) within the same PUT: four deadlines.
+    below = Hanging()
+    store = TieredStore([(HostTier(), 2 * SIZE), (below, 3 * SIZE)], retry_after_s=60)
+    for n in range(5):
+        await store.put(ref(n), block())  # host: 3, 4; below (full): 0, 1, 2
+    below.hung = True
+    calls = below.calls
+    async with asyncio.timeout(5):
+        await store.put(ref(5), block())  # room in host: only by evicting, below is down
+    assert below.calls - calls <= 1
+    assert ref(5) in store
+    await store.close()

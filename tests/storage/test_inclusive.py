@@ -177,3 +177,70 @@ async def test_random_interleavings_lose_nothing_and_account_exactly(
     assert used == expected
     assert all(s.used <= s.capacity for s in store.slots)
     await store.close()
+
+
+async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
+    # One queued before a graceful stop used to run in close(), and making
+    # room for it evicted a block the spill had kept in LMDB.
+    evicted: list[Any] = []
+
+    async def hook(r: Any, reason: str) -> None:
+        evicted.append((r, reason))
+
+    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * SIZE)],
+                        on_evict=hook)  # fmt: skip
+    data = {n: block() for n in (1, 2, 3, 4)}
+    for n in (1, 2, 3, 4):
+        await store.put(ref(n), data[n])  # host: 3, 4; LMDB (full): 1, 2
+    assert await store.get(ref(1)) == data[1]  # a promotion starts in the background
+    await store.spill()
+    await store.close()
+    assert evicted == []
+    again = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * SIZE)])
+    await again.recover()
+    assert ref(1) in again and ref(2) in again
+    await again.close()
+
+
+async def test_a_copy_in_a_down_tier_does_not_take_over(tmp_path: Path) -> None:
+    # Demoting onto a copy whose tier is down made the block unreadable
+    # (only in that tier) although LMDB below had room: it is written there.
+    from .helpers import FlakyTier
+
+    below = FlakyTier(LmdbTier(str(tmp_path / "a")))
+    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE),
+                         (LmdbTier(str(tmp_path / "b")), 64 * SIZE)],
+                        write_through=True, retry_after_s=60)  # fmt: skip
+    data = block()
+    await store.put(ref(1), data)  # host, and a copy in the first LMDB
+    below.down = True
+    store.slots[1].degraded_until = store.clock() + 60  # known to be down
+    await store.put(ref(2), block())  # the copies go to the second LMDB now
+    await store.put(ref(3), block())  # host pushes 1 down
+    assert store.residency(ref(1))[0].tier == "local-storage"
+    assert store.info(ref(1)).segments[0].slot == 2
+    assert await store.get(ref(1)) == data
+    await store.close()
+
+
+async def test_recovery_keeps_a_copy_of_every_span(tmp_path: Path) -> None:
+    # With a layer split, the second span's copy in a slower tier was deleted.
+    first, second = LmdbTier(str(tmp_path / "a")), LmdbTier(str(tmp_path / "b"))
+    store = TieredStore([(first, 64 * SIZE), (second, 64 * SIZE)], fast_layers=4)
+    await store.put(ref(1), block())
+    # Both tiers hold both spans (a demotion and its write-through, say).
+    for key in (ref(1).segment_key(0, 3), ref(1).segment_key(4, 7), ref(1).meta_key):
+        for src, dst in ((first, second), (second, first)):
+            value = await src.get(key)
+            if value is not None and await dst.get(key) is None:
+                await dst.put(key, value)
+    await first.close()
+    await second.close()
+    first, second = LmdbTier(str(tmp_path / "a")), LmdbTier(str(tmp_path / "b"))
+    again = TieredStore([(first, 64 * SIZE), (second, 64 * SIZE)], fast_layers=4)
+    await again.recover()
+    info = again.info(ref(1))
+    assert sorted((c.first, c.slot) for c in info.copies) == [(0, 1), (4, 1)]
+    assert await second.get(ref(1).segment_key(4, 7)) is not None
+    assert accounting(again)[0] == accounting(again)[1]
+    await again.close()
