@@ -181,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> Any:
-    from .config import ConfigError, load
+    from .config import ConfigError, apply_environment, load
     from .serve import run
 
     try:
@@ -194,15 +194,13 @@ def cmd_serve(args: argparse.Namespace) -> Any:
             # else what the directory was made with. The URIs it prints, and
             # those in its files, follow (the flags win over the variables).
             environ = dict(os.environ)
-            host = args.host or environ.get("KVSTORE_SERVER__HOST") or None
-            port_text = environ.get("KVSTORE_SERVER__PORT", "").strip()
-            try:
-                port = args.port or (int(port_text) if port_text else None)
-            except ValueError:
-                raise CliError(f"KVSTORE_SERVER__PORT: {port_text!r} is not a port") from None
             for name, flag in (("HOST", args.host), ("PORT", args.port)):
                 if flag is not None:
                     environ.pop(f"KVSTORE_SERVER__{name}", None)
+            # The variables read as load() reads them (typed, checked).
+            server = apply_environment({}, environ).get("server", {})
+            host = args.host or server.get("host") or None
+            port = args.port or server.get("port") or None
             try:
                 first = prepare(args.directory, port=port, host=host)
             except FirstUseError as exc:
