@@ -34,14 +34,23 @@ async def failed_with_session(pc: MemoryControllerState, clock: Clock, dead: str
     return session
 
 
-async def test_a_session_every_candidate_refused_is_tried_again(instances: Instances) -> None:
-    # It was left with the last instance that refused, never moved again.
+async def refused_session(
+    instances: Instances, good_ttl_ms: int
+) -> tuple[MemoryControllerState, str, str, str]:
+    """A failed instance's session, and one live instance that refuses it:
+    (the PC's state, the session, the failed and the live instance)."""
     clock = Clock()
     pc = MemoryControllerState(clock=clock)
     dead, good = instances.uri("dead"), instances.uri("good")
-    await pc.put_status(status(good, ttl_ms=60_000))
+    await pc.put_status(status(good, ttl_ms=good_ttl_ms))
     session = await failed_with_session(pc, clock, dead)
     instances.refuse.add("good")
+    return pc, session, dead, good
+
+
+async def test_a_session_every_candidate_refused_is_tried_again(instances: Instances) -> None:
+    # It was left with the last instance that refused, never moved again.
+    pc, session, dead, good = await refused_session(instances, 60_000)
     retry = Clock()
     async with InstanceClient() as client:
         migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 1.0)
@@ -61,12 +70,7 @@ async def test_retries_back_off_and_log_one_error_then_summaries(
     # A session no instance takes was tried every round (0.5 s), each time
     # with an ERROR line, for as long as session_idle_s: now 1, 2, 4 ... s
     # apart up to the cap, one error, then a summary a minute.
-    clock = Clock()
-    pc = MemoryControllerState(clock=clock)
-    dead, good = instances.uri("dead"), instances.uri("good")
-    await pc.put_status(status(good, ttl_ms=3_600_000))
-    session = await failed_with_session(pc, clock, dead)
-    instances.refuse.add("good")
+    pc, session, _, good = await refused_session(instances, 3_600_000)
     retry = Clock()
     caplog.set_level(logging.DEBUG, "kvstore.controller")
     async with InstanceClient() as client:
@@ -93,12 +97,7 @@ async def test_retries_back_off_and_log_one_error_then_summaries(
 async def test_jitter_spreads_the_retries(instances: Instances) -> None:
     # Between half and all of the backoff: sessions of one failed instance
     # (and several PCs) do not all try again in the same round.
-    clock = Clock()
-    pc = MemoryControllerState(clock=clock)
-    good = instances.uri("good")
-    await pc.put_status(status(good, ttl_ms=3_600_000))
-    await failed_with_session(pc, clock, instances.uri("dead"))
-    instances.refuse.add("good")
+    pc, _, _, _ = await refused_session(instances, 3_600_000)
     retry = Clock()
     async with InstanceClient() as client:
         migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 0.0,
