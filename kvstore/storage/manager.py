@@ -59,6 +59,7 @@ from .blocks import (
 )
 from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits, LeaseTable
+from .moves import Moves
 from .policy import LRU, EvictionPolicy
 from .tier import Tier
 from .tierio import OFFLOAD_OCTETS, TierIO
@@ -124,9 +125,8 @@ class TieredStore(TierIO):
         self._lock = asyncio.Lock()
         self._owner: asyncio.Task[Any] | None = None
         self._hooks_running = 0
-        #: Promotions running in the background (bounded: see _promote_later).
-        self._moving: set[asyncio.Task[None]] = set()
-        self._closing = False  # spill() or close(): no more promotions
+        #: Promotions, in the background (stopped by spill() and close()).
+        self._moves = Moves(self.MAX_PROMOTIONS)
 
     # --- queries -------------------------------------------------------
 
@@ -451,38 +451,21 @@ class TieredStore(TierIO):
 
     def _promote_later(self, info: BlockInfo, segments: list[tuple[Segment, BytesLike]]) -> None:
         """Copy a read's lower segments up in a background task, if few run."""
-        # A hook reading a block it is told about must not set off more
-        # evictions (and more hooks) by promoting it.
-        if self._closing:
-            return
-        if self._hooks_running or len(self._moving) >= self.MAX_PROMOTIONS:
-            self.stats.promotions_dropped += 1
+        if self._moves.stopped:
             return
 
         async def promote() -> None:
             for segment, plain in segments:
                 await self._promote(info, segment, plain)
 
-        task = asyncio.get_running_loop().create_task(promote(), name="kvstore-promote")
-        self._moving.add(task)
-        task.add_done_callback(self._moved)
-
-    def _moved(self, task: asyncio.Task[None]) -> None:
-        self._moving.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("promotion failed", exc_info=task.exception())
-
-    async def _stop_promotions(self) -> None:
-        """No promotion starts from now on; those under way are cancelled."""
-        self._closing = True
-        for task in list(self._moving):
-            task.cancel()
-        await asyncio.gather(*self._moving, return_exceptions=True)
+        # A hook reading a block it is told about must not set off more
+        # evictions (and more hooks) by promoting it.
+        if self._hooks_running or not self._moves.start(promote, "kvstore-promote"):
+            self.stats.promotions_dropped += 1
 
     async def settle(self) -> None:
-        """Wait for the background promotions started so far (tests, shutdown)."""
-        while self._moving:
-            await asyncio.gather(*self._moving, return_exceptions=True)
+        """Wait for the background promotions started so far (tests)."""
+        await self._moves.settle()
 
     async def _promote(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
         """Copy a segment read from a lower tier into the first tier (promotion on hit)."""
@@ -629,7 +612,7 @@ class TieredStore(TierIO):
 
         # Promotions are optional work: none may run after the spill, where
         # making room for one would evict what the spill kept.
-        await self._stop_promotions()
+        await self._moves.stop()
         return await spill(self, timeout_s)
 
     async def delete(self, ref: BlockRef) -> None:
@@ -793,7 +776,7 @@ class TieredStore(TierIO):
             return found
 
     async def close(self) -> None:
-        await self._stop_promotions()
+        await self._moves.stop()
         for slot in self.slots:
             await slot.tier.close()
 

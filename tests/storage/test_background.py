@@ -72,11 +72,11 @@ async def test_promotions_are_bounded_and_dropped_not_waited_for(tmp_path: Path)
     async with asyncio.timeout(5):
         for n in range(blocks - 2):  # all below: each hit would promote
             assert await store.get(ref(n)) == data[n]
-    assert len(store._moving) == TieredStore.MAX_PROMOTIONS
+    assert store._moves.running == TieredStore.MAX_PROMOTIONS
     assert store.stats.promotions_dropped == blocks - 2 - TieredStore.MAX_PROMOTIONS
     host.gate.set()
     await store.settle()
-    assert not store._moving
+    assert not store._moves.running
     assert [await store.get(ref(n)) for n in range(blocks)] == [data[n] for n in range(blocks)]
     await store.close()  # cancels what the last reads started
 
