@@ -98,7 +98,8 @@ class IndexPublisher(Background, Publisher):
         self._pending.pop(ref, None)
         if self.clock() < self._index_down_until:
             # The IS failed us a moment ago: queue at once rather than make
-            # every eviction (which holds the store) wait out the timeout.
+            # every eviction (and the PUT that made room with it) wait out
+            # the timeout.
             self._pending[ref] = "delete"
             self._wake.set()
         else:
@@ -120,15 +121,15 @@ class IndexPublisher(Background, Publisher):
             self._wake.set()
 
     async def _publish(self, ref: BlockRef) -> None:
-        if ref not in self.store:
-            return  # gone meanwhile; its withdrawal is queued separately
+        if not self.store.serves(ref):
+            return  # gone or leaving meanwhile; its withdrawal is queued separately
         record = self.store.replica_record(ref, self.holder_uri, self.ttl_ms)
         granted = await self.index.publish(record)
         if isinstance(granted, int) and granted > 0:
             self.granted_ttl_ms = min(self.granted_ttl_ms, granted)
         self.stats.published += 1
-        if ref not in self.store:
-            # Evicted while the PUT was in flight: its DELETE may have reached
+        if not self.store.serves(ref):
+            # Evicted (or leaving) while the PUT was in flight: its DELETE may have reached
             # the IS first, so withdraw again now that the PUT has landed.
             self._pending[ref] = "delete"
 

@@ -7,6 +7,7 @@ segments, in ascending order, one segment at a time (B4).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -18,6 +19,7 @@ from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
 from ..protocol.problems import CorruptData, NotFound, TierUnavailable
 from .policy import LRU, EvictionPolicy
+from .state import BlockState, Claim
 from .tier import Tier
 from .types import BlockRef
 
@@ -44,7 +46,13 @@ class TierSlot:
     tier: Tier
     capacity: int
     policy: EvictionPolicy = field(default_factory=LRU)
+    #: Octets of the segments attached here, plus those reserved for writes
+    #: under way (taken before the I/O, so no two writes count on one room).
     used: int = 0
+    #: The reserved part of ``used``; 0 when nothing is being written.
+    reserved: int = 0
+    #: Tasks waiting for room that moves under way will free.
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
     degraded_until: float = 0.0
     failures: int = 0
     last_error: str = ""
@@ -99,6 +107,12 @@ class BlockInfo:
     #: When it was stored (this process's wall clock, Unix seconds; kept in
     #: the layer table so that retention survives a restart). 0: unknown.
     stored_at: float = 0.0
+    #: Where it is in its life (see :mod:`.state`); None until the table has it.
+    state: BlockState | None = None
+    #: Serializes the moves and the removal of this block's data.
+    claim: Claim = field(default_factory=Claim)
+    #: Resolved when it leaves WRITING or LEAVING (a second PUT waits on it).
+    settled: asyncio.Future[None] | None = None
 
     @property
     def first_layer(self) -> int:
@@ -194,7 +208,8 @@ class StoreStats:
     promotions: int = 0
     #: Persistent copies given up for room while a faster tier serves the block.
     copies_dropped: int = 0
-    #: Hits not promoted because enough promotions were under way already.
+    #: Hits not promoted: enough promotions under way already, the block busy
+    #: moving, or no room in the first tier without waiting for it.
     promotions_dropped: int = 0
     evictions: int = 0
     fault_evictions: int = 0
@@ -302,7 +317,7 @@ class BlockRead:
             # The block may have been dropped (and even put again) since
             # read() was called: never send a header without its layers.
             covered = sum(min(self.last, x.last) - max(self.first, x.first) + 1 for x in segments)
-            if store._blocks.get(info.ref) is not info or covered != self.last - self.first + 1:
+            if not store.table.current(info) or covered != self.last - self.first + 1:
                 raise NotFound(f"block {info.ref.block_key} is no longer held")
             yield self.header.pack()
             for segment in segments:
@@ -318,7 +333,7 @@ class BlockRead:
         if promoted:
             # In the background: this read (a GET's response) is over once
             # its bytes are out, whatever the promotion then costs.
-            store._promote_later(info, promoted)
+            store.placement.promote_later(info, promoted)
 
     async def read_all(self) -> bytes:
         """The whole answer in one buffer (library use; servers should stream)."""

@@ -1,51 +1,44 @@
 """The tiered store: segments of blocks across tiers, under one eviction manager.
 
-Everything that is not "store these octets under this key" lives here, once
-(STYLE 5, 8): placement, capacity, ordering, demotion and promotion, leases,
-sealing of persistent tiers, integrity checks, tier health, eviction
-notifications. A **segment** is a layer range of one block stored as a KV
-Block Container; a block's segments and their tiers are its ``residency``.
-Rules, with the requirement they serve:
+Everything that is not "store these octets under this key" lives in the
+storage package, once (STYLE 5, 8): placement, capacity, ordering, demotion
+and promotion, leases, sealing of persistent tiers, integrity checks, tier
+health, eviction notifications. A **segment** is a layer range of one block
+stored as a KV Block Container; a block's segments and their tiers are its
+``residency``. The store is a facade over the parts that own each idea:
 
-* a block under an unexpired lease, or being read, is never demoted or
-  evicted (LE2); a put that could only make room by evicting leased data
-  goes to a lower tier, or fails with :class:`InsufficientStorage`;
-* ``on_evict`` is awaited *before* a block leaves the holder, so the holder
-  can withdraw it from the Index Service first (P3); data lost to a fault
-  (a tier that no longer has a segment) notifies before it is forgotten,
-  leased or not (LE4);
-* tiers are inclusive below memory: a promotion copies a segment up and the
-  persistent tier keeps its copy (``BlockInfo.copies``) until that tier needs
-  the room, so what reached LMDB, Redis or S3 stays there when it is read
-  (a demotion back down is then free); ``write_through`` also makes a PUT
-  write that copy before it is acknowledged (acknowledged = durable);
-* a tier that raises :class:`TierUnavailable` is marked degraded and skipped
-  for new writes until its retry time; reads of segments there fail with
-  that error and the caller treats it as a miss (P4). No backend decides this.
+* :class:`.BlockTable` (``table``): which blocks exist, in which state
+  (:mod:`.state`: writing, resident, leaving, gone), and each tier's room;
+* :class:`.Placement` (``placement``): where segments go and how they move
+  (place, make room, demote, promote, evict), with no store-wide lock held
+  across tier I/O;
+* :class:`.TierIO` (``io``): every tier call, with its deadline and the
+  tier's health (a tier that raises :class:`TierUnavailable` is degraded and
+  skipped until its retry time; reads there are misses, P4);
+* :class:`.LeaseTable` (``leases``): LE1-LE4.
+
+What the store itself does: PUT (BL7: one 201 and one 412 for two PUTs of a
+key, whatever their timing), reads (BL1-BL4), leases, and the lifecycle
+(recovery, the retention sweep, the spill at a graceful stop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.problems import (
     CorruptData,
-    InsufficientStorage,
     LayersUnavailable,
     MalformedContainer,
     NotFound,
     PreconditionFailed,
-    TierFull,
-    TierUnavailable,
 )
 from ..protocol.records import ReplicaRecord, Residency
 from .blocks import (
@@ -59,8 +52,10 @@ from .blocks import (
 )
 from .crypto import SegmentSealer
 from .leases import Lease, LeaseLimits, LeaseTable
-from .moves import Moves
+from .placement import Placement
 from .policy import LRU, EvictionPolicy
+from .state import SERVING, SETTLING
+from .table import BlockTable
 from .tier import Tier
 from .tierio import OFFLOAD_OCTETS, TierIO
 from .types import BlockRef
@@ -70,8 +65,11 @@ log = logging.getLogger("kvstore.storage")
 EvictHook = Callable[[BlockRef, str], Awaitable[None]]
 
 
-class TieredStore(TierIO):
+class TieredStore:
     """Blocks in segments over an ordered list of tiers, fastest first."""
+
+    #: Background promotions at once (see :class:`.Placement`).
+    MAX_PROMOTIONS = Placement.MAX_PROMOTIONS
 
     def __init__(
         self,
@@ -109,44 +107,68 @@ class TieredStore(TierIO):
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.slots = [TierSlot(tier, capacity, policy()) for tier, capacity in tiers]
-        self.sealer = sealer or SegmentSealer()
         self.leases = LeaseTable(lease_limits or LeaseLimits(), clock)
         self.promote = promote
         self.fast_layers = fast_layers
         self.verify_reads = verify_reads
-        self.retry_after_s = retry_after_s
         self.on_evict = on_evict
         self.clock = clock
         self.retention_s, self.wall_clock = retention_s, wall_clock
         self.write_through = write_through and any(s.tier.persistent for s in self.slots)
         self.stats = StoreStats()
-        self._blocks: dict[BlockRef, BlockInfo] = {}
-        self._by_key: dict[str, set[BlockRef]] = {}
-        self._lock = asyncio.Lock()
-        self._owner: asyncio.Task[Any] | None = None
-        self._hooks_running = 0
-        #: Promotions, in the background (stopped by spill() and close()).
-        self._moves = Moves(self.MAX_PROMOTIONS)
+        self.io = TierIO(self.slots, sealer or SegmentSealer(), self.stats, retry_after_s, clock)
+        self.table = BlockTable(self.slots)
+        self.placement = Placement(self)
+
+    @property
+    def sealer(self) -> SegmentSealer:
+        return self.io.sealer
+
+    @property
+    def retry_after_s(self) -> float:
+        """How long a tier that failed is skipped before it is asked again."""
+        return self.io.retry_after_s
+
+    @retry_after_s.setter
+    def retry_after_s(self, value: float) -> None:
+        self.io.retry_after_s = value
 
     # --- queries -------------------------------------------------------
 
     def __contains__(self, ref: object) -> bool:
-        return ref in self._blocks
+        """The holder has the block's data: resident, or leaving (being
+        withdrawn, P3) and not yet deleted."""
+        return isinstance(ref, BlockRef) and self.table.held(ref)
+
+    def serves(self, ref: BlockRef) -> bool:
+        """The block is resident: read, leased and advertised."""
+        return self.table.serving(ref) is not None
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self.table)
 
     def blocks(self) -> Iterator[BlockInfo]:
-        return iter(list(self._blocks.values()))
+        """The resident blocks (a snapshot)."""
+        return iter(self.table)
 
     def info(self, ref: BlockRef) -> BlockInfo:
-        info = self._blocks.get(ref)
-        if info is None:
+        info = self.table.entry(ref)
+        if info is None or not self.table.held(ref):
             raise NotFound(f"block {ref.block_key} is not held")
         return info
 
     def refs_for_key(self, block_key: str) -> set[BlockRef]:
-        return set(self._by_key.get(block_key, ()))
+        return self.table.refs_for_key(block_key)
+
+    def pinned(self, ref: BlockRef) -> bool:
+        """Leased, or being read: never picked to make room (LE2)."""
+        info = self.table.entry(ref)
+        return (info is not None and info.readers > 0) or self.leases.is_leased(ref)
+
+    def accounting(self) -> tuple[list[int], list[int]]:
+        """(each tier's used octets, the sum of its segments, copies and
+        reservations): equal whenever no await is under way (tests)."""
+        return self.table.accounting()
 
     def residency(self, ref: BlockRef) -> tuple[Residency, ...]:
         """The ``residency`` array of the block's Replica Record: adjacent
@@ -236,33 +258,41 @@ class TieredStore(TierIO):
         # BL4: the Repr-Digest of the whole block, taken now (off the loop,
         # while the segments are written) so that no GET reads it twice.
         whole = asyncio.ensure_future(asyncio.to_thread(repr_digest_of, data))
-        async with self._locked():
-            try:
-                if ref in self._blocks:
+        try:
+            # BL7: one PUT of a reference at a time. A second one waits for the
+            # first to settle: 412 if it was stored, else it stores its own.
+            while (existing := self.table.entry(ref)) is not None:
+                if existing.state in SERVING:
                     raise PreconditionFailed(f"block {ref.block_key} is already held")
-                info = BlockInfo(ref, container.codec, container.token_count, {}, [])
-                info.stored_at = self.wall_clock()
-                try:
-                    for first, last, slot in self._split(container):
-                        if (first, last) == (container.first_layer, container.last_layer):
-                            part: BytesLike = data  # the whole container: no copy
-                        else:
-                            part = container.slice(first, last).tobytes()
-                        segment = await self._place(info, first, last, part, slot)
-                        if self.write_through and not self.slots[segment.slot].tier.persistent:
-                            await self._place_copy(info, segment, part)
-                    info.layers = await hashing
-                    info.whole_repr_digest = await whole
-                    await self._sync_meta(info, strict=True)
-                except BaseException:
-                    await self._discard(info)
-                    raise
-            finally:
-                await asyncio.gather(hashing, whole, return_exceptions=True)
-            self._blocks[ref] = info
-            self._by_key.setdefault(ref.block_key, set()).add(ref)
+                assert existing.state in SETTLING
+                await self.table.settled(existing)
+            info = BlockInfo(ref, container.codec, container.token_count, {}, [])
+            info.stored_at = self.wall_clock()
+            self.table.begin(info)
+            try:
+                for first, last, slot in self._split(container):
+                    if (first, last) == (container.first_layer, container.last_layer):
+                        part: BytesLike = data  # the whole container: no copy
+                    else:
+                        part = container.slice(first, last).tobytes()
+                    segment = await self.placement.place(info, first, last, part, slot)
+                    if self.write_through and not self.slots[segment.slot].tier.persistent:
+                        await self.placement.place_copy(info, segment, part)
+                info.layers = await hashing
+                info.whole_repr_digest = await whole
+                await self.placement.sync_meta(info, strict=True)
+            except BaseException:
+                await self.placement.discard(info)
+                raise
+            self.table.stored(info)
             self.stats.puts += 1
             return info
+        finally:
+            if not (hashing.done() and whole.done()):
+                # A failed PUT does not leave its hashing threads behind. (A
+                # stored one has awaited both: it returns with no await after
+                # it was acknowledged.)
+                await asyncio.gather(hashing, whole, return_exceptions=True)
 
     def _split(self, container: kc.Container) -> list[tuple[int, int, int]]:
         first, last = container.first_layer, container.last_layer
@@ -270,328 +300,6 @@ class TieredStore(TierIO):
         if n is None or len(self.slots) < 2 or first >= n or last < n:
             return [(first, last, 0)]
         return [(first, n - 1, 0), (n, last, 1)]
-
-    async def _place(
-        self, info: BlockInfo, first: int, last: int, plain: BytesLike, start: int
-    ) -> Segment:
-        """Write a new segment in the first tier from ``start`` that can take it."""
-        segment = await self._write_first(info, first, last, plain, range(start, len(self.slots)))
-        self._attach(info, segment)
-        return segment
-
-    async def _place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
-        """Write-through: a copy of a new segment in the first persistent tier
-        below it that can take it; else the PUT fails (it would not be durable)."""
-        below = [i for i in range(segment.slot + 1, len(self.slots))
-                 if self.slots[i].tier.persistent]  # fmt: skip
-        try:
-            copy = await self._write_first(info, segment.first, segment.last, plain, below)
-        except InsufficientStorage as exc:
-            raise InsufficientStorage(f"write_through: {exc.detail}") from exc
-        self._attach_copy(info, copy)
-
-    async def _write_first(
-        self, info: BlockInfo, first: int, last: int, plain: BytesLike, slots: Iterable[int]
-    ) -> Segment:
-        """Store layers ``first..last`` in the first of ``slots`` that can take
-        them (making room there); the segment written, not yet attached."""
-        errors: list[str] = []
-        for index in slots:
-            slot = self.slots[index]
-            if slot.degraded_until > self.clock():
-                errors.append(f"{slot.kind}: degraded")
-                continue
-            stored, crc = await self._stored_form(slot, info.ref, first, last, plain)
-            size = len(memoryview(stored))
-            if not await self._make_room(index, size, exclude=info.ref):
-                errors.append(f"{slot.kind}: full")
-                continue
-            segment = Segment(info.ref, first, last, index, size, crc)
-            try:
-                await self._tier_call(slot, slot.tier.put(segment.key, stored))
-            except (TierUnavailable, TierFull) as exc:
-                errors.append(f"{slot.kind}: {exc.detail}")
-                continue
-            return segment
-        raise InsufficientStorage(
-            f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
-        )
-
-    def _attach(self, info: BlockInfo, segment: Segment) -> None:
-        slot = self.slots[segment.slot]
-        slot.used += segment.stored_octets
-        slot.policy.add(segment.id)
-        info.segments.append(segment)
-        info.segments.sort(key=lambda s: s.first)
-
-    def _detach(self, info: BlockInfo, segment: Segment) -> None:
-        slot = self.slots[segment.slot]
-        slot.used -= segment.stored_octets
-        slot.policy.remove(segment.id)
-        info.segments.remove(segment)
-
-    def _attach_copy(self, info: BlockInfo, copy: Segment) -> None:
-        slot = self.slots[copy.slot]
-        slot.used += copy.stored_octets
-        slot.policy.add(copy.id)
-        info.copies.append(copy)
-
-    def _detach_copy(self, info: BlockInfo, copy: Segment) -> None:
-        slot = self.slots[copy.slot]
-        slot.used -= copy.stored_octets
-        slot.policy.remove(copy.id)
-        info.copies.remove(copy)
-
-    def _copy_of(self, info: BlockInfo, segment: Segment) -> Segment | None:
-        """The persistent copy below ``segment`` (same layers), if one is kept."""
-        return next((x for x in info.copies if (x.first, x.last) == (segment.first, segment.last)),
-                    None)  # fmt: skip
-
-    async def _drop_copy(self, info: BlockInfo, copy: Segment) -> None:
-        """A tier needs the room of a copy: the faster tier above still serves it."""
-        self._detach_copy(info, copy)
-        await self._quiet_delete(self.slots[copy.slot], copy.key)
-        await self._sync_meta(info)
-        self.stats.copies_dropped += 1
-
-    def _pinned(self, ref: BlockRef) -> bool:
-        info = self._blocks.get(ref)
-        return (info is not None and info.readers > 0) or self.leases.is_leased(ref)
-
-    async def _make_room(self, index: int, need: int, exclude: BlockRef | None = None) -> bool:
-        """Free ``need`` octets in tier ``index`` by demoting or evicting unpinned segments."""
-        slot = self.slots[index]
-        if need > slot.capacity:
-            return False
-        if slot.used + need <= slot.capacity:
-            return True  # the common case: no walk over the eviction order
-        for item in slot.policy.candidates():
-            if slot.used + need <= slot.capacity:
-                break
-            ref, first = cast(tuple[BlockRef, int], item)
-            if ref == exclude or self._pinned(ref):
-                continue  # LE2: leased and in-flight blocks never move
-            info = self._blocks.get(ref)
-            if info is None:
-                continue  # a block still being put: not a candidate yet
-            segment = next((x for x in info.segments if x.first == first and x.slot == index), None)
-            if segment is None:
-                copy = next((x for x in info.copies if x.first == first and x.slot == index), None)
-                if copy is not None:
-                    await self._drop_copy(info, copy)
-                continue
-            if await self._demote(info, segment):
-                continue
-            if self._pinned(ref) or not self._current(info, segment):
-                continue  # a reader or a lease arrived while we tried
-            await self._evict(info, "capacity")
-        return slot.used + need <= slot.capacity
-
-    async def _demote(self, info: BlockInfo, segment: Segment, make_room: bool = True) -> bool:
-        """Move a segment one step down the chain (skipping degraded tiers).
-
-        True when the segment left its tier: moved, or dropped as lost.
-        ``make_room``: demote or evict what is below to fit (else only free
-        room is used).
-        """
-        src = self.slots[segment.slot]
-        copy = self._copy_of(info, segment)
-        if copy is not None and self.slots[copy.slot].degraded_until > self.clock():
-            # Its tier is down: not a place to serve from; written anew below.
-            await self._drop_copy(info, copy)
-            copy = None
-        if copy is not None:
-            # Inclusive tiers: the copy below takes over, nothing is written.
-            self._detach(info, segment)
-            info.copies.remove(copy)
-            info.segments.append(copy)
-            info.segments.sort(key=lambda s: s.first)
-            await self._quiet_delete(src, segment.key)
-            await self._sync_meta(info)
-            self.stats.demotions += 1
-            return True
-        now = self.clock()
-        if all(s.degraded_until > now for s in self.slots[segment.slot + 1 :]):
-            return False  # nowhere to go: not even worth reading it
-        try:
-            plain = await self._load(info, segment)
-        except (TierUnavailable, CorruptData, NotFound):
-            return not self._current(info, segment)
-        for index in range(segment.slot + 1, len(self.slots)):
-            dst = self.slots[index]
-            if dst.degraded_until > self.clock():
-                continue
-            stored, crc = await self._stored_form(dst, info.ref, segment.first, segment.last, plain)
-            size = len(memoryview(stored))
-            if not make_room:
-                if dst.used + size > dst.capacity:
-                    continue
-            elif not await self._make_room(index, size, exclude=info.ref):
-                continue
-            moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
-            try:
-                # Written below before it is removed above: nothing is lost.
-                await self._tier_call(dst, dst.tier.put(moved.key, stored))
-            except (TierUnavailable, TierFull):
-                continue
-            if info.readers or not self._current(info, segment):
-                # A read started, or the block went, while we copied: undo.
-                await self._quiet_delete(dst, moved.key)
-                return not self._current(info, segment)
-            self._replace(info, segment, moved)
-            await self._quiet_delete(src, segment.key)
-            await self._sync_meta(info)
-            self.stats.demotions += 1
-            return True
-        return False
-
-    #: Promotions waiting or running at once; beyond, a hit is not promoted
-    #: (dropped, not waited for: a GET never queues behind tier writes).
-    MAX_PROMOTIONS = 4
-
-    def _promote_later(self, info: BlockInfo, segments: list[tuple[Segment, BytesLike]]) -> None:
-        """Copy a read's lower segments up in a background task, if few run."""
-        if self._moves.stopped:
-            return
-
-        async def promote() -> None:
-            for segment, plain in segments:
-                await self._promote(info, segment, plain)
-
-        # A hook reading a block it is told about must not set off more
-        # evictions (and more hooks) by promoting it.
-        if self._hooks_running or not self._moves.start(promote, "kvstore-promote"):
-            self.stats.promotions_dropped += 1
-
-    async def settle(self) -> None:
-        """Wait for the background promotions started so far (tests)."""
-        await self._moves.settle()
-
-    async def _promote(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
-        """Copy a segment read from a lower tier into the first tier (promotion on hit)."""
-        async with self._locked():
-            # Another read still walks the old location: moving it would pull
-            # the segment out from under that read.
-            # A hook reading a block it is told about must not set off more
-            # evictions (and more hooks) by promoting it.
-            if info.readers or self._hooks_running or not self._current(info, segment):
-                return
-            top = self.slots[0]
-            if top.degraded_until > self.clock():
-                return
-            stored, crc = await self._stored_form(top, info.ref, segment.first, segment.last, plain)
-            size = len(memoryview(stored))
-            if not await self._make_room(0, size, exclude=info.ref):
-                return
-            moved = Segment(info.ref, segment.first, segment.last, 0, size, crc)
-            try:
-                await self._tier_call(top, top.tier.put(moved.key, stored))
-            except (TierUnavailable, TierFull):
-                return
-            if info.readers or not self._current(info, segment):
-                await self._quiet_delete(top, moved.key)
-                return
-            src = self.slots[segment.slot]
-            if src.tier.persistent:
-                # Inclusive: the persistent copy stays (and keeps its room
-                # there) until that tier evicts it; the block stays durable.
-                info.segments.remove(segment)
-                info.copies.append(segment)
-                self._attach(info, moved)
-            else:
-                self._replace(info, segment, moved)
-                await self._quiet_delete(src, segment.key)
-            await self._sync_meta(info)
-            self.stats.promotions += 1
-
-    def _current(self, info: BlockInfo, segment: Segment) -> bool:
-        """The block is still this registered one and the segment still its own."""
-        return self._blocks.get(info.ref) is info and segment in info.segments
-
-    def _replace(self, info: BlockInfo, old: Segment, new: Segment) -> None:
-        self._detach(info, old)
-        self._attach(info, new)
-
-    async def _evict(self, info: BlockInfo, reason: str) -> None:
-        """Remove a whole block from the holder, notifying first (P3, LE4)."""
-        if self._blocks.get(info.ref) is not info:
-            return
-        if self.on_evict is not None:
-            self._hooks_running += 1
-            try:
-                await self.on_evict(info.ref, reason)
-            except Exception:
-                log.exception("eviction hook failed for %s", info.ref.block_key)
-            finally:
-                self._hooks_running -= 1
-            if self._blocks.get(info.ref) is not info:
-                return
-        # Unregistered at once, with no await in between: a cancelled or
-        # failing eviction never leaves a block registered without its data.
-        segments = list(info.segments) + list(info.copies)
-        for segment in info.segments[:]:
-            self._detach(info, segment)
-        for copy in info.copies[:]:
-            self._detach_copy(info, copy)
-        del self._blocks[info.ref]
-        refs = self._by_key.get(info.ref.block_key)
-        if refs is not None:
-            refs.discard(info.ref)
-            if not refs:
-                del self._by_key[info.ref.block_key]
-        self.leases.forget_block(info.ref)
-        if reason == "capacity":
-            self.stats.evictions += 1
-        elif reason == "retention":
-            self.stats.expired += 1
-        else:
-            self.stats.fault_evictions += 1
-        log.info("evicted %s (%s)", info.ref.block_key, reason)
-        await asyncio.shield(self._delete_segments(segments, info))
-
-    async def _discard(self, info: BlockInfo) -> None:
-        """Remove the segments of a block that was never registered (a failed put)."""
-        segments = list(info.segments) + list(info.copies)
-        for segment in info.segments[:]:
-            self._detach(info, segment)
-        for copy in info.copies[:]:
-            self._detach_copy(info, copy)
-        await asyncio.shield(self._delete_segments(segments, info))
-
-    async def _delete_segments(self, segments: Sequence[Segment], info: BlockInfo) -> None:
-        for segment in segments:
-            await self._quiet_delete(self.slots[segment.slot], segment.key)
-        await self._sync_meta(info)
-
-    async def _sync_meta(self, info: BlockInfo, strict: bool = False) -> None:
-        """Keep the block's layer table in each persistent tier that holds one of
-        its segments, and nowhere else (a restart reads it back, see startup).
-
-        ``strict`` (a new block): a table that cannot be written fails the
-        put. The table carries the block's stored time (SEC4: a restart
-        without it counts the block's age from then) and its layer
-        digests, so a PUT is acknowledged only with it in place: a disk out
-        of room after the segment went in is a 507, a tier gone a 503."""
-        want = {
-            x.slot for x in [*info.segments, *info.copies] if self.slots[x.slot].tier.persistent
-        }
-        for index in sorted(want - info.meta_slots):
-            slot = self.slots[index]
-            stored = self.sealer.seal(info.ref.meta_name, info.meta())
-            try:
-                await self._tier_call(slot, slot.tier.put(info.ref.meta_key, stored))
-                info.meta_slots.add(index)
-            except (TierUnavailable, TierFull) as exc:
-                if strict:
-                    what = f"the layer table of {info.ref.block_key} not stored in {slot.kind}"
-                    if isinstance(exc, TierUnavailable):
-                        raise TierUnavailable(f"{what}: {exc.detail}", tier=slot.kind) from exc
-                    raise InsufficientStorage(f"{what}: {exc.detail}") from exc
-                log.warning("layer table of %s not stored in %s: %s", info.ref.block_key,
-                            slot.kind, exc.detail)  # fmt: skip
-        for index in sorted(info.meta_slots - want):
-            info.meta_slots.discard(index)
-            await self._quiet_delete(self.slots[index], info.ref.meta_key)
 
     def _expired(self, info: BlockInfo) -> bool:
         """Past the retention limit: not served any more, even before a sweep."""
@@ -612,16 +320,22 @@ class TieredStore(TierIO):
 
         # Promotions are optional work: none may run after the spill, where
         # making room for one would evict what the spill kept.
-        await self._moves.stop()
+        await self.placement.moves.stop()
         return await spill(self, timeout_s)
 
     async def delete(self, ref: BlockRef) -> None:
         """Remove a block (an operator action); leased blocks are refused (LE2)."""
-        async with self._locked():
-            info = self.info(ref)
-            if self._pinned(ref):
+        info = self.table.serving(ref)
+        if info is None:
+            raise NotFound(f"block {ref.block_key} is not held")
+        await info.claim.take()
+        try:
+            if self.pinned(ref):
                 raise PreconditionFailed(f"block {ref.block_key} is leased or being read")
-            await self._evict(info, "deleted")
+            if not await self.placement.evict(info, "deleted"):
+                raise NotFound(f"block {ref.block_key} is not held")
+        finally:
+            info.claim.give()
 
     # --- reads ---------------------------------------------------------
 
@@ -631,7 +345,7 @@ class TieredStore(TierIO):
     ) -> BlockRead:  # fmt: skip
         """Start a read of layers ``first..last`` (default: all held), BL1-BL2.
         ``count=False``: a probe (HEAD), neither a hit nor a use of the block."""
-        info = self._blocks.get(ref)
+        info = self.table.serving(ref)
         if info is None or self._expired(info):
             if count:
                 self.stats.misses += 1
@@ -662,10 +376,10 @@ class TieredStore(TierIO):
         """
         while True:
             slot = self.slots[segment.slot]
-            stored = await self._tier_call(slot, slot.tier.get(segment.key))
+            stored = await self.io.call(slot, slot.tier.get(segment.key))
             if stored is not None:
                 break
-            if self._blocks.get(info.ref) is not info:
+            if self.table.entry(info.ref) is not info:
                 raise NotFound(f"block {info.ref.block_key} is no longer held")
             if segment not in info.segments:
                 moved = next((x for x in info.segments if x.first == segment.first), None)
@@ -674,7 +388,8 @@ class TieredStore(TierIO):
                 segment = moved
                 continue
             # The tier lost data it had acknowledged (restart, external eviction).
-            await self._lost(info, f"{slot.kind} lost layers {segment.first}-{segment.last}")
+            lost = f"{slot.kind} lost layers {segment.first}-{segment.last}"
+            await self.placement.lost(info, lost)
             raise NotFound(f"block {info.ref.block_key} is no longer held")
         if not slot.tier.persistent:
             return stored
@@ -697,28 +412,8 @@ class TieredStore(TierIO):
             return check_and_open()
         except CorruptData:
             self.stats.integrity_failures += 1
-            await self._lost(info, f"corrupt segment in {slot.kind}")
+            await self.placement.lost(info, f"corrupt segment in {slot.kind}")
             raise
-
-    async def _lost(self, info: BlockInfo, reason: str) -> None:
-        """LE4: data a tier no longer holds leaves the holder, notified first."""
-        async with self._locked():
-            await self._evict(info, reason)
-
-    @contextlib.asynccontextmanager
-    async def _locked(self) -> AsyncIterator[None]:
-        """The store lock, re-entrant for the task holding it (an ``on_evict``
-        hook may read the store; a demotion may find data lost)."""
-        task = asyncio.current_task()
-        if self._owner is task:
-            yield
-            return
-        async with self._lock:
-            self._owner = task
-            try:
-                yield
-            finally:
-                self._owner = None
 
     # --- leases --------------------------------------------------------
 
@@ -731,11 +426,14 @@ class TieredStore(TierIO):
     ) -> Lease:
         """Lease every held block with one of ``block_keys`` (LE1-LE3), or those
         of them ``allowed`` accepts (the holder passes the client's scopes)."""
+        table = self.table
         held = [
-            (ref, self._blocks[ref].size)
+            (info.ref, info.size)
             for key in dict.fromkeys(block_keys)
-            for ref in self._by_key.get(key, ())
-            if (allowed is None or allowed(ref)) and not self._expired(self._blocks[ref])
+            for info in map(table.serving, table.refs_for_key(key))
+            if info is not None
+            and (allowed is None or allowed(info.ref))
+            and not self._expired(info)
         ]
         if not held:
             raise NotFound("none of the block keys is held")
@@ -762,21 +460,24 @@ class TieredStore(TierIO):
         returns the number of blocks found. See :mod:`.startup`."""
         from .startup import recover
 
-        async with self._locked():
-            found = await recover(self)
-            now = self.wall_clock()
-            for info in list(self._blocks.values()):
-                if info.stored_at <= 0 or info.stored_at > now:
-                    # No time kept (an older version, a lost table), or one
-                    # from a clock ahead of ours: counted from now, and the
-                    # table rewritten so that the next restart knows it.
-                    info.stored_at = min(now, info.stored_at) if info.stored_at > 0 else now
-                    info.meta_slots.clear()
-                    await self._sync_meta(info)
-            return found
+        found = await recover(self)
+        now = self.wall_clock()
+        for info in self.table:
+            if info.stored_at <= 0 or info.stored_at > now:
+                # No time kept (an older version, a lost table), or one
+                # from a clock ahead of ours: counted from now, and the
+                # table rewritten so that the next restart knows it.
+                info.stored_at = min(now, info.stored_at) if info.stored_at > 0 else now
+                info.meta_slots.clear()
+                await self.placement.sync_meta(info)
+        return found
+
+    async def settle(self) -> None:
+        """Wait for the background promotions started so far (tests)."""
+        await self.placement.moves.settle()
 
     async def close(self) -> None:
-        await self._moves.stop()
+        await self.placement.moves.stop()
         for slot in self.slots:
             await slot.tier.close()
 

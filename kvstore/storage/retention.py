@@ -41,21 +41,18 @@ async def expire(store: TieredStore, batch: int = 32) -> int:
     tier, withdrawing it first (the eviction hook, P3); a leased one goes
     once its lease ends (LE2). Returns how many went.
 
-    The store lock is taken for ``batch`` blocks at a time, so that a
-    sweep of many blocks (each withdrawn from the IS) does not hold up
-    PUTs and GETs for its whole length."""
+    Each block is removed on its own (its claim, not a store-wide lock),
+    so a sweep of many blocks, each withdrawn from the IS, holds up no PUT
+    or GET; ``batch`` blocks go between two yields to the event loop."""
     if not store.retention_s:
         return 0
     cutoff = store.wall_clock() - store.retention_s
-    due = [i for i in store._blocks.values() if i.stored_at < cutoff]
+    due = [i for i in store.blocks() if i.stored_at < cutoff]
     gone = 0
     for start in range(0, len(due), batch):
-        async with store._locked():
-            for info in due[start : start + batch]:
-                # Re-checked under the lock: replaced, deleted or leased since.
-                if store._blocks.get(info.ref) is not info or store._pinned(info.ref):
-                    continue
-                await store._evict(info, "retention")
+        for info in due[start : start + batch]:
+            # Re-checked once claimed: replaced, deleted or leased since.
+            if await store.placement.evict(info, "retention", unless_pinned=True):
                 gone += 1
         await asyncio.sleep(0)
     if gone:
@@ -69,7 +66,8 @@ def retention_ttl(store: TieredStore, ttl_ms: int, refs: Iterable[BlockRef]) -> 
     that is now, the lease is granted for 0 ms: it protects nothing."""
     if not store.retention_s:
         return ttl_ms
-    stored = [store._blocks[r].stored_at for r in refs if r in store._blocks]
+    infos = [store.table.entry(r) for r in refs]
+    stored = [i.stored_at for i in infos if i is not None]
     if not stored:
         return ttl_ms
     left_ms = int((min(stored) + store.retention_s - store.wall_clock()) * 1000)
@@ -88,7 +86,7 @@ def lease_terms(
         return held, ttl_ms
     end = store.wall_clock() + ttl_ms / 1000
     lasting = [(r, size) for r, size in held
-               if store._blocks[r].stored_at + store.retention_s >= end]  # fmt: skip
+               if store.info(r).stored_at + store.retention_s >= end]  # fmt: skip
     if lasting:
         return lasting, ttl_ms
     return held, retention_ttl(store, ttl_ms, [r for r, _ in held])

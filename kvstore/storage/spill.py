@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from .blocks import BlockInfo
 from .types import BlockRef
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ async def spill(store: TieredStore, timeout_s: float = 10.0) -> int:
         return 0
     moved = 0
     try:
-        async with asyncio.timeout(timeout_s), store._locked():
+        async with asyncio.timeout(timeout_s):
             # The most recently used first; into free room only: nothing
             # a persistent tier holds is evicted for them.
             order: list[tuple[BlockRef, int]] = []
@@ -33,25 +34,30 @@ async def spill(store: TieredStore, timeout_s: float = 10.0) -> int:
                 if not slot.tier.persistent:
                     order += reversed(list(slot.policy.candidates()))  # type: ignore[arg-type]
             for ref, first in order:
-                info = store._blocks.get(ref)
-                segment = (
-                    None
-                    if info is None
-                    else next((x for x in info.segments if x.first == first), None)
-                )
-                if info is None or segment is None:
+                info = store.table.serving(ref)
+                if info is None:
                     continue
-                current = segment
-                while not store.slots[current.slot].tier.persistent:
-                    if not await store._demote(info, current, make_room=False):
-                        break
-                    found = next((x for x in info.segments if x.first == current.first),
-                                 None)  # fmt: skip
-                    if found is None:
-                        break
-                    current = found
-                    moved += 1
+                await info.claim.take()
+                try:
+                    moved += await _down(store, info, first)
+                finally:
+                    info.claim.give()
     except TimeoutError:
         log.warning("shutdown: %d segments moved to persistent tiers before the deadline",
                     moved)  # fmt: skip
     return moved
+
+
+async def _down(store: TieredStore, info: BlockInfo, first: int) -> int:
+    """Demote the segment of ``info`` at layer ``first`` until a persistent
+    tier has it (the caller holds the block's claim); the steps taken."""
+    steps = 0
+    if not store.table.current(info):
+        return 0  # gone while we waited for it
+    current = next((x for x in info.segments if x.first == first), None)
+    while current is not None and not store.slots[current.slot].tier.persistent:
+        if not await store.placement.demote(info, current, make_room=False):
+            break
+        current = next((x for x in info.segments if x.first == first), None)
+        steps += 1
+    return steps

@@ -5,7 +5,7 @@ Restart recovery rebuilds the block table from what persistent tiers hold.
 Each stored segment is opened (decrypted, checked) and decoded, so a tampered
 segment is skipped, not trusted; a segment that cannot be opened is left in
 place, because a wrong key in the configuration must not destroy the data it
-cannot read. Runs under the store lock, before the store serves.
+cannot read. Runs before the store serves.
 """
 
 from __future__ import annotations
@@ -33,28 +33,22 @@ async def recover(store: TieredStore) -> int:
             continue
         async for key in slot.tier.keys():
             await _recover_key(store, index, slot, key)
-    for info in list(store._blocks.values()):
+    for info in store.blocks():
         known = sorted(info.layers)
         # A block is kept only if its record can list every layer (R2) and
         # something of it survived; what is dropped here stays on disk.
         if not info.segments or known != list(range(len(known))):
             log.warning("not adopting %s: layers %s known, %d segments", info.ref.block_key,
                         known[:3], len(info.segments))  # fmt: skip
-            for segment in list(info.segments):
-                store._detach(info, segment)
-            for copy in list(info.copies):
-                store._detach_copy(info, copy)
-            del store._blocks[info.ref]
-            store._by_key.get(info.ref.block_key, set()).discard(info.ref)
-    return len(store._blocks)
+            store.table.unregister(info)
+    return len(store)
 
 
 def _info(store: TieredStore, ref: BlockRef, codec: int, token_count: int) -> BlockInfo:
-    info = store._blocks.get(ref)
+    info = store.table.entry(ref)
     if info is None:
         info = BlockInfo(ref, codec, token_count, {}, [])
-        store._blocks[ref] = info
-        store._by_key.setdefault(ref.block_key, set()).add(ref)
+        store.table.adopt(info)
     return info
 
 
@@ -63,7 +57,7 @@ async def _recover_key(store: TieredStore, index: int, slot: TierSlot, key: str)
     if parsed is None:
         return  # not ours (a shared bucket or Redis database)
     ref, span = parsed
-    stored = await store._tier_call(slot, slot.tier.get(key))
+    stored = await store.io.call(slot, slot.tier.get(key))
     if stored is None:
         return
     name = ref.meta_name if span is None else ref.segment_name(*span)
@@ -90,18 +84,18 @@ async def _recover_key(store: TieredStore, index: int, slot: TierSlot, key: str)
         # first). Checked like a segment, then kept as a copy.
         copy = _checked(store, info, container, key, slot, index, stored, span)
         if copy is not None:
-            store._attach_copy(info, copy)
+            store.table.found(info, copy, copy=True)
         return
     if any(x.first <= last and first <= x.last for x in info.segments) or (
         info.codec != container.codec
     ):
         # Overlapping other layers (e.g. a demotion interrupted between its
         # write and delete, under another split): not kept.
-        await store._quiet_delete(slot, key)
+        await store.io.delete_quietly(slot, key)
         return
     segment = _checked(store, info, container, key, slot, index, stored, span)
     if segment is not None:
-        store._attach(info, segment)
+        store.table.found(info, segment)
 
 
 def _checked(
@@ -137,14 +131,14 @@ async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int)
         if slot.tier.read_mbit_per_s is not None:
             continue
         try:
-            await store._tier_call(slot, slot.tier.put(key, probe))
+            await store.io.call(slot, slot.tier.put(key, probe))
             best = float("inf")
             for _ in range(rounds):
                 start = time.perf_counter()
-                await store._tier_call(slot, slot.tier.get(key))
+                await store.io.call(slot, slot.tier.get(key))
                 best = min(best, time.perf_counter() - start)
             slot.tier.read_mbit_per_s = round(8 * probe_octets / max(best, 1e-9) / 1e6)
         except (TierUnavailable, TierFull) as exc:
             log.warning("could not measure %s: %s", slot.kind, exc.detail)
         finally:
-            await store._quiet_delete(slot, key)
+            await store.io.delete_quietly(slot, key)

@@ -1,7 +1,8 @@
-"""Tier I/O shared by the manager's paths: health accounting, sealing, quiet deletes.
+"""Tier I/O for the store's paths: deadlines, health accounting, sealing,
+quiet deletes. Composed into the store and its placement (not inherited).
 
-Every call into a tier goes through :meth:`TierIO._tier_call`, the one place
-that records a tier's failures and recoveries (STYLE 8).
+Every call into a tier goes through :meth:`TierIO.call`, the one place that
+records a tier's failures and recoveries (STYLE 8).
 """
 
 from __future__ import annotations
@@ -27,13 +28,26 @@ OFFLOAD_OCTETS = 256 * 1024
 
 
 class TierIO:
-    slots: list[TierSlot]
-    sealer: SegmentSealer
-    stats: StoreStats
-    retry_after_s: float
-    clock: Callable[[], float]
+    def __init__(
+        self,
+        slots: list[TierSlot],
+        sealer: SegmentSealer,
+        stats: StoreStats,
+        retry_after_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.slots = slots
+        self.sealer = sealer
+        self.stats = stats
+        #: How long a tier that failed is skipped before it is asked again.
+        self.retry_after_s = retry_after_s
+        self.clock = clock
 
-    async def _tier_call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
+    def degraded(self, index: int) -> bool:
+        """Tier ``index`` failed within its retry window: not asked, not written."""
+        return self.slots[index].degraded_until > self.clock()
+
+    async def call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
         """Run a tier operation within the tier's deadline; record failures and
         successes (one place, STYLE 8). A call past its deadline is the tier
         being unavailable: degraded like any failure, so the next calls skip
@@ -73,15 +87,15 @@ class TierIO:
             slot.degraded_until = 0.0
         return result  # type: ignore[return-value]
 
-    async def _quiet_delete(self, slot: TierSlot, key: str) -> None:
+    async def delete_quietly(self, slot: TierSlot, key: str) -> None:
         try:
-            await self._tier_call(slot, slot.tier.delete(key))
+            await self.call(slot, slot.tier.delete(key))
         except Exception as exc:
             # The data is already unaccounted for; an orphan costs space, not
             # correctness (recover() finds and re-adopts it at the next start).
             log.warning("could not delete %s from %s (%s); it stays orphaned", key, slot.kind, exc)
 
-    async def _stored_form(
+    async def stored_form(
         self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike
     ) -> tuple[BytesLike, int | None]:
         """What a tier stores for a segment, and its CRC-32 when no tag protects it."""

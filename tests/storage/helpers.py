@@ -37,6 +37,7 @@ class Recorder:
 
     async def __call__(self, r: BlockRef, reason: str) -> None:
         # P3: the hook runs *before* the block leaves the holder.
+        # ``in``: the data is still there (the block is LEAVING, not GONE).
         self.calls.append((r, reason, self.store is not None and r in self.store))
 
 

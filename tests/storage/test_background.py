@@ -68,15 +68,16 @@ async def test_a_read_ends_before_its_promotion(tmp_path: Path) -> None:
 async def test_promotions_are_bounded_and_dropped_not_waited_for(tmp_path: Path) -> None:
     blocks = TieredStore.MAX_PROMOTIONS + 4
     store, host, data = await stored_below(tmp_path, blocks)
+    store.slots[0].capacity = 64 * SIZE  # room for all: only the bound stops them
     host.gate.clear()
     async with asyncio.timeout(5):
         for n in range(blocks - 2):  # all below: each hit would promote
             assert await store.get(ref(n)) == data[n]
-    assert store._moves.running == TieredStore.MAX_PROMOTIONS
+    assert store.placement.moves.running == TieredStore.MAX_PROMOTIONS
     assert store.stats.promotions_dropped == blocks - 2 - TieredStore.MAX_PROMOTIONS
     host.gate.set()
     await store.settle()
-    assert not store._moves.running
+    assert not store.placement.moves.running
     assert [await store.get(ref(n)) for n in range(blocks)] == [data[n] for n in range(blocks)]
     await store.close()  # cancels what the last reads started
 

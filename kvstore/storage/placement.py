@@ -1,0 +1,399 @@
+"""Where segments go and how they move: place, make room, demote, promote,
+evict. The store's placement policy, in one class (STYLE 5).
+
+No store-wide lock is held across tier I/O. A write takes its room with
+:meth:`.BlockTable.reserve` (a check and a take with no await between), does
+its I/O, then commits (attaches the segment) or gives the room back. Moves and
+the removal of a block are serialized by that block's :class:`.Claim`; the
+walk that makes room skips a claimed block instead of waiting on it, so
+unrelated PUTs and GETs never wait on each other's tier I/O. Rules, with the
+requirement they serve:
+
+* a block under an unexpired lease, or being read, is never picked to make
+  room (LE2); a put that could only make room by evicting leased data goes
+  to a lower tier, or fails with :class:`InsufficientStorage`;
+* eviction marks the block LEAVING (no new read or lease), awaits
+  ``on_evict`` so the holder withdraws it from the Index Service (P3), then
+  deletes it; data lost to a fault leaves the same way, leased or not (LE4);
+* tiers are inclusive below memory: a promotion copies a segment up and the
+  persistent tier keeps its copy until it needs the room; a demotion onto a
+  kept copy writes nothing;
+* promotions are optional work: in the background, bounded, dropped when the
+  bound is reached or the block is busy, and they never wait for room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, cast
+
+from ..protocol._bytes import BytesLike
+from ..protocol.problems import (
+    CorruptData,
+    InsufficientStorage,
+    NotFound,
+    TierFull,
+    TierUnavailable,
+)
+from .blocks import BlockInfo, Segment
+from .moves import Moves
+from .types import BlockRef
+
+if TYPE_CHECKING:
+    from .manager import TieredStore
+
+log = logging.getLogger("kvstore.storage")
+
+
+class Placement:
+    #: Promotions waiting or running at once; beyond, a hit is not promoted
+    #: (dropped, not waited for: a GET never queues behind tier writes).
+    MAX_PROMOTIONS = 4
+    #: Longest a write waits for room that moves under way will free before
+    #: it counts the tier full. A safety net: those moves end within their
+    #: tiers' deadlines, and two chains of demotions that each wait for the
+    #: other's room (possible with blocks split over tiers) end here.
+    ROOM_WAIT_S = 5.0
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.table = store.table
+        self.io = store.io
+        self.slots = store.slots
+        self.stats = store.stats
+        self.moves = Moves(self.MAX_PROMOTIONS)
+        #: Eviction hooks under way: a read they make does not promote
+        #: (more promotions would set off more evictions, and more hooks).
+        self.hooks_running = 0
+
+    def holds(self, info: BlockInfo, segment: Segment) -> bool:
+        """The block is still this serving one and the segment still its own."""
+        return self.table.current(info) and segment in info.segments
+
+    # --- writes ----------------------------------------------------------
+
+    async def place(
+        self, info: BlockInfo, first: int, last: int, plain: BytesLike, start: int
+    ) -> Segment:
+        """Write a new segment in the first tier from ``start`` that can take it."""
+        segment = await self.write_first(info, first, last, plain, range(start, len(self.slots)))
+        self.table.attach(info, segment)
+        return segment
+
+    async def place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
+        """Write-through: a copy of a new segment in the first persistent tier
+        below it that can take it; else the PUT fails (it would not be durable)."""
+        below = [i for i in range(segment.slot + 1, len(self.slots))
+                 if self.slots[i].tier.persistent]  # fmt: skip
+        try:
+            copy = await self.write_first(info, segment.first, segment.last, plain, below)
+        except InsufficientStorage as exc:
+            raise InsufficientStorage(f"write_through: {exc.detail}") from exc
+        self.table.attach_copy(info, copy)
+
+    async def write_first(
+        self, info: BlockInfo, first: int, last: int, plain: BytesLike, slots: Iterable[int]
+    ) -> Segment:
+        """Store layers ``first..last`` in the first of ``slots`` that can take
+        them (making room there); the segment written into reserved room, for
+        the caller to attach with no await in between."""
+        errors: list[str] = []
+        for index in slots:
+            slot = self.slots[index]
+            if self.io.degraded(index):
+                errors.append(f"{slot.kind}: degraded")
+                continue
+            stored, crc = await self.io.stored_form(slot, info.ref, first, last, plain)
+            size = len(memoryview(stored))
+            if not await self.make_room(index, size, exclude=info.ref):
+                errors.append(f"{slot.kind}: full")
+                continue
+            segment = Segment(info.ref, first, last, index, size, crc)
+            try:
+                await self.io.call(slot, slot.tier.put(segment.key, stored))
+            except (TierUnavailable, TierFull) as exc:
+                self.table.unreserve(index, size)
+                errors.append(f"{slot.kind}: {exc.detail}")
+                continue
+            except BaseException:
+                self.table.unreserve(index, size)
+                raise
+            return segment
+        raise InsufficientStorage(
+            f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
+        )
+
+    # --- room ------------------------------------------------------------
+
+    async def make_room(
+        self, index: int, need: int, exclude: BlockRef | None = None, wait: bool = True
+    ) -> bool:
+        """Reserve ``need`` octets in tier ``index``, demoting or evicting
+        unpinned segments for them. False when that cannot be done: then
+        nothing is reserved. ``wait``: when only moves under way could free
+        the room, wait for them (a little); promotions do not."""
+        slot = self.slots[index]
+        if need > slot.capacity:
+            return False
+        while not self.table.reserve(index, need):
+            victim, busy = self._victim(index, exclude)
+            if victim is None:
+                if wait and busy and await self.table.room_freed(index, self.ROOM_WAIT_S):
+                    continue
+                return False
+            info, part = victim
+            try:
+                if part in info.copies:
+                    await self.drop_copy(info, part)
+                elif not await self.demote(info, part, wait=wait):
+                    if self.table.reserve(index, need):
+                        return True  # room came free meanwhile: nothing evicted for it
+                    if self.holds(info, part):
+                        await self.evict(info, "capacity", unless_pinned=True)
+            finally:
+                info.claim.give()
+        return True
+
+    def _victim(
+        self, index: int, exclude: BlockRef | None
+    ) -> tuple[tuple[BlockInfo, Segment] | None, bool]:
+        """The first segment or copy of tier ``index`` that may leave it, its
+        block claimed; and whether some were skipped for being moved already."""
+        busy = False
+        for item in self.slots[index].policy.candidates():
+            ref, first = cast(tuple[BlockRef, int], item)
+            info = self.table.serving(ref)
+            if ref == exclude or info is None:
+                continue  # a block being put or leaving is not a candidate
+            if info.claim.taken:
+                # Moved or removed by another task: its room may come free.
+                # (One this task claimed higher up the chain is not waited for.)
+                busy = busy or not info.claim.owned
+                continue
+            if self.store.pinned(ref):
+                continue  # LE2: leased and in-flight blocks never move
+            part = next((x for x in [*info.segments, *info.copies]
+                         if x.first == first and x.slot == index), None)  # fmt: skip
+            if part is not None and info.claim.try_take():
+                return (info, part), busy
+        return None, busy
+
+    async def drop_copy(self, info: BlockInfo, copy: Segment) -> None:
+        """A tier needs the room of a copy: the faster tier above still serves it."""
+        self.table.detach_copy(info, copy)
+        await self.io.delete_quietly(self.slots[copy.slot], copy.key)
+        await self.sync_meta(info)
+        self.stats.copies_dropped += 1
+
+    # --- moves -----------------------------------------------------------
+
+    async def demote(
+        self, info: BlockInfo, segment: Segment, make_room: bool = True, wait: bool = True
+    ) -> bool:
+        """Move a segment one step down the chain (skipping degraded tiers);
+        the caller holds the block's claim.
+
+        True when the segment left its tier: moved, or dropped as lost.
+        ``make_room``: demote or evict what is below to fit (else only free
+        room is used).
+        """
+        src = self.slots[segment.slot]
+        copy = self.table.copy_of(info, segment)
+        if copy is not None and self.io.degraded(copy.slot):
+            # Its tier is down: not a place to serve from; written anew below.
+            await self.drop_copy(info, copy)
+            copy = None
+        if copy is not None:
+            # Inclusive tiers: the copy below takes over, nothing is written.
+            self.table.copy_takes_over(info, segment, copy)
+            await self.io.delete_quietly(src, segment.key)
+            await self.sync_meta(info)
+            self.stats.demotions += 1
+            return True
+        below = range(segment.slot + 1, len(self.slots))
+        if all(self.io.degraded(i) for i in below):
+            return False  # nowhere to go: not even worth reading it
+        try:
+            plain = await self.store._load(info, segment)
+        except (TierUnavailable, CorruptData, NotFound):
+            return not self.holds(info, segment)
+        for index in below:
+            dst = self.slots[index]
+            if self.io.degraded(index):
+                continue
+            stored, crc = await self.io.stored_form(dst, info.ref, segment.first, segment.last,
+                                                    plain)  # fmt: skip
+            size = len(memoryview(stored))
+            if make_room:
+                if not await self.make_room(index, size, exclude=info.ref, wait=wait):
+                    continue
+            elif not self.table.reserve(index, size):
+                continue
+            moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
+            try:
+                # Written below before it is removed above: nothing is lost.
+                await self.io.call(dst, dst.tier.put(moved.key, stored))
+            except (TierUnavailable, TierFull):
+                self.table.unreserve(index, size)
+                continue
+            except BaseException:
+                self.table.unreserve(index, size)
+                raise
+            if info.readers or not self.holds(info, segment):
+                # A read started (LE2), or the block went, while we copied: undo.
+                self.table.unreserve(index, size)
+                await self.io.delete_quietly(dst, moved.key)
+                return not self.holds(info, segment)
+            self.table.replace(info, segment, moved)
+            await self.io.delete_quietly(src, segment.key)
+            await self.sync_meta(info)
+            self.stats.demotions += 1
+            return True
+        return False
+
+    def promote_later(self, info: BlockInfo, segments: list[tuple[Segment, BytesLike]]) -> None:
+        """Copy a read's lower segments up in a background task, if few run."""
+        if self.moves.stopped:
+            return
+
+        async def promote() -> None:
+            for segment, plain in segments:
+                await self.promote(info, segment, plain)
+
+        if self.hooks_running or not self.moves.start(promote, "kvstore-promote"):
+            self.stats.promotions_dropped += 1
+
+    async def promote(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
+        """Copy a segment read from a lower tier into the first tier (promotion
+        on hit). Optional work: dropped if the block is busy or there is no
+        room without waiting for it."""
+        if self.hooks_running or not info.claim.try_take():
+            self.stats.promotions_dropped += 1
+            return
+        try:
+            top = self.slots[0]
+            if not self.holds(info, segment) or self.io.degraded(0):
+                return
+            stored, crc = await self.io.stored_form(top, info.ref, segment.first, segment.last,
+                                                    plain)  # fmt: skip
+            size = len(memoryview(stored))
+            if not await self.make_room(0, size, exclude=info.ref, wait=False):
+                self.stats.promotions_dropped += 1
+                return
+            moved = Segment(info.ref, segment.first, segment.last, 0, size, crc)
+            try:
+                await self.io.call(top, top.tier.put(moved.key, stored))
+            except (TierUnavailable, TierFull):
+                self.table.unreserve(0, size)
+                return
+            except BaseException:
+                self.table.unreserve(0, size)
+                raise
+            if not self.holds(info, segment):
+                self.table.unreserve(0, size)
+                await self.io.delete_quietly(top, moved.key)
+                return
+            # A read of the old place that is still under way finds its
+            # segment moved and follows it (TieredStore._load).
+            src = self.slots[segment.slot]
+            if src.tier.persistent:
+                # Inclusive: the persistent copy stays (and keeps its room
+                # there) until that tier evicts it; the block stays durable.
+                self.table.keep_as_copy(info, segment, moved)
+            else:
+                self.table.replace(info, segment, moved)
+                await self.io.delete_quietly(src, segment.key)
+            await self.sync_meta(info)
+            self.stats.promotions += 1
+        finally:
+            info.claim.give()
+
+    # --- removal ---------------------------------------------------------
+
+    async def evict(self, info: BlockInfo, reason: str, unless_pinned: bool = False) -> bool:
+        """Remove a whole block from the holder: LEAVING, withdrawn through
+        ``on_evict`` (P3, LE4), then deleted. ``unless_pinned``: not if a
+        lease or a read now pins it (LE2). True if it went."""
+        await info.claim.take()
+        try:
+            if not self.table.current(info) or (unless_pinned and self.store.pinned(info.ref)):
+                return False
+            self.table.leave(info)
+            hook = self.store.on_evict
+            self.hooks_running += 1
+            try:
+                if hook is not None:
+                    await hook(info.ref, reason)
+            except Exception:
+                log.exception("eviction hook failed for %s", info.ref.block_key)
+            finally:
+                self.hooks_running -= 1
+                # Even if cancelled in the hook: a LEAVING block is never left
+                # behind; its removal goes on in a task of its own.
+                self.store.leases.forget_block(info.ref)
+                self._count(reason)
+                log.info("evicted %s (%s)", info.ref.block_key, reason)
+                removing = asyncio.ensure_future(self._remove(info, self.table.deleted))
+            await asyncio.shield(removing)
+            return True
+        finally:
+            info.claim.give()
+
+    def _count(self, reason: str) -> None:
+        if reason == "capacity":
+            self.stats.evictions += 1
+        elif reason == "retention":
+            self.stats.expired += 1
+        else:
+            self.stats.fault_evictions += 1
+
+    async def lost(self, info: BlockInfo, reason: str) -> None:
+        """LE4: data a tier no longer holds leaves the holder, notified first."""
+        await self.evict(info, reason)
+
+    async def discard(self, info: BlockInfo) -> None:
+        """Remove the segments of a PUT that failed (never acknowledged)."""
+        await asyncio.shield(self._remove(info, self.table.failed))
+
+    async def _remove(self, info: BlockInfo, settle: Callable[[BlockInfo], object]) -> None:
+        """Delete a block's data from its tiers, then ``settle`` it in the table
+        (GONE). In that order: a PUT of the same reference waits for it to
+        settle, and the keys it writes are these (a delete that came after it
+        would take its data)."""
+        for part in [*info.segments, *info.copies]:
+            await self.io.delete_quietly(self.slots[part.slot], part.key)
+        for index in sorted(info.meta_slots):
+            await self.io.delete_quietly(self.slots[index], info.ref.meta_key)
+        info.meta_slots.clear()
+        settle(info)
+
+    async def sync_meta(self, info: BlockInfo, strict: bool = False) -> None:
+        """Keep the block's layer table in each persistent tier that holds one of
+        its segments, and nowhere else (a restart reads it back, see startup).
+
+        ``strict`` (a new block): a table that cannot be written fails the
+        put. The table carries the block's stored time (SEC4: a restart
+        without it counts the block's age from then) and its layer
+        digests, so a PUT is acknowledged only with it in place: a disk out
+        of room after the segment went in is a 507, a tier gone a 503."""
+        want = {x.slot for x in [*info.segments, *info.copies]
+                if self.slots[x.slot].tier.persistent}  # fmt: skip
+        for index in sorted(want - info.meta_slots):
+            slot = self.slots[index]
+            stored = self.io.sealer.seal(info.ref.meta_name, info.meta())
+            try:
+                await self.io.call(slot, slot.tier.put(info.ref.meta_key, stored))
+                info.meta_slots.add(index)
+            except (TierUnavailable, TierFull) as exc:
+                if strict:
+                    what = f"the layer table of {info.ref.block_key} not stored in {slot.kind}"
+                    if isinstance(exc, TierUnavailable):
+                        raise TierUnavailable(f"{what}: {exc.detail}", tier=slot.kind) from exc
+                    raise InsufficientStorage(f"{what}: {exc.detail}") from exc
+                log.warning("layer table of %s not stored in %s: %s", info.ref.block_key,
+                            slot.kind, exc.detail)  # fmt: skip
+        for index in sorted(info.meta_slots - want):
+            info.meta_slots.discard(index)
+            await self.io.delete_quietly(self.slots[index], info.ref.meta_key)
