@@ -209,7 +209,14 @@ def test_load_rows_compare_each_chain_with_host_only_at_the_same_c() -> None:
             run.latencies = {"put": [0.02, 0.03 * factor], "hot-get": [0.01, 0.01 * factor]}
             runs[(chain, clients)] = run
     runs[("host+lmdb+s3", 16)].errors.append("get 3: 500")
+    for clients, cpu in ((1, 1.0), (16, 4.0)):
+        runs[("host", clients)].cpu_s = cpu
+        runs[("bare", clients)] = Run("bare", clients, 10.0, operations=1000, cpu_s=1.0)
     rows = {r.name: r for r in _rows(runs, (1, 16))}
+    cpu = rows["host, C=16: holder CPU per op"]  # 4 s / 1,000 ops against 1 s / 1,000
+    assert cpu.baseline_name == "bare uvicorn, same traffic" and cpu.lower_is_better
+    assert cpu.ratio == pytest.approx(4.0) and cpu.goal == 1.5 and cpu.met is False
+    assert rows["host, C=1: holder CPU per op"].goal is None
     assert rows["host, C=16: ops/s"].plain  # the baseline itself
     lmdb = rows["host+lmdb, C=16: ops/s"]
     assert lmdb.baseline == 100.0 and lmdb.goal == 0.8 and lmdb.met is True

@@ -17,12 +17,19 @@ better; latencies: lower), and the C=1 -> C=16 gain of each chain. Goals
 0.5; every chain's hot-GET p99 <= 2x host-only's; C=1 -> C=16 >= 1.5x with
 LMDB. Each run checks what it read: a GET that returns other octets than
 were PUT is an error, and errors are reported, never dropped.
+
+The holder's CPU per operation (user + system time of its process over the
+run, from ``/proc``, divided by the operations) is compared with a bare
+uvicorn app (``kvstore.bench.bare --store``) serving the same traffic over the
+same mutual TLS: it keeps the bodies in a dict and checks nothing (goal: the
+holder within 1.5x at C=16, host only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -52,10 +59,18 @@ class Run:
     operations: int = 0
     errors: list[str] = field(default_factory=list)
     latencies: dict[str, list[float]] = field(default_factory=dict)
+    #: CPU seconds the server process used over the run (None: not measured).
+    cpu_s: float | None = None
 
     @property
     def rate(self) -> float:
         return self.operations / self.seconds
+
+    @property
+    def cpu_ms_per_op(self) -> float | None:
+        if self.cpu_s is None or not self.operations:
+            return None
+        return 1000 * self.cpu_s / self.operations
 
     def p(self, kind: str, q: float) -> float:
         """Latency quantile ``q`` of ``kind`` in ms (nearest rank); 0 without samples."""
@@ -99,6 +114,28 @@ def _holder(root: Path, chain: str, redis_url: str, s3_endpoint: str | None) -> 
     )  # fmt: skip
     _wait(port, process, timeout=60)
     return process, f"https://127.0.0.1:{port}/kvsp/"
+
+
+def _bare(root: Path) -> tuple[Any, str]:
+    """The baseline: bare uvicorn keeping the bodies, same TLS."""
+    port = _port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.bench.bare", "--port", str(port), "--store",
+         "--tls-dir", str(root / "certs")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    _wait(port, process, timeout=60)
+    return process, f"https://127.0.0.1:{port}/kvsp/"
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux ``/proc``), else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 POOL = 24  # distinct bodies, made before the clock runs: the client is not what is measured
@@ -211,6 +248,18 @@ def _rows(runs: dict[tuple[str, int], Run], counts: tuple[int, ...]) -> list[Res
                 if ours and theirs:
                     out.append(Result(f"{name}: {kind} p99", "ms", ours, "host only, same C",
                                       theirs, judged))  # fmt: skip
+    for clients in counts:
+        holder, bare = runs.get(("host", clients)), runs.get(("bare", clients))
+        if holder is None or bare is None:
+            continue
+        if bare.errors:
+            out.append(Result(f"bare uvicorn, C={clients}: errors", "count", len(bare.errors),
+                              goal=0, direction="lower"))  # fmt: skip
+        per_op, bare_per_op = holder.cpu_ms_per_op, bare.cpu_ms_per_op
+        if per_op and bare_per_op:
+            out.append(Result(f"host, C={clients}: holder CPU per op", "ms", per_op,
+                              "bare uvicorn, same traffic", bare_per_op,
+                              1.5 if clients == max(counts) else None))  # fmt: skip
     first, last = min(counts), max(counts)
     for chain in CHAINS:
         low, high = runs.get((chain, first)), runs.get((chain, last))
@@ -230,13 +279,21 @@ async def _run_all(
                              str(root / "certs" / "client-bench.pem"),
                              str(root / "certs" / "client-bench.key"))  # fmt: skip
     runs: dict[tuple[str, int], Run] = {}
-    for chain in chains:
+    for chain in ("bare", *chains) if "host" in chains else chains:
         if ("redis" in chain and not redis_url) or ("s3" in chain and not s3_endpoint):
             continue
         for clients in counts:
-            process, uri = _holder(root, chain, redis_url or "", s3_endpoint)
+            if chain == "bare":
+                process, uri = _bare(root)
+            else:
+                process, uri = _holder(root, chain, redis_url or "", s3_endpoint)
             try:
-                runs[(chain, clients)] = await _drive(chain, uri, context, clients, seconds)
+                before = _cpu_seconds(process.pid)
+                run = await _drive(chain, uri, context, clients, seconds)
+                after = _cpu_seconds(process.pid)
+                if before is not None and after is not None:
+                    run.cpu_s = after - before
+                runs[(chain, clients)] = run
             finally:
                 process.terminate()
                 try:
