@@ -19,7 +19,8 @@ LMDB. Each run checks what it read: a GET that returns other octets than
 were PUT is an error, and errors are reported, never dropped.
 
 The holder's CPU per operation (user + system time of its process over the
-run, from ``/proc``, divided by the operations) is compared with a bare
+run, from ``/proc``, divided by the operations; and of its event-loop thread
+alone) is compared with a bare
 uvicorn app (``kvstore.bench.bare --store``) serving the same traffic over the
 same mutual TLS: it keeps the bodies in a dict and checks nothing (goal: the
 holder within 1.5x at C=16, host only).
@@ -61,6 +62,8 @@ class Run:
     latencies: dict[str, list[float]] = field(default_factory=dict)
     #: CPU seconds the server process used over the run (None: not measured).
     cpu_s: float | None = None
+    #: ... and its event-loop (main) thread alone.
+    loop_cpu_s: float | None = None
 
     @property
     def rate(self) -> float:
@@ -71,6 +74,12 @@ class Run:
         if self.cpu_s is None or not self.operations:
             return None
         return 1000 * self.cpu_s / self.operations
+
+    @property
+    def loop_ms_per_op(self) -> float | None:
+        if self.loop_cpu_s is None or not self.operations:
+            return None
+        return 1000 * self.loop_cpu_s / self.operations
 
     def p(self, kind: str, q: float) -> float:
         """Latency quantile ``q`` of ``kind`` in ms (nearest rank); 0 without samples."""
@@ -128,10 +137,12 @@ def _bare(root: Path) -> tuple[Any, str]:
     return process, f"https://127.0.0.1:{port}/kvsp/"
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process so far (Linux ``/proc``), else None."""
+def _cpu_seconds(pid: int, thread: int | None = None) -> float | None:
+    """User + system CPU time of a process (or one of its threads) so far
+    (Linux ``/proc``), else None."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
@@ -260,6 +271,13 @@ def _rows(runs: dict[tuple[str, int], Run], counts: tuple[int, ...]) -> list[Res
             out.append(Result(f"host, C={clients}: holder CPU per op", "ms", per_op,
                               "bare uvicorn, same traffic", bare_per_op,
                               1.5 if clients == max(counts) else None))  # fmt: skip
+        loop_per_op = holder.loop_ms_per_op
+        if loop_per_op and bare_per_op:
+            # What the event loop itself does (TLS, HTTP, the store's
+            # bookkeeping) against all a bare app does: hashing, sealing and
+            # LMDB run on other threads (item 5 of issue 17).
+            out.append(Result(f"host, C={clients}: holder event-loop CPU per op", "ms",
+                              loop_per_op, "bare uvicorn, same traffic", bare_per_op))  # fmt: skip
     first, last = min(counts), max(counts)
     for chain in CHAINS:
         low, high = runs.get((chain, first)), runs.get((chain, last))
@@ -288,11 +306,14 @@ async def _run_all(
             else:
                 process, uri = _holder(root, chain, redis_url or "", s3_endpoint)
             try:
-                before = _cpu_seconds(process.pid)
+                pid = process.pid
+                before, loop_before = _cpu_seconds(pid), _cpu_seconds(pid, pid)
                 run = await _drive(chain, uri, context, clients, seconds)
-                after = _cpu_seconds(process.pid)
+                after, loop_after = _cpu_seconds(pid), _cpu_seconds(pid, pid)
                 if before is not None and after is not None:
                     run.cpu_s = after - before
+                if loop_before is not None and loop_after is not None:
+                    run.loop_cpu_s = loop_after - loop_before
                 runs[(chain, clients)] = run
             finally:
                 process.terminate()

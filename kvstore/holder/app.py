@@ -35,7 +35,6 @@ from ..protocol.codecs import CODECS
 from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.problems import BadRequest, NotFound, PreconditionRequired
 from ..protocol.records import LeaseGrant, LeaseRequest
-from ..protocol.stream import LayerHasher
 from ..protocol.wire import (
     BLOCK_MEDIA_TYPE,
     block_cache_control,
@@ -174,18 +173,18 @@ def create_app(
         policy.require_write(who(request), ref.scope_id)
         if request.headers.get("if-none-match", "").strip() != "*":
             raise PreconditionRequired("a block PUT must carry If-None-Match: * (BL7)")
-        # B3: layer digests are taken as the body arrives (no second pass).
-        hasher = LayerHasher()
         try:
-            body = await read_body(request, settings.max_block_octets, hasher.feed,
+            body = await read_body(request, settings.max_block_octets,
                                    base_s=settings.body_timeout_base_s,
                                    min_rate=settings.body_min_octets_per_s)  # fmt: skip
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)
         descriptor = settings.descriptors.get(ref.compat_id)
-        digests = hasher.digests if hasher.complete else None
-        await store.put(ref, body, descriptor=descriptor, layer_digests=digests)
+        # B3, BL4: the store takes the layer digests and the Repr-Digest in two
+        # worker threads, in parallel and beside the tier writes: the event
+        # loop does TLS and HTTP only (hashlib releases the GIL).
+        await store.put(ref, body, descriptor=descriptor)
         await publisher.published(ref)
         record = store.replica_record(ref, settings.holder_uri, settings.replica_ttl_ms)
         location = settings.base_path + block_path(ref.compat_id, ref.scope_id, ref.block_key)

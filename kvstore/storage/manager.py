@@ -29,6 +29,7 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
@@ -61,6 +62,22 @@ from .tierio import OFFLOAD_OCTETS, TierIO
 from .types import BlockRef
 
 log = logging.getLogger("kvstore.storage")
+
+T = TypeVar("T")
+
+
+def _done(value: T) -> asyncio.Future[T]:
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+def _off_loop(data: BytesLike, fn: Callable[[Any], T], arg: Any) -> asyncio.Future[T]:
+    """``fn(arg)`` in a worker thread when ``data`` is large, else now."""
+    if len(memoryview(data)) >= OFFLOAD_OCTETS:
+        return asyncio.ensure_future(asyncio.to_thread(fn, arg))
+    return _done(fn(arg))
+
 
 EvictHook = Callable[[BlockRef, str], Awaitable[None]]
 
@@ -245,19 +262,19 @@ class TieredStore:
             raise MalformedContainer("a block must carry its layers from layer 0 on")
         # B3: the layer digests are computed in a worker thread while the
         # segments are written; hashlib releases the GIL, so the two overlap.
+        # BL4: so is the Repr-Digest of the whole block, in a second thread,
+        # so that no GET reads a segment twice for it. A small block is
+        # hashed at once: a thread hop would cost more than its hashing.
         if layer_digests is not None and len(layer_digests) == len(container):
-            # Already taken by the caller as the octets arrived (the holder).
+            # Already taken by the caller from these octets (trusted).
             table = {
                 layer.index: (len(layer.k), len(layer.v), digest)
                 for layer, digest in zip(container, layer_digests, strict=True)
             }
-            hashing: asyncio.Future[dict[int, tuple[int, int, bytes]]] = asyncio.Future()
-            hashing.set_result(table)
+            hashing = _done(table)
         else:
-            hashing = asyncio.ensure_future(asyncio.to_thread(layer_table, container))
-        # BL4: the Repr-Digest of the whole block, taken now (off the loop,
-        # while the segments are written) so that no GET reads it twice.
-        whole = asyncio.ensure_future(asyncio.to_thread(repr_digest_of, data))
+            hashing = _off_loop(data, layer_table, container)
+        whole = _off_loop(data, repr_digest_of, data)
         try:
             # BL7: one PUT of a reference at a time. A second one waits for the
             # first to settle: 412 if it was stored, else it stores its own.
@@ -473,11 +490,16 @@ class TieredStore:
         return found
 
     async def settle(self) -> None:
-        """Wait for the background promotions started so far (tests)."""
+        """Wait for the background promotions started so far, and for the
+        removals under way (a cancelled DELETE's goes on by itself)."""
         await self.placement.moves.settle()
+        while self.placement.removing:
+            await asyncio.gather(*self.placement.removing, return_exceptions=True)
 
     async def close(self) -> None:
         await self.placement.moves.stop()
+        while self.placement.removing:
+            await asyncio.gather(*self.placement.removing, return_exceptions=True)
         for slot in self.slots:
             await slot.tier.close()
 

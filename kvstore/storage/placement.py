@@ -67,6 +67,8 @@ class Placement:
         #: Eviction hooks under way: a read they make does not promote
         #: (more promotions would set off more evictions, and more hooks).
         self.hooks_running = 0
+        #: Removals under way in tasks of their own (they outlive a cancel).
+        self.removing: set[asyncio.Future[None]] = set()
 
     def holds(self, info: BlockInfo, segment: Segment) -> bool:
         """The block is still this serving one and the segment still its own."""
@@ -336,6 +338,8 @@ class Placement:
                 self._count(reason)
                 log.info("evicted %s (%s)", info.ref.block_key, reason)
                 removing = asyncio.ensure_future(self._remove(info, self.table.deleted))
+                self.removing.add(removing)
+                removing.add_done_callback(self.removing.discard)
             await asyncio.shield(removing)
             return True
         finally:
