@@ -366,10 +366,14 @@ class Placement:
         (GONE). In that order: a PUT of the same reference waits for it to
         settle, and the keys it writes are these (a delete that came after it
         would take its data)."""
+        keys: dict[int, list[str]] = {}
         for part in [*info.segments, *info.copies]:
-            await self.io.delete_quietly(self.slots[part.slot], part.key)
-        for index in sorted(info.meta_slots):
-            await self.io.delete_quietly(self.slots[index], info.ref.meta_key)
+            keys.setdefault(part.slot, []).append(part.key)
+        for index in info.meta_slots:
+            keys.setdefault(index, []).append(info.ref.meta_key)
+        # One batch call per tier (a Redis pipeline), the tiers at once.
+        await asyncio.gather(*(self.io.delete_quietly(self.slots[index], *batch)
+                               for index, batch in keys.items()))  # fmt: skip
         info.meta_slots.clear()
         settle(info)
 

@@ -87,13 +87,19 @@ class TierIO:
             slot.degraded_until = 0.0
         return result  # type: ignore[return-value]
 
-    async def delete_quietly(self, slot: TierSlot, key: str) -> None:
+    async def delete_quietly(self, slot: TierSlot, *keys: str) -> None:
+        """Delete ``keys`` from a tier (one batch call for several); a failure
+        is logged, not raised."""
         try:
-            await self.call(slot, slot.tier.delete(key))
+            if len(keys) == 1:
+                await self.call(slot, slot.tier.delete(keys[0]))
+            elif keys:
+                await self.call(slot, slot.tier.delete_many(keys))
         except Exception as exc:
             # The data is already unaccounted for; an orphan costs space, not
             # correctness (recover() finds and re-adopts it at the next start).
-            log.warning("could not delete %s from %s (%s); it stays orphaned", key, slot.kind, exc)
+            log.warning("could not delete %s from %s (%s); it stays orphaned", ", ".join(keys),
+                        slot.kind, exc)  # fmt: skip
 
     async def stored_form(
         self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike

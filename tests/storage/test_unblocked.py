@@ -243,3 +243,24 @@ async def test_a_cancelled_put_leaves_nothing_reserved() -> None:
     used, expected = accounting(store)
     assert used == expected
     await store.close()
+
+
+async def test_a_removal_deletes_each_tiers_keys_in_one_batch(lmdb_path: str) -> None:
+    from backends.lmdb import LmdbTier
+
+    lmdb = LmdbTier(lmdb_path)
+    batches: list[list[str]] = []
+    real = lmdb.delete_many
+
+    async def delete_many(keys: Any) -> None:
+        batches.append(sorted(keys))
+        await real(keys)
+
+    lmdb.delete_many = delete_many  # type: ignore[method-assign]
+    store = TieredStore([(HostTier(), 64 * SIZE), (lmdb, 64 * SIZE)], fast_layers=4)
+    await store.put(ref(1), block())  # layers 0-3 in host; 4-7 and the table in LMDB
+    await store.delete(ref(1))
+    r = ref(1)
+    assert batches == [sorted([r.segment_key(4, 7), r.meta_key])]
+    assert await lmdb.get(r.segment_key(4, 7)) is None and await lmdb.get(r.meta_key) is None
+    await store.close()
