@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..protocol import container as kc
 from ..protocol.problems import TierFull, TierUnavailable
@@ -27,12 +27,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.storage")
 
 
+#: Keys read back with one batch call (a Redis pipeline, concurrent S3 GETs).
+RECOVER_BATCH = 8
+
+
 async def recover(store: TieredStore) -> int:
     for index, slot in enumerate(store.slots):
         if not slot.tier.persistent:
             continue
+        batch: list[str] = []
         async for key in slot.tier.keys():
-            await _recover_key(store, index, slot, key)
+            if parse_segment_key(key) is None:
+                continue  # not ours (a shared bucket or Redis database)
+            batch.append(key)
+            if len(batch) == RECOVER_BATCH:
+                await _recover_batch(store, index, slot, batch)
+                batch = []
+        await _recover_batch(store, index, slot, batch)
     for info in store.blocks():
         known = sorted(info.layers)
         # A block is kept only if its record can list every layer (R2) and
@@ -52,14 +63,21 @@ def _info(store: TieredStore, ref: BlockRef, codec: int, token_count: int) -> Bl
     return info
 
 
-async def _recover_key(store: TieredStore, index: int, slot: TierSlot, key: str) -> None:
-    parsed = parse_segment_key(key)
-    if parsed is None:
-        return  # not ours (a shared bucket or Redis database)
-    ref, span = parsed
-    stored = await store.io.call(slot, slot.tier.get(key))
-    if stored is None:
+async def _recover_batch(store: TieredStore, index: int, slot: TierSlot, keys: list[str]) -> None:
+    if not keys:
         return
+    values = cast(list[Any], await store.io.call(slot, slot.tier.get_many(keys)))
+    for key, stored in zip(keys, values, strict=True):
+        if stored is not None:
+            await _recover_key(store, index, slot, key, stored)
+
+
+async def _recover_key(
+    store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any
+) -> None:
+    parsed = parse_segment_key(key)
+    assert parsed is not None
+    ref, span = parsed
     name = ref.meta_name if span is None else ref.segment_name(*span)
     try:
         plain = store.sealer.open(name, stored)
