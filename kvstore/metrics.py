@@ -11,13 +11,16 @@ kvstore_http_requests_total                 requests by route, method and status
 kvstore_http_request_seconds                request latency histogram by route
 kvstore_http_received_bytes_total           request body octets by route
 kvstore_http_sent_bytes_total               response body octets by route
-kvstore_tier_used_bytes                     octets stored per tier
+kvstore_tier_used_bytes                     octets stored per tier (with reservations)
+kvstore_tier_reserved_bytes                 octets taken by writes under way per tier
 kvstore_tier_capacity_bytes                 configured capacity per tier
 kvstore_tier_degraded                       1 while a tier is marked degraded
 kvstore_tier_failures_total                 failed calls per tier
 kvstore_store_hits_total / _misses_total    block reads found / not found
 kvstore_store_evictions_total               blocks evicted, by reason kind
-kvstore_store_moves_total                   demotions and promotions
+kvstore_store_moves_total                   demotions, promotions (and dropped ones),
+                                            persistent copies given up
+kvstore_store_blocks                        blocks by state (writing, resident, leaving)
 kvstore_digest_failures_total               stored data failing its integrity check
 kvstore_lease_rejections_total              lease requests refused by quota (LE3)
 kvstore_leases                              unexpired leases
@@ -56,6 +59,9 @@ class _StoreCollector(Collector):
         capacity = GaugeMetricFamily(
             "kvstore_tier_capacity_bytes", "Configured capacity", labels=["tier"]
         )
+        reserved = GaugeMetricFamily(
+            "kvstore_tier_reserved_bytes", "Octets taken by writes under way", labels=["tier"]
+        )
         degraded = GaugeMetricFamily("kvstore_tier_degraded", "Tier degraded", labels=["tier"])
         failures = CounterMetricFamily(
             "kvstore_tier_failures", "Failed tier calls", labels=["tier"]
@@ -64,9 +70,14 @@ class _StoreCollector(Collector):
             tier = f"{health['tier']}#{index}"
             used.add_metric([tier], health["used"])
             capacity.add_metric([tier], health["capacity"])
+            reserved.add_metric([tier], health["reserved"])
             degraded.add_metric([tier], 1 if health["degraded"] else 0)
             failures.add_metric([tier], health["failures"])
-        yield from (used, capacity, degraded, failures)
+        yield from (used, capacity, reserved, degraded, failures)
+        states = GaugeMetricFamily("kvstore_store_blocks", "Blocks by state", labels=["state"])
+        for state, count in store.table.states().items():
+            states.add_metric([state.value], count)
+        yield states
         stats = store.stats
         yield CounterMetricFamily("kvstore_store_hits", "Block reads found", value=stats.hits)
         yield CounterMetricFamily(
@@ -84,6 +95,8 @@ class _StoreCollector(Collector):
         moves.add_metric(["promotion"], stats.promotions)
         # A persistent copy given up for room (the block stays in a faster tier).
         moves.add_metric(["copy_dropped"], stats.copies_dropped)
+        # Hits not promoted (bound reached, block busy, no room without waiting).
+        moves.add_metric(["promotion_dropped"], stats.promotions_dropped)
         yield moves
         yield CounterMetricFamily(
             "kvstore_digest_failures", "Integrity check failures", value=stats.integrity_failures

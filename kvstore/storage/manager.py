@@ -231,6 +231,7 @@ class TieredStore:
                 "tier": s.kind,
                 "used": s.used,
                 "capacity": s.capacity,
+                "reserved": s.reserved,
                 "degraded": s.degraded_until > now,
                 "failures": s.failures,
                 "last_error": s.last_error,

@@ -55,6 +55,14 @@ class BlockTable:
     def __len__(self) -> int:
         return sum(len(refs) for refs in self._by_key.values())
 
+    def states(self) -> dict[BlockState, int]:
+        """How many blocks are in each state but GONE (metrics)."""
+        counts = dict.fromkeys((BlockState.WRITING, BlockState.RESIDENT, BlockState.LEAVING), 0)
+        for info in self._entries.values():
+            if info.state in counts:
+                counts[info.state] += 1
+        return counts
+
     def refs_for_key(self, block_key: str) -> set[BlockRef]:
         return set(self._by_key.get(block_key, ()))
 

@@ -237,6 +237,9 @@ async def test_metrics(client_as: ClientFactory) -> None:
     assert 'kvstore_http_requests_total{method="GET",route="get_block",status="404"} 1.0' in text
     assert f'kvstore_http_received_bytes_total{{route="put_block"}} {float(len(data))}' in text
     assert f'kvstore_tier_used_bytes{{tier="host#0"}} {float(len(data))}' in text
+    assert 'kvstore_tier_reserved_bytes{tier="host#0"} 0.0' in text
+    assert 'kvstore_store_blocks{state="resident"} 1.0' in text
+    assert 'kvstore_store_blocks{state="leaving"} 0.0' in text
     assert "kvstore_lease_rejections_total 1.0" in text
     assert_problem(await client_as("mallory").get("https://holder.test/metrics"), 403)
 
