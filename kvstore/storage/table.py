@@ -205,17 +205,17 @@ class BlockTable:
         (self.attach_copy if copy else self.attach)(info, segment)
 
     def detach(self, info: BlockInfo, segment: Segment) -> None:
-        slot = self.slots[segment.slot]
-        slot.used -= segment.stored_octets
-        slot.policy.remove(segment.id)
         info.segments.remove(segment)
-        self._freed(slot)
+        self._unaccount(segment)
 
     def detach_copy(self, info: BlockInfo, copy: Segment) -> None:
-        slot = self.slots[copy.slot]
-        slot.used -= copy.stored_octets
-        slot.policy.remove(copy.id)
         info.copies.remove(copy)
+        self._unaccount(copy)
+
+    def _unaccount(self, part: Segment) -> None:
+        slot = self.slots[part.slot]
+        slot.used -= part.stored_octets
+        slot.policy.remove(part.id)
         self._freed(slot)
 
     def replace(self, info: BlockInfo, old: Segment, new: Segment) -> None:

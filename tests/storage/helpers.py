@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from typing import Any
 
+from backends.host import HostTier
 from kvstore.protocol import container as kc
 from kvstore.storage import BlockRef
 from kvstore.storage.tier import Tier
@@ -75,3 +77,30 @@ class FlakyTier(Tier):
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+class GatedTier(HostTier):
+    """Memory whose puts wait while ``gate`` is closed (a slow or hung tier);
+    ``kind`` and ``persistent`` as given, so it can stand for LMDB below host.
+    ``failures``: how many of the next puts fail (after the gate)."""
+
+    def __init__(self, kind: str = "host", persistent: bool = False) -> None:
+        super().__init__()
+        self.kind, self.persistent = kind, persistent
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.waiting = 0
+        self.failures = 0
+
+    async def put(self, key: str, value: Any) -> None:
+        from kvstore.protocol.problems import TierUnavailable
+
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
+        if self.failures:
+            self.failures -= 1
+            raise TierUnavailable("injected", tier=self.kind)
+        await super().put(key, value)

@@ -9,38 +9,19 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from backends.host import HostTier
 from backends.lmdb import LmdbTier
 from kvstore.protocol.wire import repr_digest
 from kvstore.storage import TieredStore
 
-from .helpers import block, ref, size_of
+from .helpers import GatedTier, block, ref, size_of
 
 SIZE = size_of()
 
 
-class GatedHost(HostTier):
-    """Host memory whose writes wait while ``gate`` is closed (a slow tier)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.waiting = 0
-
-    async def put(self, key: str, value: Any) -> None:
-        self.waiting += 1
-        try:
-            await self.gate.wait()
-        finally:
-            self.waiting -= 1
-        await super().put(key, value)
-
-
 async def stored_below(
     tmp_path: Path, blocks: int
-) -> tuple[TieredStore, GatedHost, dict[int, bytes]]:
-    host = GatedHost()
+) -> tuple[TieredStore, GatedTier, dict[int, bytes]]:
+    host = GatedTier()
     store = TieredStore([(host, 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
     data = {n: block() for n in range(blocks)}
     for n, octets in data.items():

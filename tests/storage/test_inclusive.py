@@ -1,11 +1,11 @@
 """Inclusive tiers below memory (issue 17, part): a promotion copies, so a
 block that reached LMDB stays there when it is read; a demotion back down is
 then free; a full tier gives up copies before the blocks only it holds; with
-``write_through`` an acknowledged PUT is already in the persistent tier."""
+``write_through`` an acknowledged PUT is already in the persistent tier.
+(Random interleavings, write_through on odd seeds: test_model.py.)"""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 
 from backends.host import HostTier
 from backends.lmdb import LmdbTier
-from kvstore.protocol.problems import InsufficientStorage, NotFound
+from kvstore.protocol.problems import InsufficientStorage
 from kvstore.storage import TieredStore
 
 from .helpers import Recorder, block, ref, size_of
@@ -118,64 +118,6 @@ async def test_write_through_refuses_what_no_persistent_tier_takes(tmp_path: Pat
     with pytest.raises(InsufficientStorage, match="write_through"):
         await store.put(ref(1), block())
     assert ref(1) not in store and [s.used for s in store.slots] == [0, 0]
-    await store.close()
-
-
-@pytest.mark.parametrize("seed", range(8))
-async def test_random_interleavings_lose_nothing_and_account_exactly(
-    tmp_path: Path, seed: int
-) -> None:
-    # Puts, gets (promotions), layer-range reads, leases and deletes, several
-    # at a time, over host and a small LMDB: every block held reads back as
-    # it was put, and each tier's counter is the sum of what it holds.
-    import asyncio
-
-    rng = random.Random(seed)
-    store = TieredStore([(HostTier(), 3 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 8 * SIZE)],
-                        write_through=seed % 2 == 1)  # fmt: skip
-    data: dict[int, bytes] = {}
-    writing: dict[int, list[bytes]] = {}  # puts not yet acknowledged
-
-    async def one(step: int) -> None:
-        n = rng.randrange(14)
-        op = rng.random()
-        try:
-            if op < 0.4:
-                octets = block()
-                writing.setdefault(n, []).append(octets)
-                try:
-                    await store.put(ref(n), octets)
-                    data[n] = octets
-                finally:
-                    writing[n].remove(octets)
-            elif op < 0.8:
-                # What the block was at some moment of the read: when it began
-                # (a delete may end before it does) or when it ended.
-                before = (data.get(n), *writing.get(n, ()))
-                got = await store.get(ref(n))
-                assert got in (*before, data.get(n), *writing.get(n, ())), f"block {n} altered"
-            elif op < 0.9:
-                lease = store.lease("c", [ref(n).block_key], 1000)
-                await store.get(ref(n), 2, 5)
-                store.release_lease("c", lease.id)
-            else:
-                await store.delete(ref(n))
-                data.pop(n, None)
-        except (NotFound, InsufficientStorage):
-            pass
-        except Exception as exc:  # PreconditionFailed: held already, or pinned
-            assert type(exc).__name__ == "PreconditionFailed", exc
-
-    for start in range(0, 120, 4):
-        await asyncio.gather(*(one(i) for i in range(start, start + 4)))
-    await store.settle()
-    store.promote = False  # read at quiescence: nothing moves any more
-    for info in store.blocks():
-        n = next(k for k in data if ref(k) == info.ref)
-        assert await store.get(info.ref) == data[n]
-    used, expected = accounting(store)
-    assert used == expected
-    assert all(s.used <= s.capacity for s in store.slots)
     await store.close()
 
 

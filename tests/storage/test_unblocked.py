@@ -21,40 +21,14 @@ from kvstore.protocol.problems import (
     InsufficientStorage,
     NotFound,
     PreconditionFailed,
-    TierUnavailable,
 )
 from kvstore.storage import BlockRef, TieredStore
 
 from ..conftest import RedisServer
-from .helpers import block, ref, size_of
+from .helpers import GatedTier, block, ref, size_of
 from .test_concurrency import accounting
 
 SIZE = size_of()
-
-
-class Gated(HostTier):
-    """A persistent-looking tier whose puts wait while ``gate`` is closed."""
-
-    kind = "local-storage"
-    persistent = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.waiting = 0
-        self.failures = 0  # the next puts that fail
-
-    async def put(self, key: str, value: Any) -> None:
-        self.waiting += 1
-        try:
-            await self.gate.wait()
-        finally:
-            self.waiting -= 1
-        if self.failures:
-            self.failures -= 1
-            raise TierUnavailable("injected", tier=self.kind)
-        await super().put(key, value)
 
 
 async def until(check: Any) -> None:
@@ -138,7 +112,7 @@ async def test_a_delete_and_a_retention_sweep_hang_alone() -> None:
 
 
 async def test_a_put_and_a_hot_get_go_on_while_the_tier_below_hangs() -> None:
-    below = Gated()
+    below = GatedTier("local-storage", persistent=True)
     store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)])
     data = {n: block() for n in (1, 2, 3, 4)}
     await store.put(ref(1), data[1])
@@ -191,7 +165,7 @@ async def test_redis_stopped_below_holds_up_nothing_in_host(own_redis: RedisServ
 
 
 async def test_two_puts_of_one_key_are_one_201_and_one_412() -> None:
-    below = Gated()
+    below = GatedTier("local-storage", persistent=True)
     store = TieredStore([(below, 64 * SIZE)])
     below.gate.clear()  # the first PUT is still writing when the second comes
     first = asyncio.create_task(store.put(ref(1), a := block()))
@@ -208,7 +182,7 @@ async def test_two_puts_of_one_key_are_one_201_and_one_412() -> None:
 
 
 async def test_a_put_waiting_on_a_failed_one_stores_its_own() -> None:
-    below = Gated()
+    below = GatedTier("local-storage", persistent=True)
     store = TieredStore([(below, 64 * SIZE)], retry_after_s=0)
     below.gate.clear()
     below.failures = 1  # the first is refused; the second's write goes in
@@ -227,7 +201,7 @@ async def test_a_put_waiting_on_a_failed_one_stores_its_own() -> None:
 
 
 async def test_a_cancelled_put_leaves_nothing_reserved() -> None:
-    below = Gated()
+    below = GatedTier("local-storage", persistent=True)
     store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)])
     for n in (1, 2):
         await store.put(ref(n), block())
