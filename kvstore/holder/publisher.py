@@ -114,6 +114,11 @@ class IndexPublisher(Background, Publisher):
                 log.warning("withdrawal of %s queued: %s", ref.block_key, exc)
                 self._pending[ref] = "delete"
                 self._wake.set()
+            except asyncio.CancelledError:
+                # Stopped before the IS answered: the DELETE is still owed.
+                self._pending[ref] = "delete"
+                self._wake.set()
+                raise
         # The IS keeps one record per holder and block key: a copy of the same
         # key held under another scope must be advertised again.
         for other in self.store.refs_for_key(ref.block_key) - {ref}:

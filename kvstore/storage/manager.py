@@ -492,15 +492,16 @@ class TieredStore:
 
     async def settle(self) -> None:
         """Wait for the background promotions started so far, and for the
-        removals under way (a cancelled DELETE's goes on by itself)."""
+        work finishing changes already made (a cancelled DELETE's removal
+        goes on by itself)."""
         await self.placement.moves.settle()
-        while self.placement.removing:
-            await asyncio.gather(*self.placement.removing, return_exceptions=True)
+        while self.placement.finishing:
+            await asyncio.gather(*self.placement.finishing, return_exceptions=True)
 
     async def close(self) -> None:
         await self.placement.moves.stop()
-        while self.placement.removing:
-            await asyncio.gather(*self.placement.removing, return_exceptions=True)
+        while self.placement.finishing:
+            await asyncio.gather(*self.placement.finishing, return_exceptions=True)
         for slot in self.slots:
             await slot.tier.close()
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 from ..protocol._bytes import BytesLike
 from ..protocol.problems import (
@@ -39,6 +39,7 @@ from ..protocol.problems import (
 )
 from .blocks import BlockInfo, Segment
 from .moves import Moves
+from .state import BlockState
 from .types import BlockRef
 
 if TYPE_CHECKING:
@@ -67,8 +68,27 @@ class Placement:
         #: Eviction hooks under way: a read they make does not promote
         #: (more promotions would set off more evictions, and more hooks).
         self.hooks_running = 0
-        #: Removals under way in tasks of their own (they outlive a cancel).
-        self.removing: set[asyncio.Future[None]] = set()
+        #: Work finishing a change the table already made (deleting the old
+        #: place, the layer tables, a removal), each in a task of its own so
+        #: that a cancelled caller never leaves it half done.
+        self.finishing: set[asyncio.Future[None]] = set()
+
+    async def _finish(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in a tracked task and wait for it; a cancel of the
+        caller does not cancel it (an old place left behind would be an
+        orphan that a restart adopts: a deleted block coming back)."""
+        task = asyncio.ensure_future(work)
+        self.finishing.add(task)
+        task.add_done_callback(self.finishing.discard)
+        await asyncio.shield(task)
+
+    async def _clean(self, info: BlockInfo | None, *old: tuple[int, str]) -> None:
+        """Delete what the table no longer counts (tier index, key), then keep
+        the block's layer tables where its segments are."""
+        for index, key in old:
+            await self.io.delete_quietly(self.slots[index], key)
+        if info is not None:
+            await self.sync_meta(info)
 
     def holds(self, info: BlockInfo, segment: Segment) -> bool:
         """The block is still this serving one and the segment still its own."""
@@ -114,7 +134,7 @@ class Placement:
                 continue
             segment = Segment(info.ref, first, last, index, size, crc)
             try:
-                await self.io.call(slot, slot.tier.put(segment.key, stored))
+                await self.io.call(slot, slot.tier.put(segment.key, stored), [segment.key])
             except (TierUnavailable, TierFull) as exc:
                 self.table.unreserve(index, size)
                 errors.append(f"{slot.kind}: {exc.detail}")
@@ -139,10 +159,13 @@ class Placement:
         slot = self.slots[index]
         if need > slot.capacity:
             return False
+        give_up_at = None  # ROOM_WAIT_S in all, however many wake-ups
         while not self.table.reserve(index, need):
             victim, busy = self._victim(index, exclude)
             if victim is None:
-                if wait and busy and await self.table.room_freed(index, self.ROOM_WAIT_S):
+                now = asyncio.get_running_loop().time()
+                give_up_at = give_up_at or now + self.ROOM_WAIT_S
+                if wait and busy and await self.table.room_freed(index, give_up_at - now):
                     continue
                 return False
             info, part = victim
@@ -167,8 +190,14 @@ class Placement:
         for item in self.slots[index].policy.candidates():
             ref, first = cast(tuple[BlockRef, int], item)
             info = self.table.serving(ref)
-            if ref == exclude or info is None:
-                continue  # a block being put or leaving is not a candidate
+            if ref == exclude:
+                continue
+            if info is None:
+                # Not a candidate: being put, or leaving (its room comes free
+                # once its withdrawal and deletes are done).
+                entry = self.table.entry(ref)
+                busy = busy or (entry is not None and entry.state is BlockState.LEAVING)
+                continue
             if info.claim.taken:
                 # Moved or removed by another task: its room may come free.
                 # (One this task claimed higher up the chain is not waited for.)
@@ -185,23 +214,23 @@ class Placement:
     async def drop_copy(self, info: BlockInfo, copy: Segment) -> None:
         """A tier needs the room of a copy: the faster tier above still serves it."""
         self.table.detach_copy(info, copy)
-        await self.io.delete_quietly(self.slots[copy.slot], copy.key)
-        await self.sync_meta(info)
         self.stats.copies_dropped += 1
+        await self._finish(self._clean(info, (copy.slot, copy.key)))
 
     # --- moves -----------------------------------------------------------
 
     async def demote(
-        self, info: BlockInfo, segment: Segment, make_room: bool = True, wait: bool = True
-    ) -> bool:
+        self, info: BlockInfo, segment: Segment, make_room: bool = True, wait: bool = True,
+        pinned_ok: bool = False,
+    ) -> bool:  # fmt: skip
         """Move a segment one step down the chain (skipping degraded tiers);
         the caller holds the block's claim.
 
         True when the segment left its tier: moved, or dropped as lost.
         ``make_room``: demote or evict what is below to fit (else only free
-        room is used).
+        room is used). ``pinned_ok``: a lease arriving meanwhile does not stop
+        it (the spill at a graceful stop, which keeps the block).
         """
-        src = self.slots[segment.slot]
         copy = self.table.copy_of(info, segment)
         if copy is not None and self.io.degraded(copy.slot):
             # Its tier is down: not a place to serve from; written anew below.
@@ -210,9 +239,8 @@ class Placement:
         if copy is not None:
             # Inclusive tiers: the copy below takes over, nothing is written.
             self.table.copy_takes_over(info, segment, copy)
-            await self.io.delete_quietly(src, segment.key)
-            await self.sync_meta(info)
             self.stats.demotions += 1
+            await self._finish(self._clean(info, (segment.slot, segment.key)))
             return True
         below = range(segment.slot + 1, len(self.slots))
         if all(self.io.degraded(i) for i in below):
@@ -236,22 +264,23 @@ class Placement:
             moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
             try:
                 # Written below before it is removed above: nothing is lost.
-                await self.io.call(dst, dst.tier.put(moved.key, stored))
+                await self.io.call(dst, dst.tier.put(moved.key, stored), [moved.key])
             except (TierUnavailable, TierFull):
                 self.table.unreserve(index, size)
                 continue
             except BaseException:
                 self.table.unreserve(index, size)
                 raise
-            if info.readers or not self.holds(info, segment):
-                # A read started (LE2), or the block went, while we copied: undo.
+            if (info.readers or (not pinned_ok and self.store.pinned(info.ref))
+                    or not self.holds(info, segment)):  # fmt: skip
+                # A read or a lease started (LE2), or the block went, while
+                # we copied: undo.
                 self.table.unreserve(index, size)
-                await self.io.delete_quietly(dst, moved.key)
+                await self._finish(self._clean(None, (index, moved.key)))
                 return not self.holds(info, segment)
             self.table.replace(info, segment, moved)
-            await self.io.delete_quietly(src, segment.key)
-            await self.sync_meta(info)
             self.stats.demotions += 1
+            await self._finish(self._clean(info, (segment.slot, segment.key)))
             return True
         return False
 
@@ -286,7 +315,7 @@ class Placement:
                 return
             moved = Segment(info.ref, segment.first, segment.last, 0, size, crc)
             try:
-                await self.io.call(top, top.tier.put(moved.key, stored))
+                await self.io.call(top, top.tier.put(moved.key, stored), [moved.key])
             except (TierUnavailable, TierFull):
                 self.table.unreserve(0, size)
                 return
@@ -295,20 +324,19 @@ class Placement:
                 raise
             if not self.holds(info, segment):
                 self.table.unreserve(0, size)
-                await self.io.delete_quietly(top, moved.key)
+                await self._finish(self._clean(None, (0, moved.key)))
                 return
             # A read of the old place that is still under way finds its
             # segment moved and follows it (TieredStore._load).
-            src = self.slots[segment.slot]
-            if src.tier.persistent:
+            self.stats.promotions += 1
+            if self.slots[segment.slot].tier.persistent:
                 # Inclusive: the persistent copy stays (and keeps its room
                 # there) until that tier evicts it; the block stays durable.
                 self.table.keep_as_copy(info, segment, moved)
+                await self._finish(self._clean(info))
             else:
                 self.table.replace(info, segment, moved)
-                await self.io.delete_quietly(src, segment.key)
-            await self.sync_meta(info)
-            self.stats.promotions += 1
+                await self._finish(self._clean(info, (segment.slot, segment.key)))
         finally:
             info.claim.give()
 
@@ -323,27 +351,28 @@ class Placement:
             if not self.table.current(info) or (unless_pinned and self.store.pinned(info.ref)):
                 return False
             self.table.leave(info)
-            hook = self.store.on_evict
-            self.hooks_running += 1
-            try:
-                if hook is not None:
-                    await hook(info.ref, reason)
-            except Exception:
-                log.exception("eviction hook failed for %s", info.ref.block_key)
-            finally:
-                self.hooks_running -= 1
-                # Even if cancelled in the hook: a LEAVING block is never left
-                # behind; its removal goes on in a task of its own.
-                self.store.leases.forget_block(info.ref)
-                self._count(reason)
-                log.info("evicted %s (%s)", info.ref.block_key, reason)
-                removing = asyncio.ensure_future(self._remove(info, self.table.deleted))
-                self.removing.add(removing)
-                removing.add_done_callback(self.removing.discard)
-            await asyncio.shield(removing)
+            # The withdrawal and the removal run in one task of their own: a
+            # cancelled caller (a client gone, a PUT given up) never cuts the
+            # withdrawal short nor leaves a LEAVING block behind (P3).
+            await self._finish(self._leave(info, reason))
             return True
         finally:
             info.claim.give()
+
+    async def _leave(self, info: BlockInfo, reason: str) -> None:
+        hook = self.store.on_evict
+        self.hooks_running += 1
+        try:
+            if hook is not None:
+                await hook(info.ref, reason)  # P3: withdrawn before it goes
+        except Exception:
+            log.exception("eviction hook failed for %s", info.ref.block_key)
+        finally:
+            self.hooks_running -= 1
+        self.store.leases.forget_block(info.ref)
+        self._count(reason)
+        log.info("evicted %s (%s)", info.ref.block_key, reason)
+        await self._remove(info, self.table.deleted)
 
     def _count(self, reason: str) -> None:
         if reason == "capacity":
@@ -359,7 +388,7 @@ class Placement:
 
     async def discard(self, info: BlockInfo) -> None:
         """Remove the segments of a PUT that failed (never acknowledged)."""
-        await asyncio.shield(self._remove(info, self.table.failed))
+        await self._finish(self._remove(info, self.table.failed))
 
     async def _remove(self, info: BlockInfo, settle: Callable[[BlockInfo], object]) -> None:
         """Delete a block's data from its tiers, then ``settle`` it in the table
@@ -392,7 +421,9 @@ class Placement:
             slot = self.slots[index]
             stored = self.io.sealer.seal(info.ref.meta_name, info.meta())
             try:
-                await self.io.call(slot, slot.tier.put(info.ref.meta_key, stored))
+                await self.io.call(
+                    slot, slot.tier.put(info.ref.meta_key, stored), [info.ref.meta_key]
+                )
                 info.meta_slots.add(index)
             except (TierUnavailable, TierFull) as exc:
                 if strict:

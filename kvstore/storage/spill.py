@@ -56,7 +56,7 @@ async def _down(store: TieredStore, info: BlockInfo, first: int) -> int:
         return 0  # gone while we waited for it
     current = next((x for x in info.segments if x.first == first), None)
     while current is not None and not store.slots[current.slot].tier.persistent:
-        if not await store.placement.demote(info, current, make_room=False):
+        if not await store.placement.demote(info, current, make_room=False, pinned_ok=True):
             break
         current = next((x for x in info.segments if x.first == first), None)
         steps += 1

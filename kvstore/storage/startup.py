@@ -149,7 +149,7 @@ async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int)
         if slot.tier.read_mbit_per_s is not None:
             continue
         try:
-            await store.io.call(slot, slot.tier.put(key, probe))
+            await store.io.call(slot, slot.tier.put(key, probe), [key])
             best = float("inf")
             for _ in range(rounds):
                 start = time.perf_counter()

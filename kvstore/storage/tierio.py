@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import logging
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from ..protocol._bytes import BytesLike
 from ..protocol.problems import TierUnavailable
@@ -42,39 +42,56 @@ class TierIO:
         #: How long a tier that failed is skipped before it is asked again.
         self.retry_after_s = retry_after_s
         self.clock = clock
+        #: Changes given up on that may still land: (tier, key) -> the call.
+        self._late: dict[tuple[int, str], asyncio.Future[object]] = {}
 
     def degraded(self, index: int) -> bool:
         """Tier ``index`` failed within its retry window: not asked, not written."""
         return self.slots[index].degraded_until > self.clock()
 
-    async def call(self, slot: TierSlot, call: Awaitable[object]) -> BytesLike | None:
+    async def call(
+        self, slot: TierSlot, call: Awaitable[object], changes: Sequence[str] = ()
+    ) -> BytesLike | None:
         """Run a tier operation within the tier's deadline; record failures and
         successes (one place, STYLE 8). A call past its deadline is the tier
         being unavailable: degraded like any failure, so the next calls skip
-        it at once instead of each waiting the deadline out. (A call a thread
-        runs, LMDB's, may still finish after its deadline: a segment written
-        late is an orphan that costs room, never a block acknowledged.)"""
+        it at once instead of each waiting the deadline out.
+
+        ``changes``: the keys the call writes or deletes. A call given up on
+        (past its deadline, or its caller cancelled) may still land: a thread
+        (LMDB's) cannot be stopped, a request sent to Redis or S3 may still be
+        applied. Until it ends, another change of those keys in that tier is
+        refused (TierUnavailable), so that a late delete or put never lands on
+        what a newer incarnation of the block wrote there."""
         deadline = slot.tier.deadline_s
+        refusal = None
         if slot.degraded_until > self.clock():
             # Failed a moment ago: not asked again until its retry time, so
             # one request never waits out a hung tier's deadline twice.
+            refusal = (f"{slot.kind}: unavailable ({slot.last_error}); retried after "
+                       f"{slot.degraded_until - self.clock():.1f} s")  # fmt: skip
+        elif late := [k for k in changes if (id(slot), k) in self._late]:
+            refusal = f"{slot.kind}: an earlier change of {late[0]} is still under way"
+        if refusal is not None:
             if inspect.iscoroutine(call):
                 call.close()  # made by the caller, never to run
-            raise TierUnavailable(f"{slot.kind}: unavailable ({slot.last_error}); retried "
-                                  f"after {slot.degraded_until - self.clock():.1f} s",
-                                  tier=slot.kind)  # fmt: skip
+            raise TierUnavailable(refusal, tier=slot.kind)
         try:
             if deadline is None:
-                result = await call
+                result = await call  # memory: nothing lands late
             else:
+                task = asyncio.ensure_future(call)
                 try:
-                    async with asyncio.timeout(deadline):
-                        result = await call
-                except TimeoutError:
+                    done, _ = await asyncio.wait({task}, timeout=deadline)
+                finally:
+                    if not task.done():
+                        self._given_up(slot, task, changes)
+                if not done:
                     raise TierUnavailable(
                         f"{slot.kind}: no answer within its deadline of {deadline:g} s",
                         tier=slot.kind,
-                    ) from None
+                    )
+                result = task.result()
         except TierUnavailable as exc:
             slot.failures += 1
             slot.last_error = exc.detail
@@ -87,14 +104,31 @@ class TierIO:
             slot.degraded_until = 0.0
         return result  # type: ignore[return-value]
 
+    def _given_up(
+        self, slot: TierSlot, task: asyncio.Future[object], changes: Sequence[str]
+    ) -> None:
+        """A call nobody waits for any more: its keys stay fenced until it ends."""
+        fenced = [(id(slot), key) for key in changes]
+        for name in fenced:
+            self._late[name] = task
+
+        def ended(done: asyncio.Future[object]) -> None:
+            for name in fenced:
+                if self._late.get(name) is done:
+                    del self._late[name]
+            if not done.cancelled() and done.exception() is not None:
+                log.info("a %s call given up on ended with %r", slot.kind, done.exception())
+
+        task.add_done_callback(ended)
+
     async def delete_quietly(self, slot: TierSlot, *keys: str) -> None:
         """Delete ``keys`` from a tier (one batch call for several); a failure
         is logged, not raised."""
         try:
             if len(keys) == 1:
-                await self.call(slot, slot.tier.delete(keys[0]))
+                await self.call(slot, slot.tier.delete(keys[0]), keys)
             elif keys:
-                await self.call(slot, slot.tier.delete_many(keys))
+                await self.call(slot, slot.tier.delete_many(keys), keys)
         except Exception as exc:
             # The data is already unaccounted for; an orphan costs space, not
             # correctness (recover() finds and re-adopts it at the next start).

@@ -80,17 +80,29 @@ class FlakyTier(Tier):
 
 
 class GatedTier(HostTier):
-    """Memory whose puts wait while ``gate`` is closed (a slow or hung tier);
-    ``kind`` and ``persistent`` as given, so it can stand for LMDB below host.
-    ``failures``: how many of the next puts fail (after the gate)."""
+    """Memory whose puts wait while ``gate`` is closed, and deletes while
+    ``delete_gate`` is (a slow or hung tier); ``kind`` and ``persistent`` as
+    given, so it can stand for LMDB below host. ``failures``: how many of the
+    next puts fail (after the gate)."""
 
     def __init__(self, kind: str = "host", persistent: bool = False) -> None:
         super().__init__()
         self.kind, self.persistent = kind, persistent
         self.gate = asyncio.Event()
         self.gate.set()
+        self.delete_gate = asyncio.Event()
+        self.delete_gate.set()
         self.waiting = 0
+        self.deleting = 0
         self.failures = 0
+
+    async def delete(self, key: str) -> None:
+        self.deleting += 1
+        try:
+            await self.delete_gate.wait()
+        finally:
+            self.deleting -= 1
+        await super().delete(key)
 
     async def put(self, key: str, value: Any) -> None:
         from kvstore.protocol.problems import TierUnavailable
