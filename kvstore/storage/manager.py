@@ -395,10 +395,12 @@ class TieredStore:
         while True:
             slot = self.slots[segment.slot]
             stored = await self.io.call(slot, slot.tier.get(segment.key))
+            if self.table.entry(info.ref) is not info:
+                # Gone (and maybe put again: the same keys hold another
+                # incarnation's octets, never to be sent under this header).
+                raise NotFound(f"block {info.ref.block_key} is no longer held")
             if stored is not None:
                 break
-            if self.table.entry(info.ref) is not info:
-                raise NotFound(f"block {info.ref.block_key} is no longer held")
             if segment not in info.segments:
                 moved = next((x for x in info.segments if x.first == segment.first), None)
                 if moved is None:
