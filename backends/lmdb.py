@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -98,6 +98,39 @@ class LmdbTier(Tier):
                 txn.put(key.encode(), value)
 
         await self._run(write, writing=memoryview(value).nbytes)
+
+    # The batch forms run in one transaction: one thread hop and, with
+    # sync=True, one fsync for all of them (a segment and its layer table).
+
+    async def get_many(self, keys: Sequence[str]) -> list[BytesLike | None]:
+        wanted = [key.encode() for key in keys]
+
+        def read() -> list[BytesLike | None]:
+            with self._env.begin(buffers=True) as txn:
+                values = [txn.get(key) for key in wanted]
+                return [None if v is None else bytes(v) for v in values]
+
+        return await self._run(read)
+
+    async def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
+        pairs = [(key.encode(), value) for key, value in items]
+
+        def write() -> None:
+            with self._env.begin(write=True) as txn:
+                for key, value in pairs:
+                    txn.put(key, value)
+
+        await self._run(write, writing=sum(memoryview(v).nbytes for _, v in pairs))
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        doomed = [key.encode() for key in keys]
+
+        def remove() -> None:
+            with self._env.begin(write=True) as txn:
+                for key in doomed:
+                    txn.delete(key)
+
+        await self._run(remove)
 
     async def delete(self, key: str) -> None:
         def remove() -> None:

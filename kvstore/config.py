@@ -103,6 +103,7 @@ A holder's file, with every key and its default::
     fast_layers = 0                   # 0: no split
     promote = true
     write_through = false             # PUT acknowledged once in a persistent tier
+    demote_above = 0.0                # demote in the background above this fill (0: off)
     lease_max_ttl_ms = 60000
     lease_max_octets_per_client = 8589934592
     retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
@@ -251,6 +252,8 @@ class StorageConfig:
     fast_layers: int = 0
     promote: bool = True
     write_through: bool = False
+    #: Demote in the background once a tier is this full (0: only on demand).
+    demote_above: float = 0.0
     lease_max_ttl_ms: int = 60_000
     lease_max_octets_per_client: int = 8 << 30
     retention_s: float = 0.0

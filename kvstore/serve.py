@@ -48,6 +48,9 @@ def build_store(config: Config) -> TieredStore:
         if deadline is not None:
             made.deadline_s = float(deadline)
         tiers.append((made, tier.capacity))
+    if not 0 <= cfg.demote_above < 1:
+        raise ConfigError("storage.demote_above: a fraction of a tier's capacity, "
+                          "0 <= x < 1 (0: off)")  # fmt: skip
     if cfg.write_through and not any(t.persistent for t, _ in tiers[1:]):
         raise ConfigError("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
                           "below the first one")  # fmt: skip
@@ -60,6 +63,7 @@ def build_store(config: Config) -> TieredStore:
         ),
         promote=cfg.promote,
         write_through=cfg.write_through,
+        demote_above=cfg.demote_above or None,
         fast_layers=cfg.fast_layers or None,
         retention_s=cfg.retention_s or None,
     )

@@ -104,6 +104,7 @@ class TieredStore:
         retention_s: float | None = None,
         wall_clock: Callable[[], float] = time.time,
         write_through: bool = False,
+        demote_above: float | None = None,
     ) -> None:
         """
         ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
@@ -120,9 +121,16 @@ class TieredStore:
         ``write_through``: a PUT is acknowledged once every layer is also in
         the first persistent tier below the one serving it (a copy there),
         so that an acknowledged block survives a crash.
+        ``demote_above``: once a tier above the last is fuller than this
+        fraction of its capacity, its least recently used segments move down
+        in the background (to 0.9 of it), so that PUTs find room without
+        demoting a victim first. None: only a PUT that needs room moves one.
         """
         if not tiers:
             raise ValueError("a store needs at least one tier")
+        if demote_above is not None and not 0 < demote_above < 1:
+            raise ValueError("demote_above is a fraction of a tier's capacity, in (0, 1)")
+        self.demote_above = demote_above
         self.slots = [TierSlot(tier, capacity, policy()) for tier, capacity in tiers]
         self.leases = LeaseTable(lease_limits or LeaseLimits(), clock)
         self.promote = promote
@@ -339,6 +347,7 @@ class TieredStore:
         # Promotions are optional work: none may run after the spill, where
         # making room for one would evict what the spill kept.
         await self.placement.moves.stop()
+        await self.placement.drains.stop()
         return await spill(self, timeout_s)
 
     async def delete(self, ref: BlockRef) -> None:
@@ -493,15 +502,17 @@ class TieredStore:
         return found
 
     async def settle(self) -> None:
-        """Wait for the background promotions started so far, and for the
-        work finishing changes already made (a cancelled DELETE's removal
-        goes on by itself)."""
+        """Wait for the background promotions and demotions started so far,
+        and for the work finishing changes already made (a cancelled
+        DELETE's removal goes on by itself)."""
         await self.placement.moves.settle()
+        await self.placement.drains.settle()
         while self.placement.finishing:
             await asyncio.gather(*self.placement.finishing, return_exceptions=True)
 
     async def close(self) -> None:
         await self.placement.moves.stop()
+        await self.placement.drains.stop()
         while self.placement.finishing:
             await asyncio.gather(*self.placement.finishing, return_exceptions=True)
         for slot in self.slots:

@@ -68,6 +68,9 @@ class Placement:
         #: Eviction hooks under way: a read they make does not promote
         #: (more promotions would set off more evictions, and more hooks).
         self.hooks_running = 0
+        #: Background demotion: one drain at a time per tier (see after_write).
+        self.drains = Moves(len(self.slots))
+        self._draining: set[int] = set()
         #: Work finishing a change the table already made (deleting the old
         #: place, the layer tables, a removal), each in a task of its own so
         #: that a cancelled caller never leaves it half done.
@@ -81,6 +84,13 @@ class Placement:
         self.finishing.add(task)
         task.add_done_callback(self.finishing.discard)
         await asyncio.shield(task)
+
+    async def _undo(self, index: int, *keys: str) -> None:
+        """A write was cancelled under way: it may have landed, or still land
+        (a thread, a request sent). Delete what it wrote, once it has, before
+        the caller lets go of the block (its claim, or its WRITING state), so
+        that no newer write of those keys can come between."""
+        await self._finish(self._clean(None, *((index, key) for key in keys)))
 
     async def _clean(self, info: BlockInfo | None, *old: tuple[int, str]) -> None:
         """Delete what the table no longer counts (tier index, key), then keep
@@ -102,6 +112,7 @@ class Placement:
         """Write a new segment in the first tier from ``start`` that can take it."""
         segment = await self.write_first(info, first, last, plain, range(start, len(self.slots)))
         self.table.attach(info, segment)
+        self.after_write(segment.slot)
         return segment
 
     async def place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
@@ -141,6 +152,7 @@ class Placement:
                 continue
             except BaseException:
                 self.table.unreserve(index, size)
+                await self._undo(index, segment.key)
                 raise
             return segment
         raise InsufficientStorage(
@@ -217,6 +229,43 @@ class Placement:
         self.stats.copies_dropped += 1
         await self._finish(self._clean(info, (copy.slot, copy.key)))
 
+    # --- background demotion ---------------------------------------------
+
+    #: A drain stops once its tier is this fraction of ``demote_above`` full.
+    DRAIN_TO = 0.9
+
+    def after_write(self, index: int) -> None:
+        """Once tier ``index`` (above the last) is fuller than the store's
+        ``demote_above`` fraction, demote its least recently used segments in
+        the background, so that the next PUTs find free room rather than move
+        a victim down first. Off when ``demote_above`` is None."""
+        above = self.store.demote_above
+        slot = self.slots[index]
+        if (above is None or index == len(self.slots) - 1 or index in self._draining
+                or slot.used <= above * slot.capacity):  # fmt: skip
+            return
+        self._draining.add(index)
+        if not self.drains.start(lambda: self._drain(index), f"kvstore-demote-{slot.kind}"):
+            self._draining.discard(index)
+
+    async def _drain(self, index: int) -> None:
+        slot = self.slots[index]
+        try:
+            while slot.used > (self.store.demote_above or 1.0) * self.DRAIN_TO * slot.capacity:
+                victim, _ = self._victim(index, None)
+                if victim is None:
+                    return  # all pinned or moving: the PUTs make room as before
+                info, part = victim
+                try:
+                    if part in info.copies:
+                        await self.drop_copy(info, part)
+                    elif not await self.demote(info, part, wait=False):
+                        return  # no room below without waiting: try again later
+                finally:
+                    info.claim.give()
+        finally:
+            self._draining.discard(index)
+
     # --- moves -----------------------------------------------------------
 
     async def demote(
@@ -262,21 +311,38 @@ class Placement:
             elif not self.table.reserve(index, size):
                 continue
             moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
+            items = [(moved.key, stored)]
+            if dst.tier.persistent and index not in info.meta_slots:
+                # The layer table goes with the segment, in one batch call
+                # (one LMDB transaction, one fsync; one Redis pipeline).
+                items.append((info.ref.meta_key, self.io.sealer.seal(info.ref.meta_name,
+                                                                    info.meta())))  # fmt: skip
+            keys = [key for key, _ in items]
             try:
                 # Written below before it is removed above: nothing is lost.
-                await self.io.call(dst, dst.tier.put(moved.key, stored), [moved.key])
+                if len(items) == 1:
+                    await self.io.call(dst, dst.tier.put(moved.key, stored), keys)
+                else:
+                    await self.io.call(dst, dst.tier.put_many(items), keys)
             except (TierUnavailable, TierFull):
                 self.table.unreserve(index, size)
                 continue
             except BaseException:
                 self.table.unreserve(index, size)
+                await self._undo(index, *keys)
                 raise
+            if len(items) > 1:
+                info.meta_slots.add(index)
             if (info.readers or (not pinned_ok and self.store.pinned(info.ref))
                     or not self.holds(info, segment)):  # fmt: skip
                 # A read or a lease started (LE2), or the block went, while
-                # we copied: undo.
+                # we copied: undo (the layer table goes with the next sync).
                 self.table.unreserve(index, size)
-                await self._finish(self._clean(None, (index, moved.key)))
+                if self.holds(info, segment):
+                    await self._finish(self._clean(info, (index, moved.key)))
+                else:  # gone: its removal may have run before the table went in
+                    info.meta_slots.discard(index)
+                    await self._finish(self._clean(None, *((index, k) for k in keys)))
                 return not self.holds(info, segment)
             self.table.replace(info, segment, moved)
             self.stats.demotions += 1
@@ -321,6 +387,7 @@ class Placement:
                 return
             except BaseException:
                 self.table.unreserve(0, size)
+                await self._undo(0, moved.key)
                 raise
             if not self.holds(info, segment):
                 self.table.unreserve(0, size)
@@ -333,9 +400,11 @@ class Placement:
                 # Inclusive: the persistent copy stays (and keeps its room
                 # there) until that tier evicts it; the block stays durable.
                 self.table.keep_as_copy(info, segment, moved)
+                self.after_write(0)
                 await self._finish(self._clean(info))
             else:
                 self.table.replace(info, segment, moved)
+                self.after_write(0)
                 await self._finish(self._clean(info, (segment.slot, segment.key)))
         finally:
             info.claim.give()

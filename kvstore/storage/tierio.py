@@ -123,7 +123,12 @@ class TierIO:
 
     async def delete_quietly(self, slot: TierSlot, *keys: str) -> None:
         """Delete ``keys`` from a tier (one batch call for several); a failure
-        is logged, not raised."""
+        is logged, not raised. A change of those keys given up on earlier is
+        waited for first (a little): deleted before it landed, it would
+        leave an orphan behind."""
+        late = {t for k in keys if (t := self._late.get((id(slot), k))) is not None}
+        if late:
+            await asyncio.wait(late, timeout=slot.tier.deadline_s)
         try:
             if len(keys) == 1:
                 await self.call(slot, slot.tier.delete(keys[0]), keys)

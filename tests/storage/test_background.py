@@ -9,6 +9,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from backends.host import HostTier
 from backends.lmdb import LmdbTier
 from kvstore.protocol.wire import repr_digest
 from kvstore.storage import TieredStore
@@ -82,3 +85,32 @@ async def test_the_whole_digest_is_taken_at_put_and_reads_nothing(tmp_path: Path
     assert len(loads) == 1 and digest == repr_digest(*chunks)
     assert store.read(ref(0), 2, 5).known_repr_digest() == digest
     await store.close()
+
+
+async def test_a_full_tier_drains_in_the_background(tmp_path: Path) -> None:
+    # demote_above: past half full, host moves its least recently used blocks
+    # down by itself; the PUTs meanwhile find room and wait for none of it.
+    below = GatedTier("local-storage", persistent=True)
+    store = TieredStore([(HostTier(), 10 * SIZE), (below, 64 * SIZE)], demote_above=0.5)
+    below.gate.clear()  # the demotions hang below ...
+    for n in range(6):
+        await store.put(ref(n), block())  # past half full: a drain starts
+    async with asyncio.timeout(5):
+        while not below.waiting:  # it has begun, and waits below
+            await asyncio.sleep(0.005)
+    async with asyncio.timeout(2):
+        for n in range(6, 9):
+            await store.put(ref(n), block())  # ... the PUTs do not
+    # One drain at a time: one segment and its layer table (a batch) wait.
+    assert below.waiting == 2 and store.stats.demotions == 0
+    below.gate.set()
+    await store.settle()
+    assert store.slots[0].used <= 0.45 * store.slots[0].capacity  # drained to 0.9 of 0.5
+    assert store.stats.demotions == 5 and len(store) == 9
+    assert [r.tier for r in store.residency(ref(0))] == ["local-storage"]  # LRU first
+    await store.close()
+
+
+def test_demote_above_is_a_fraction() -> None:
+    with pytest.raises(ValueError, match="demote_above"):
+        TieredStore([(HostTier(), SIZE)], demote_above=1.5)

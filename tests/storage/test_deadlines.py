@@ -44,6 +44,11 @@ class Hanging(HostTier):
         await self._wait()
         await super().put(key, value)
 
+    async def put_many(self, items: Any) -> None:
+        await self._wait()  # one call, as a backend's native batch (a pipeline)
+        for key, value in items:
+            await HostTier.put(self, key, value)
+
 
 async def test_a_hung_tier_costs_at_most_its_deadline_then_is_skipped() -> None:
     below = Hanging()
