@@ -35,6 +35,7 @@ from ..protocol.codecs import CODECS
 from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.problems import BadRequest, NotFound, PreconditionRequired
 from ..protocol.records import LeaseGrant, LeaseRequest
+from ..protocol.stream import LayerHasher
 from ..protocol.wire import (
     BLOCK_MEDIA_TYPE,
     block_cache_control,
@@ -173,18 +174,22 @@ def create_app(
         policy.require_write(who(request), ref.scope_id)
         if request.headers.get("if-none-match", "").strip() != "*":
             raise PreconditionRequired("a block PUT must carry If-None-Match: * (BL7)")
+        # B3: layer digests are taken as the body arrives (no second pass),
+        # on the event loop. Measured (bench load, host only, C=16): hashing
+        # in a worker thread instead cost more loop CPU per operation (3.4-3.7
+        # ms against 2.8-3.4) and fewer operations a second, as the thread's
+        # many small GIL hand-offs contend with a busy loop.
+        hasher = LayerHasher()
         try:
-            body = await read_body(request, settings.max_block_octets,
+            body = await read_body(request, settings.max_block_octets, hasher.feed,
                                    base_s=settings.body_timeout_base_s,
                                    min_rate=settings.body_min_octets_per_s)  # fmt: skip
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)
         descriptor = settings.descriptors.get(ref.compat_id)
-        # B3, BL4: the store takes the layer digests and the Repr-Digest in two
-        # worker threads, in parallel and beside the tier writes: the event
-        # loop does TLS and HTTP only (hashlib releases the GIL).
-        await store.put(ref, body, descriptor=descriptor)
+        digests = hasher.digests if hasher.complete else None
+        await store.put(ref, body, descriptor=descriptor, layer_digests=digests)
         await publisher.published(ref)
         record = store.replica_record(ref, settings.holder_uri, settings.replica_ttl_ms)
         location = settings.base_path + block_path(ref.compat_id, ref.scope_id, ref.block_key)
