@@ -184,10 +184,15 @@ class Placement:
             try:
                 if part in info.copies:
                     await self.drop_copy(info, part)
-                elif not await self.demote(info, part, wait=wait):
+                    continue
+                moved = await self.demote(info, part, wait=wait)
+                if moved is None:
+                    continue  # a read or a lease came meanwhile: it stays, next victim
+                if not moved:
                     if self.table.reserve(index, need):
                         return True  # room came free meanwhile: nothing evicted for it
                     if self.holds(info, part):
+                        # Nowhere below can take it: it leaves the holder.
                         await self.evict(info, "capacity", unless_pinned=True)
             finally:
                 info.claim.give()
@@ -260,7 +265,7 @@ class Placement:
                     if part in info.copies:
                         await self.drop_copy(info, part)
                     elif not await self.demote(info, part, wait=False):
-                        return  # no room below without waiting: try again later
+                        return  # no room below without waiting, or pinned: later
                 finally:
                     info.claim.give()
         finally:
@@ -271,11 +276,14 @@ class Placement:
     async def demote(
         self, info: BlockInfo, segment: Segment, make_room: bool = True, wait: bool = True,
         pinned_ok: bool = False,
-    ) -> bool:  # fmt: skip
+    ) -> bool | None:  # fmt: skip
         """Move a segment one step down the chain (skipping degraded tiers);
         the caller holds the block's claim.
 
         True when the segment left its tier: moved, or dropped as lost.
+        None when a read or a lease came while it was copied (LE2): undone,
+        the block stays where it is (not a reason to evict it). False when
+        no tier below could take it.
         ``make_room``: demote or evict what is below to fit (else only free
         room is used). ``pinned_ok``: a lease arriving meanwhile does not stop
         it (the spill at a graceful stop, which keeps the block).
@@ -343,7 +351,7 @@ class Placement:
                 else:  # gone: its removal may have run before the table went in
                     info.meta_slots.discard(index)
                     await self._finish(self._clean(None, *((index, k) for k in keys)))
-                return not self.holds(info, segment)
+                return True if not self.holds(info, segment) else None
             self.table.replace(info, segment, moved)
             self.stats.demotions += 1
             await self._finish(self._clean(info, (segment.slot, segment.key)))

@@ -189,3 +189,27 @@ async def test_a_reader_never_mixes_two_incarnations_of_a_block() -> None:
         rest = [bytes(chunk) async for chunk in reading]
         assert header + first + b"".join(rest) == old  # (never reached)
     await store.close()
+
+
+async def test_a_lease_that_came_and_went_during_a_demotion_evicts_nothing() -> None:
+    # The demotion it stopped was undone: the block must not then be evicted
+    # as if no tier below could take it (the soak lost blocks that way).
+    below = persistent()
+    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)])
+    await store.put(ref(1), block())
+    await store.put(ref(2), block())
+    below.gate.clear()
+    put = asyncio.create_task(store.put(ref(3), block()))  # demotes 1: waits below
+    await until(lambda: below.waiting)
+    lease = store.lease("c", [ref(1).block_key], 30_000)  # held when the write ends
+    below.delete_gate.clear()
+    below.gate.set()
+    await until(lambda: below.deleting)  # the copy below is being undone
+    store.release_lease("c", lease.id)  # ... and the lease is gone again
+    below.delete_gate.set()
+    await asyncio.wait_for(put, 5)
+    assert store.stats.evictions == 0 and all(ref(n) in store for n in (1, 2, 3))
+    await store.settle()
+    used, expected = accounting(store)
+    assert used == expected
+    await store.close()
