@@ -25,14 +25,21 @@ def persistent(kind: str = "local-storage") -> GatedTier:
     return GatedTier(kind, persistent=True)
 
 
-async def test_a_lease_granted_during_a_demotion_keeps_the_block_in_place() -> None:
+async def demoting_block_1() -> tuple[TieredStore, GatedTier, asyncio.Task[Any]]:
+    """Host full of 1 and 2 over a gated persistent tier; a PUT of 3 demoting
+    1, its write waiting below."""
     below = persistent()
     store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)])
     await store.put(ref(1), block())
     await store.put(ref(2), block())
     below.gate.clear()
-    put = asyncio.create_task(store.put(ref(3), block()))  # demotes 1: waits below
+    put = asyncio.create_task(store.put(ref(3), block()))
     await until(lambda: below.waiting)
+    return store, below, put
+
+
+async def test_a_lease_granted_during_a_demotion_keeps_the_block_in_place() -> None:
+    store, below, put = await demoting_block_1()
     store.lease("c", [ref(1).block_key], 30_000)  # 1 is resident in host: granted
     below.gate.set()
     await asyncio.wait_for(put, 5)
@@ -194,13 +201,7 @@ async def test_a_reader_never_mixes_two_incarnations_of_a_block() -> None:
 async def test_a_lease_that_came_and_went_during_a_demotion_evicts_nothing() -> None:
     # The demotion it stopped was undone: the block must not then be evicted
     # as if no tier below could take it (the soak lost blocks that way).
-    below = persistent()
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)])
-    await store.put(ref(1), block())
-    await store.put(ref(2), block())
-    below.gate.clear()
-    put = asyncio.create_task(store.put(ref(3), block()))  # demotes 1: waits below
-    await until(lambda: below.waiting)
+    store, below, put = await demoting_block_1()
     lease = store.lease("c", [ref(1).block_key], 30_000)  # held when the write ends
     below.delete_gate.clear()
     below.gate.set()
