@@ -57,6 +57,7 @@ class Placement:
     #: tiers' deadlines, and two chains of demotions that each wait for the
     #: other's room (possible with blocks split over tiers) end here.
     ROOM_WAIT_S = 5.0
+    ROOM_POLL_S = 0.05
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
@@ -177,9 +178,13 @@ class Placement:
             if victim is None:
                 now = asyncio.get_running_loop().time()
                 give_up_at = give_up_at or now + self.ROOM_WAIT_S
-                if wait and busy and await self.table.room_freed(index, give_up_at - now):
-                    continue
-                return False
+                if not (wait and busy) or now >= give_up_at:
+                    return False
+                # Woken when room is freed; and the walk is tried again every
+                # ROOM_POLL_S, since a busy block may become a candidate with
+                # no room freed (a promotion leaves a copy behind).
+                await self.table.room_freed(index, min(self.ROOM_POLL_S, give_up_at - now))
+                continue
             info, part = victim
             try:
                 if part in info.copies:
