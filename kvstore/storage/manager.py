@@ -346,8 +346,7 @@ class TieredStore:
 
         # Promotions are optional work: none may run after the spill, where
         # making room for one would evict what the spill kept.
-        await self.placement.moves.stop()
-        await self.placement.drains.stop()
+        await self.placement.stop()
         return await spill(self, timeout_s)
 
     async def delete(self, ref: BlockRef) -> None:
@@ -505,16 +504,10 @@ class TieredStore:
         """Wait for the background promotions and demotions started so far,
         and for the work finishing changes already made (a cancelled
         DELETE's removal goes on by itself)."""
-        await self.placement.moves.settle()
-        await self.placement.drains.settle()
-        while self.placement.finishing:
-            await asyncio.gather(*self.placement.finishing, return_exceptions=True)
+        await self.placement.settle()
 
     async def close(self) -> None:
-        await self.placement.moves.stop()
-        await self.placement.drains.stop()
-        while self.placement.finishing:
-            await asyncio.gather(*self.placement.finishing, return_exceptions=True)
+        await self.placement.stop()
         for slot in self.slots:
             await slot.tier.close()
 

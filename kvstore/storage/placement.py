@@ -77,6 +77,24 @@ class Placement:
         #: that a cancelled caller never leaves it half done.
         self.finishing: set[asyncio.Future[None]] = set()
 
+    async def settle(self) -> None:
+        """Wait for the background moves started so far and for the work
+        finishing changes already made (which nothing cancels)."""
+        await self.moves.settle()
+        await self.drains.settle()
+        await self._finished()
+
+    async def stop(self) -> None:
+        """No background move starts from now on; those under way are
+        cancelled; the work finishing changes already made still ends."""
+        await self.moves.stop()
+        await self.drains.stop()
+        await self._finished()
+
+    async def _finished(self) -> None:
+        while self.finishing:
+            await asyncio.gather(*self.finishing, return_exceptions=True)
+
     async def _finish(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in a tracked task and wait for it; a cancel of the
         caller does not cancel it (an old place left behind would be an

@@ -79,6 +79,17 @@ class TierIO:
         try:
             if deadline is None:
                 result = await call  # memory: nothing lands late
+            elif not changes:
+                # A read given up on changes nothing when it ends late: no
+                # task to keep, the wait is just cut (the hot GET path).
+                try:
+                    async with asyncio.timeout(deadline):
+                        result = await call
+                except TimeoutError:
+                    raise TierUnavailable(
+                        f"{slot.kind}: no answer within its deadline of {deadline:g} s",
+                        tier=slot.kind,
+                    ) from None
             else:
                 task = asyncio.ensure_future(call)
                 try:
