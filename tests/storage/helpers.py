@@ -116,3 +116,12 @@ class GatedTier(HostTier):
             self.failures -= 1
             raise TierUnavailable("injected", tier=self.kind)
         await super().put(key, value)
+
+
+async def cancelled(task: Any) -> None:
+    """Cancel ``task`` (a client going away) and see it end cancelled."""
+    import pytest
+
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -14,7 +14,7 @@ from backends.host import HostTier
 from kvstore.protocol.problems import InsufficientStorage, NotFound, TierFull
 from kvstore.storage import BlockRef, TieredStore
 
-from .helpers import GatedTier, block, ref, size_of
+from .helpers import GatedTier, block, cancelled, ref, size_of
 from .test_concurrency import accounting
 from .test_unblocked import until
 
@@ -67,9 +67,7 @@ async def test_a_cancelled_caller_never_cuts_a_withdrawal_short() -> None:
     await store.put(ref(1), block())
     put = asyncio.create_task(store.put(ref(2), block()))  # evicts 1
     await asyncio.sleep(0.01)
-    put.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await put
+    await cancelled(put)
     assert ref(1) in store and not store.serves(ref(1))  # leaving, withdrawal owed
     answered.set()
     await store.settle()
@@ -126,9 +124,7 @@ async def test_a_cancelled_move_leaves_no_orphan_behind() -> None:
     top.delete_gate.clear()
     put = asyncio.create_task(store.put(ref(3), block()))  # demotes 1, deletes above
     await until(lambda: top.deleting)
-    put.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await put
+    await cancelled(put)
     top.delete_gate.set()
     await store.settle()
     assert not [k for k in top._data if k.startswith(ref(1).block_key)]
@@ -170,9 +166,7 @@ async def test_settle_waits_for_a_failed_puts_clean_up() -> None:
     tier.delete_gate.clear()
     put = asyncio.create_task(store.put(ref(1), block()))  # the table fails: cleaned up
     await until(lambda: tier.deleting)
-    put.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await put
+    await cancelled(put)
     tier.delete_gate.set()
     await store.settle()
     assert store.table.entry(ref(1)) is None and store.slots[0].used == 0
