@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Mount, Route, Router
+from starlette.routing import Mount, Route
+from starlette.types import Lifespan
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics, MetricsMiddleware
@@ -208,6 +209,7 @@ def role_app(
     metrics: Metrics,
     policy: Policy,
     allow_anonymous: bool = False,
+    lifespan: Lifespan[Starlette] | None = None,
 ) -> Starlette:
     """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them
     and ``{base}metrics`` among them,
@@ -226,17 +228,26 @@ def role_app(
         )
 
     prefix = base.rstrip("/")
-    # Also at {base}metrics: several roles on one listener each keep theirs
-    # (``/metrics`` goes to the first role only).
-    routes = [*routes, Route("/metrics", get_metrics, methods=["GET"])] if prefix else routes
-    inner: list[BaseRoute] = (
-        [Mount(prefix, app=Router(routes, redirect_slashes=False))] if prefix else list(routes)
-    )
-    app = Starlette(
-        routes=[Route("/metrics", get_metrics, methods=["GET"]), *inner],
+    # The role's own app: its routes and ``metrics`` relative to its base.
+    # ``kvstore serve`` mounts it at the base beside the other roles
+    # (``app.state.mountable``); alone, the app below mounts it itself.
+    mountable = Starlette(
+        routes=[*routes, Route("/metrics", get_metrics, methods=["GET"])],
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
+        lifespan=lifespan,
     )
-    app.router.redirect_slashes = False
+    mountable.router.redirect_slashes = False
+    app = mountable
+    if prefix:
+        # Also at ``/metrics``: a scraper of one role needs no base path.
+        app = Starlette(
+            routes=[Route("/metrics", get_metrics, methods=["GET"]), Mount(prefix, app=mountable)],
+            exception_handlers=EXCEPTION_HANDLERS,
+            lifespan=lifespan,
+        )
+        app.router.redirect_slashes = False
     app.state.metrics = metrics
+    app.state.mountable = mountable
+    app.state.base = prefix
     return app

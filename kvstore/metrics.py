@@ -39,6 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .seams import PublisherStatsSource, Snapshots
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 log = logging.getLogger("kvstore.access")
@@ -49,12 +51,14 @@ _METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"
 
 
 class _StoreCollector(Collector):
-    def __init__(self, store: Any, publisher: Any) -> None:
+    """The store's snapshot, and its publisher's counters, at scrape time."""
+
+    def __init__(self, store: Snapshots, publisher: PublisherStatsSource | None) -> None:
         self.store = store
         self.publisher = publisher
 
     def collect(self) -> Iterator[Any]:
-        store = self.store
+        snap = self.store.snapshot()
         used = GaugeMetricFamily("kvstore_tier_used_bytes", "Octets stored", labels=["tier"])
         capacity = GaugeMetricFamily(
             "kvstore_tier_capacity_bytes", "Configured capacity", labels=["tier"]
@@ -66,50 +70,50 @@ class _StoreCollector(Collector):
         failures = CounterMetricFamily(
             "kvstore_tier_failures", "Failed tier calls", labels=["tier"]
         )
-        for index, health in enumerate(store.health()):
-            tier = f"{health['tier']}#{index}"
-            used.add_metric([tier], health["used"])
-            capacity.add_metric([tier], health["capacity"])
-            reserved.add_metric([tier], health["reserved"])
-            degraded.add_metric([tier], 1 if health["degraded"] else 0)
-            failures.add_metric([tier], health["failures"])
+        for index, tier_snap in enumerate(snap.tiers):
+            tier = f"{tier_snap.kind}#{index}"
+            used.add_metric([tier], tier_snap.used)
+            capacity.add_metric([tier], tier_snap.capacity)
+            reserved.add_metric([tier], tier_snap.reserved)
+            degraded.add_metric([tier], 1 if tier_snap.degraded else 0)
+            failures.add_metric([tier], tier_snap.failures)
         yield from (used, capacity, reserved, degraded, failures)
         states = GaugeMetricFamily("kvstore_store_blocks", "Blocks by state", labels=["state"])
-        for state, count in store.table.states().items():
-            states.add_metric([state.value], count)
+        for state, count in snap.blocks.items():
+            states.add_metric([state], count)
         yield states
-        stats = store.stats
-        yield CounterMetricFamily("kvstore_store_hits", "Block reads found", value=stats.hits)
+        yield CounterMetricFamily("kvstore_store_hits", "Block reads found", value=snap.hits)
         yield CounterMetricFamily(
-            "kvstore_store_misses", "Block reads not found", value=stats.misses
+            "kvstore_store_misses", "Block reads not found", value=snap.misses
         )
         evictions = CounterMetricFamily(
             "kvstore_store_evictions", "Blocks evicted", labels=["kind"]
         )
-        evictions.add_metric(["capacity"], stats.evictions)
-        evictions.add_metric(["fault"], stats.fault_evictions)
-        evictions.add_metric(["retention"], stats.expired)
+        evictions.add_metric(["capacity"], snap.evictions)
+        evictions.add_metric(["fault"], snap.fault_evictions)
+        evictions.add_metric(["retention"], snap.expired)
         yield evictions
         moves = CounterMetricFamily("kvstore_store_moves", "Segment moves", labels=["direction"])
-        moves.add_metric(["demotion"], stats.demotions)
-        moves.add_metric(["promotion"], stats.promotions)
+        moves.add_metric(["demotion"], snap.demotions)
+        moves.add_metric(["promotion"], snap.promotions)
         # A persistent copy given up for room (the block stays in a faster tier).
-        moves.add_metric(["copy_dropped"], stats.copies_dropped)
+        moves.add_metric(["copy_dropped"], snap.copies_dropped)
         # Hits not promoted (bound reached, block busy, no room without waiting).
-        moves.add_metric(["promotion_dropped"], stats.promotions_dropped)
+        moves.add_metric(["promotion_dropped"], snap.promotions_dropped)
         yield moves
         yield CounterMetricFamily(
-            "kvstore_digest_failures", "Integrity check failures", value=stats.integrity_failures
+            "kvstore_digest_failures", "Integrity check failures", value=snap.integrity_failures
         )
         yield CounterMetricFamily(
-            "kvstore_lease_rejections", "Lease requests refused", value=store.leases.rejections
+            "kvstore_lease_rejections", "Lease requests refused", value=snap.lease_rejections
         )
-        yield GaugeMetricFamily("kvstore_leases", "Unexpired leases", value=len(store.leases))
-        if self.publisher is not None and hasattr(self.publisher, "stats"):
+        yield GaugeMetricFamily("kvstore_leases", "Unexpired leases", value=snap.leases)
+        if self.publisher is not None:
+            stats = self.publisher.stats
             published = CounterMetricFamily("kvstore_publish", "Index updates", labels=["outcome"])
-            published.add_metric(["published"], self.publisher.stats.published)
-            published.add_metric(["withdrawn"], self.publisher.stats.withdrawn)
-            published.add_metric(["error"], self.publisher.stats.errors)
+            published.add_metric(["published"], stats.published)
+            published.add_metric(["withdrawn"], stats.withdrawn)
+            published.add_metric(["error"], stats.errors)
             yield published
 
 
@@ -130,7 +134,8 @@ class CountersCollector(Collector):
 class Metrics:
     """A registry plus the request instruments of one app."""
 
-    def __init__(self, store: Any = None, publisher: Any = None, counters: Any = None,
+    def __init__(self, store: Snapshots | None = None,
+                 publisher: PublisherStatsSource | None = None, counters: Any = None,
                  counters_prefix: str = "kvstore") -> None:  # fmt: skip
         self.registry = CollectorRegistry()
         labels = ["route", "method", "status"]

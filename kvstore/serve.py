@@ -3,20 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
 import shlex
 import ssl
-import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
 
 from .config import Config, ConfigError
 from .holder import HolderSettings, create_app
+from .http import EXCEPTION_HANDLERS
+from .lifespan import Listening, Shutdown, Step, run_steps
 from .protocol.compat import parse_descriptor
+from .protocol.wire import NO_STORE
+from .seams import PublisherStatsSource, Snapshots
 from .security import Policy
 from .storage import LeaseLimits, SegmentSealer, TieredStore
+
+if TYPE_CHECKING:
+    from .client import ControllerClient, HolderClient
+    from .holder.publisher import IndexPublisher
+    from .instance.lifecycle import Lifecycle
+    from .instance.prefetch import Prefetcher
+    from .instance.reporter import Load
+    from .instance.sessions import Sessions
 
 log = logging.getLogger("kvstore.serve")
 
@@ -86,7 +104,7 @@ def index_client(config: Config, section: str) -> Any:
     return IndexClient(cfg.index_uri, context)
 
 
-def build_publisher(config: Config, store: TieredStore) -> Any:
+def build_publisher(config: Config, store: TieredStore) -> IndexPublisher | None:
     """An IndexPublisher when ``holder.index_uri`` is set, else None."""
     from .holder.publisher import IndexPublisher
 
@@ -96,7 +114,11 @@ def build_publisher(config: Config, store: TieredStore) -> Any:
     return IndexPublisher(index, store, config.holder.uri, config.holder.replica_ttl_ms)
 
 
-def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> Any:
+def build_holder(
+    config: Config, store: TieredStore, publisher: IndexPublisher | None = None,
+    listening: Listening | None = None, shutdown: Shutdown | None = None,
+) -> Starlette:  # fmt: skip
+    """The holder app over ``store``, with its publisher (see :func:`.holder.create_app`)."""
     cfg = config.holder
     if not cfg.policy:
         raise ConfigError("holder.policy: a policy file is required")
@@ -113,7 +135,8 @@ def build_holder(config: Config, store: TieredStore, publisher: Any = None) -> A
         descriptors=descriptors,
         allow_anonymous=config.server.insecure_http,
     )
-    return create_app(settings, store, Policy.load(cfg.policy), publisher)
+    return create_app(settings, store, Policy.load(cfg.policy), publisher,
+                      listening=listening, shutdown=shutdown)  # fmt: skip
 
 
 def controller_state(config: Config) -> Any:
@@ -135,7 +158,7 @@ def controller_state(config: Config) -> Any:
     raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
 
 
-def build_controller(config: Config, state: Any) -> Any:
+def build_controller(config: Config, state: Any) -> Starlette:
     """The Placement Controller app over ``state``."""
     from .controller.app import ControllerSettings
     from .controller.app import create_app as create_controller
@@ -159,9 +182,10 @@ def build_controller(config: Config, state: Any) -> Any:
         start_timeout_s=cfg.start_timeout_s,
         start_cooldown_s=cfg.start_cooldown_s,
     )
-    return create_controller(
-        settings, state, Policy.load(cfg.policy), index, instance_client(config)
-    )
+    instances = instance_client(config)
+    closing = [c.close for c in (instances, index) if c is not None]
+    return create_controller(settings, state, Policy.load(cfg.policy), index, instances,
+                             closing=closing)  # fmt: skip
 
 
 def instance_client(config: Config) -> Any:
@@ -178,11 +202,15 @@ def instance_client(config: Config) -> Any:
     return InstanceClient(context, timeout_s=5.0)
 
 
-def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[Any, list[Any]]:
-    """The Inference Instance app over ``store``, and what to start and close
-    with it (its status reporter, prefetcher and clients)."""
+def build_instance(
+    config: Config, store: TieredStore, with_holder: bool = False,
+    listening: Listening | None = None,
+) -> Starlette:  # fmt: skip
+    """The Inference Instance app over ``store``; its lifespan runs its
+    sessions and status reporter and closes the clients made here."""
     from .client import ControllerClient, HolderClient, IndexClient
-    from .instance.app import InstanceSettings, Lifecycle, create_app
+    from .instance.app import InstanceSettings, create_app
+    from .instance.lifecycle import Lifecycle
     from .instance.prefetch import Prefetcher
     from .instance.reporter import Load, StatusReporter
     from .security import client_context
@@ -194,15 +222,14 @@ def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[
         raise ConfigError("instance.status_ttl_ms: at least 300 (reports go every third of it)")
     if cfg.max_pending_directives < 1:
         raise ConfigError("instance.max_pending_directives: at least 1")
-    if publisher is None:
+    if not with_holder:
         log.warning("instance without the holder role: prefetched blocks are not published")
     context = None
     if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
         context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
     holders = HolderClient(context)
     index = IndexClient(cfg.index_uri, context) if cfg.index_uri else None
-    prefetcher = Prefetcher(store, holders, publisher=publisher, index=index,
-                            max_pending=cfg.max_pending_directives)  # fmt: skip
+    prefetcher = Prefetcher(store, holders, index=index, max_pending=cfg.max_pending_directives)
     lifecycle = Lifecycle()
     settings = InstanceSettings(cfg.uri, allow_anonymous=config.server.insecure_http)
     load = Load(prefill_tokens_per_s=cfg.prefill_tokens_per_s,
@@ -210,22 +237,20 @@ def build_instance(config: Config, store: TieredStore, publisher: Any) -> tuple[
     controller = ControllerClient(cfg.controller_uri, context) if cfg.controller_uri else None
     sessions = None
     if cfg.engine:
-        sessions = build_sessions(config, store, publisher, prefetcher, holders, controller,
-                                  lifecycle, load)  # fmt: skip
+        sessions = build_sessions(config, store, prefetcher, holders, controller, lifecycle, load)
     from .instance.shards import Shards
 
     policy = Policy.load(cfg.policy)
     shards = Shards(store, prefetcher, policy, cfg.block_tokens)
-    app = create_app(settings, prefetcher, policy, lifecycle, sessions, shards)
-    # Closed in this order: sessions before the prefetcher and clients they use.
-    parts: list[Any] = [*([sessions] if sessions is not None else []), prefetcher, holders]
-    parts += [index] if index is not None else []
+    reporter = None
     if controller is not None:
         reporter = StatusReporter(cfg.uri, controller, lifecycle, load, store,
                                   ttl_ms=cfg.status_ttl_ms,
                                   idle_s=cfg.sleep_idle_s or None)  # fmt: skip
-        parts += [reporter, controller]
-    return app, parts
+    # Closed after the sessions and the prefetcher that use them.
+    closing = [c.close for c in (holders, index, controller) if c is not None]
+    return create_app(settings, prefetcher, policy, lifecycle, sessions, shards,
+                      reporter=reporter, closing=closing, listening=listening)  # fmt: skip
 
 
 def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
@@ -243,9 +268,9 @@ def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
 
 
 def build_sessions(
-    config: Config, store: TieredStore, publisher: Any, prefetcher: Any, holders: Any,
-    controller: Any, lifecycle: Any, load: Any,
-) -> Any:  # fmt: skip
+    config: Config, store: TieredStore, prefetcher: Prefetcher, holders: HolderClient,
+    controller: ControllerClient | None, lifecycle: Lifecycle, load: Load,
+) -> Sessions:  # fmt: skip
     """The instance's engine and its sessions ([instance] engine)."""
     from .instance.sessions import Sessions, SessionSettings
 
@@ -279,8 +304,7 @@ def build_sessions(
         greedy_deterministic=cfg.greedy_deterministic,
     )  # fmt: skip
     return Sessions(settings, engine, store, scope_keys, lifecycle, load,
-                    prefetcher=prefetcher, publisher=publisher, controller=controller,
-                    holders=holders)  # fmt: skip
+                    prefetcher=prefetcher, controller=controller, holders=holders)  # fmt: skip
 
 
 def engine_directory(config: Config) -> str:
@@ -324,96 +348,113 @@ def build_index(config: Config, statuses: Any = None) -> tuple[Any, Any]:
     return create_index(settings, state, Policy.load(cfg.policy), statuses), state
 
 
-class Dispatcher:
-    """Several role apps on one listener, chosen by their base paths (longest first);
-    anything else (``/metrics``) goes to the first role."""
-
-    def __init__(self, apps: list[tuple[str, Any]]) -> None:
-        self.apps = sorted(apps, key=lambda item: -len(item[0]))
-        self.default = apps[0][1]
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        for base, app in self.apps:
-            if path.startswith(base):
-                await app(scope, receive, send)
-                return
-        await self.default(scope, receive, send)
+def readiness(store: Snapshots | None, publisher: PublisherStatsSource | None
+              ) -> tuple[bool, dict[str, Any]]:  # fmt: skip
+    """``/readyz``: every tier reachable, and for a holder the IS it publishes to."""
+    checks: dict[str, Any] = {}
+    if store is not None:
+        checks["tiers"] = {
+            f"{i}:{t.kind}": "degraded" if t.degraded else "ok"
+            for i, t in enumerate(store.snapshot().tiers)
+        }
+    if publisher is not None:
+        checks["index"] = "ok" if publisher.index_reachable else "unreachable"
+    flat = [*checks.get("tiers", {}).values(), checks.get("index", "ok")]
+    return all(v == "ok" for v in flat), checks
 
 
-class Health:
-    """``/healthz`` (the process answers) and ``/readyz`` (every tier
-    reachable, and for a holder the IS it publishes to), outside every KVSP
-    base path, before the roles' apps; no role is needed (the TLS handshake
-    still asks for a client certificate)."""
+def compose(
+    apps: Sequence[Starlette],
+    store: TieredStore | None = None,
+    publisher: IndexPublisher | None = None,
+    closing: Sequence[Step] = (),
+) -> Starlette:
+    """One app for one listener: each role's app mounted at its base path
+    (longest first), ``/metrics`` of the first role, and ``/healthz`` (the
+    process answers) and ``/readyz`` outside every KVSP base path; no role
+    is needed for those two (the TLS handshake still asks for a client
+    certificate).
 
-    def __init__(self, app: Any, store: TieredStore | None = None, publisher: Any = None) -> None:
-        self.app, self.store, self.publisher = app, store, publisher
+    Its lifespan enters every role's lifespan in one exit stack, in the
+    order given, so they stop in reverse (users before what they use), and
+    then runs ``closing`` (the store and the states the roles shared)."""
 
-    def ready(self) -> tuple[bool, dict[str, Any]]:
-        checks: dict[str, Any] = {}
-        if self.store is not None:
-            checks["tiers"] = {
-                f"{i}:{t['tier']}": "degraded" if t["degraded"] else "ok"
-                for i, t in enumerate(self.store.health())
-            }
-        if self.publisher is not None:
-            checks["index"] = "ok" if self.publisher.index_reachable else "unreachable"
-        flat = [*checks.get("tiers", {}).values(), checks.get("index", "ok")]
-        return all(v == "ok" for v in flat), checks
+    async def health(request: Request) -> Response:
+        ok, checks = (True, {}) if request.url.path == "/healthz" else readiness(store, publisher)
+        body = {"status": "ok" if ok else "unavailable", **checks}
+        return JSONResponse(body, 200 if ok else 503, headers={"Cache-Control": NO_STORE})
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "") if scope.get("type") == "http" else ""
-        if path not in ("/healthz", "/readyz"):
-            await self.app(scope, receive, send)
-            return
-        ok, checks = (True, {}) if path == "/healthz" else self.ready()
-        body = json.dumps({"status": "ok" if ok else "unavailable", **checks}).encode()
-        await send({"type": "http.response.start", "status": 200 if ok else 503,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"cache-control", b"no-store"),
-                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(run_steps, closing, "closing the store")
+            for role in apps:
+                await stack.enter_async_context(role.router.lifespan_context(role))
+            yield
+
+    mounts = sorted(apps, key=lambda a: -len(a.state.base))
+    routes: list[BaseRoute] = [
+        Route("/healthz", health, methods=["GET", "HEAD"]),
+        Route("/readyz", health, methods=["GET", "HEAD"]),
+        Route("/metrics", apps[0].state.mountable, methods=["GET"]),
+        *(Mount(a.state.base, app=a.state.mountable) for a in mounts),
+    ]
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.router.redirect_slashes = False
+    return app
 
 
 def _server_class() -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, except that SIGTERM / SIGINT end ``serve`` rather
-        than the process: uvicorn raises the signal again once it stopped
-        serving, which would kill the process before kvstore's own shutdown
-        (withdrawals, closing the tiers) runs."""
+        """uvicorn's server, with kvstore's stop in one place:
+
+        * the first SIGTERM / SIGINT begins the stop: the listener closes,
+          in-flight requests get ``server.shutdown_grace_s``, then the roles'
+          lifespans stop in what is left of it (:class:`.Shutdown`). A second
+          signal meanwhile is logged; the stop goes on (uvicorn's: a second
+          SIGINT cuts the wait for in-flight requests short);
+        * the process then ends with ``serve`` (exit 0), where uvicorn would
+          raise the signal again;
+        * :class:`.Listening` is set once the listener is bound.
+        """
+
+        def __init__(self, config: Any, listening: Listening, shutdown: Shutdown) -> None:
+            super().__init__(config)
+            self.listening, self.shutdown_budget = listening, shutdown
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                self.listening.set()
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                self.stop_started = time.monotonic()
+            if self.should_exit:
+                log.warning("signal %d while stopping: finishing the stop first", sig)
+            else:
+                self.shutdown_budget.begin()
                 log.info("stopping (signal %d): in-flight requests get %.0f s", sig,
-                            self.config.timeout_graceful_shutdown or 0)  # fmt: skip
+                         self.config.timeout_graceful_shutdown or 0)  # fmt: skip
             super().handle_exit(sig, frame)
-            self._captured_signals.clear()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            import signal
+            import threading
+
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     return Server
-
-
-def _ignore_signals() -> None:
-    """During kvstore's own shutdown: SIGTERM / SIGINT are logged, not obeyed
-    (uvicorn restored the default handlers, which would cut it short)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def noted(sig: int, frame: Any) -> None:
-        log.warning("signal %d while stopping: finishing the shutdown first", sig)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, noted)
-
-
-def _Server(config: Any) -> Any:
-    return _server_class()(config)
 
 
 def _is_loopback(host: str) -> bool:
@@ -462,7 +503,8 @@ def uvicorn_config(config: Config, app: Any) -> Any:
             options["http"] = http2_protocol()  # H1 SHOULD: h2 or http/1.1 by ALPN
         except ImportError as exc:
             raise ConfigError(f"server.http2: needs the http2 extra ({exc})") from exc
-    uv = uvicorn.Config(app, log_level="warning", lifespan="off", **options)
+    # The lifespan runs the roles' background parts and their stop (STYLE 14).
+    uv = uvicorn.Config(app, log_level="warning", lifespan="on", **options)
     uv.load()
     if uv.ssl is not None:
         uv.ssl.minimum_version = ssl.TLSVersion.TLSv1_3  # H1: TLS 1.3 or later
@@ -470,121 +512,65 @@ def uvicorn_config(config: Config, app: Any) -> Any:
 
 
 async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
-    """Run the configured roles on one listener until interrupted."""
-    from urllib.parse import urlsplit
+    """Run the configured roles on one listener until interrupted.
 
+    Everything is built first (a bad configuration fails here, before the
+    listener binds), the store recovers what its persistent tiers hold, then
+    uvicorn serves :func:`compose` of the role apps: their lifespans start
+    their background parts and, at a signal, stop them (see ``Server``)."""
     unknown = set(roles) - {"holder", "index", "pc", "instance"}
     if unknown or not roles:
         raise ConfigError(
             f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc, instance"
         )
-    store = publisher = index_state = pc_state = migrator = starter = sweeper = None
-    stopping: dict[str, Any] = {}
-    instance_parts: list[Any] = []
-    try:
-        apps: list[tuple[str, Any]] = []
-        if "holder" in roles or "instance" in roles:
-            store = build_store(config)
-            found = await store.recover()
-            await store.measure_read_rates()
-        if "holder" in roles:
-            assert store is not None
-            publisher = build_publisher(config, store)
-            apps.append((urlsplit(config.holder.uri).path, build_holder(config, store, publisher)))
-            log.info("holder %s: %d blocks recovered", config.holder.uri, found)
-        if "instance" in roles:
-            # Its blocks are in the store; with the holder role the holder
-            # serves and publishes them (an instance is a holder of its tiers).
-            assert store is not None
-            instance_app, instance_parts = build_instance(config, store, publisher)
-            apps.append((urlsplit(config.instance.uri).path, instance_app))
-            log.info("instance %s", config.instance.uri)
-        if "pc" in roles or ("index" in roles and config.controller.state == "redis"):
-            # The IS estimates from the PC's instance status (L2): the PC's
-            # state in this process, or the Redis PC processes share.
-            pc_state = controller_state(config)
-        if "pc" in roles:
-            controller_app = build_controller(config, pc_state)
-            migrator = controller_app.state.migrator
-            starter = controller_app.state.starter
-            apps.append((urlsplit(config.controller.uri).path, controller_app))
-            log.info("controller %s (%s state)", config.controller.uri,
-                        config.controller.state)  # fmt: skip
-        if "index" in roles:
-            index_app, index_state = build_index(config, pc_state)
-            apps.append((urlsplit(config.index.uri).path, index_app))
-            log.info("index %s (%s state)", config.index.uri, config.index.state)
-        app = Health(apps[0][1] if len(apps) == 1 else Dispatcher(apps), store, publisher)
-        server = _Server(uvicorn_config(config, app))
-        stopping["server"] = server
-        sweeper = None
-        if store is not None and config.storage.retention_s > 0:
+    listening, shutdown = Listening(False), Shutdown(config.server.shutdown_grace_s)
+    store = publisher = pc_state = None
+    apps: list[Starlette] = []
+    closing: list[Step] = []
+    if "holder" in roles or "instance" in roles:
+        store = build_store(config)
+        found = await store.recover()
+        await store.measure_read_rates()
+        if config.storage.retention_s > 0:
             from .storage.retention import RetentionSweeper
 
             sweeper = RetentionSweeper(store)
-        background: list[Any] = [p for p in (publisher, migrator, sweeper) if p is not None]
-        background += [p for p in instance_parts if hasattr(p, "start")]
-
-        async def start_when_listening() -> None:
-            # The publisher's first round republishes what was recovered, the
-            # status reporter reports: both may talk to roles of this very
-            # listener, so they start once it listens.
-            while not server.started and not server.should_exit:
-                await asyncio.sleep(0.02)
-            for part in background:
-                part.start()
-
-        starting = asyncio.create_task(start_when_listening(), name="kvstore-start")
-        stopping["starting"] = starting
-        scheme = "http" if config.server.insecure_http else "https"
-        log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
-                    config.server.port)  # fmt: skip
-        await server.serve()
-    finally:
-        # One deadline for the whole stop (the signal started it): what the
-        # listener's grace left goes to spilling and withdrawing, at least a
-        # second each. A second signal meanwhile is logged, not obeyed.
-        _ignore_signals()
-        if "starting" in stopping:
-            stopping["starting"].cancel()
-        grace = config.server.shutdown_grace_s
-        began = getattr(stopping.get("server"), "stop_started", None)
-        left = max(0.0, grace - (time.monotonic() - began)) if began is not None else grace
-        spill_s, withdraw_s = max(1.0, 0.6 * left), max(1.0, 0.4 * left)
-        # Users first, then what they use: the instance's prefetches and
-        # reports, the publisher, and only then the store and states. One
-        # failing close does not skip the others.
-        closes: list[Any] = []
-        for part in instance_parts:
-            closes.append(part.stop if hasattr(part, "stop") else part.close)
-        if starter is not None:
-            closes.append(starter.close)  # the instances it started go on
-        if migrator is not None:
-            closes += [migrator.stop, migrator.instances.close]
-        if publisher is not None:
-            closes.append(publisher.stop)
-        if sweeper is not None:
-            closes.append(sweeper.stop)
-        if store is not None:
-            # Graceful shutdown: what only memory holds goes down to a
-            # persistent tier while there is room and time (a restart serves
-            # it again) ...
-            closes.append(lambda: store.spill(spill_s))
-        if publisher is not None:
-            # ... and the replicas that still do not survive the process
-            # leave the IS; the rest stays published.
-            # (withdrawals queued while the IS was away go too, P3)
-            closes += [lambda: publisher.drain(withdraw_s / 2),
-                       lambda: publisher.withdraw_volatile(withdraw_s / 2),
-                       publisher.index.close]  # fmt: skip
-        for closable in (store, index_state, pc_state):
-            if closable is not None:
-                closes.append(closable.close)
-        for close in closes:
-            try:
-                await close()
-            except Exception:
-                log.exception("while shutting down")
+            sweeper.start()
+            closing.append(sweeper.stop)
+        # The store's own stop: a spill the holder did not do already, then
+        # closing its tiers (the roles that use it stopped before).
+        closing += [lambda: store.spill(shutdown.share(0.6)), store.close]
+    if "holder" in roles:
+        assert store is not None
+        publisher = build_publisher(config, store)
+        apps.append(build_holder(config, store, publisher, listening, shutdown))
+        log.info("holder %s: %d blocks recovered", config.holder.uri, found)
+    if "instance" in roles:
+        # Its blocks are in the store; with the holder role the holder
+        # serves and publishes them (an instance is a holder of its tiers).
+        assert store is not None
+        apps.append(build_instance(config, store, "holder" in roles, listening))
+        log.info("instance %s", config.instance.uri)
+    if "pc" in roles or ("index" in roles and config.controller.state == "redis"):
+        # The IS estimates from the PC's instance status (L2): the PC's
+        # state in this process, or the Redis PC processes share.
+        pc_state = controller_state(config)
+        closing.append(pc_state.close)
+    if "pc" in roles:
+        apps.append(build_controller(config, pc_state))
+        log.info("controller %s (%s state)", config.controller.uri,
+                 config.controller.state)  # fmt: skip
+    if "index" in roles:
+        index_app, index_state = build_index(config, pc_state)
+        apps.append(index_app)
+        closing.insert(len(closing) - (pc_state is not None), index_state.close)
+        log.info("index %s (%s state)", config.index.uri, config.index.state)
+    server = _server_class()(uvicorn_config(config, compose(apps, store, publisher, closing)),
+                             listening, shutdown)  # fmt: skip
+    scheme = "http" if config.server.insecure_http else "https"
+    log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
+             config.server.port)  # fmt: skip
+    await server.serve()
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:

@@ -14,7 +14,8 @@ base URI must hash to ``{instance-id}`` (H6) and equal the record's
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..http import base_path, empty_response, json_response, principal, read_json, role_app
+from ..lifespan import Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, Link, SessionCheckpoint, ShardMap, StateChange
@@ -100,66 +102,90 @@ class ControllerCounters(MigrationCounters):
     instances_started: int = 0
 
 
-def create_app(
-    settings: ControllerSettings,
-    state: ControllerState,
-    policy: Policy,
-    index: Any = None,
-    instances: Any = None,
-) -> Starlette:
-    """``index``: a :class:`kvstore.client.IndexClient` for placement lookups;
-    ``instances``: a :class:`kvstore.client.InstanceClient` for prefetch
-    directives and resumes (``app.state.migrator``, started by the caller)."""
-    counters = ControllerCounters()
-    # SEC1: work and sessions of a scope go only to instances that may write it.
-    grants = {g.instance: g for g in policy.principals.values() if g.instance is not None}
+class Controller:
+    """The PC's handlers over its state (its ``routes()`` are the table)."""
 
-    def eligible(instance: str, scope_id: str) -> bool:
-        grant = grants.get(instance)
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        state: ControllerState,
+        policy: Policy,
+        index: Any = None,
+        instances: Any = None,
+    ) -> None:
+        self.settings, self.state, self.policy, self.instances = settings, state, policy, instances
+        self.counters = ControllerCounters()
+        # SEC1: work and sessions of a scope go only to instances that may write it.
+        self.grants = {g.instance: g for g in policy.principals.values() if g.instance is not None}
+        self.placer = Placer(state, index, settings.mean_service_ms * 1000, self.eligible)
+        self.coordinator = ReshardCoordinator(state, instances) if instances is not None else None
+        self.starter = None
+        if settings.start_command:
+            self.starter = InstanceStarter(settings.start_command,
+                                           timeout_s=settings.start_timeout_s,
+                                           cooldown_s=settings.start_cooldown_s)  # fmt: skip
+        #: Moves the sessions of failed instances (CK5); runs with the app.
+        self.migrator = None
+        if instances is not None:
+            self.migrator = Migrator(
+                state, self.placer, instances, dict(settings.block_tokens),
+                interval_s=settings.migrate_interval_s, session_idle_s=settings.session_idle_s,
+                counters=self.counters,
+            )  # fmt: skip
+
+    def eligible(self, instance: str, scope_id: str) -> bool:
+        grant = self.grants.get(instance)
         return grant is not None and "instance" in grant.roles and grant.can_write(scope_id)
 
-    placer = Placer(state, index, settings.mean_service_ms * 1000, eligible)
-    coordinator = ReshardCoordinator(state, instances) if instances is not None else None
-    starter = None
-    if settings.start_command:
-        starter = InstanceStarter(settings.start_command, timeout_s=settings.start_timeout_s,
-                                  cooldown_s=settings.start_cooldown_s)  # fmt: skip
+    def routes(self) -> list[Route]:
+        return [
+            Route("/instances", self.list_instances, methods=["GET"]),
+            Route("/instances/{instance_id}/status", self.put_status, methods=["PUT"]),
+            Route("/instances/{instance_id}/state", self.put_state, methods=["PUT"]),
+            Route("/sessions/{session}/checkpoint", self.put_checkpoint, methods=["PUT"]),
+            Route("/sessions/{session}", self.end_session, methods=["DELETE"]),
+            Route("/sessions/{session}", self.get_session, methods=["GET"]),
+            Route("/maps/{map}", self.put_map, methods=["PUT"]),
+            Route("/maps/{map}", self.get_map, methods=["GET"]),
+            Route("/maps/{map}/reshard", self.post_reshard, methods=["POST"]),
+            Route("/place", self.place, methods=["POST"]),
+        ]
 
-    def who(request: Request) -> str | None:
-        return principal(request, settings.allow_anonymous)
+    def who(self, request: Request) -> str | None:
+        return principal(request, self.settings.allow_anonymous)
 
-    async def put_status(request: Request) -> Response:
-        instance = _instance_of(policy.grant(who(request)))
+    async def put_status(self, request: Request) -> Response:
+        instance = _instance_of(self.policy.grant(self.who(request)))
         if role_id(instance) != request.path_params["instance_id"]:
             raise Forbidden("an instance reports only its own status (SEC1)")
-        status = InstanceStatus.from_json(await read_json(request, settings.max_json_octets))
+        status = InstanceStatus.from_json(await read_json(request, self.settings.max_json_octets))
         if status.instance != instance:
             raise BadRequest("the record's instance is not the path's instance")
-        answer = await state.put_status(status)  # S2: stale epochs raise 409
+        answer = await self.state.put_status(status)  # S2: stale epochs raise 409
         # S3: the answer carries the state the PC holds for the instance.
         return json_response(StateChange(answer).to_json())
 
-    async def put_checkpoint(request: Request) -> Response:
-        instance = _instance_of(policy.grant(who(request)))
+    async def put_checkpoint(self, request: Request) -> Response:
+        instance = _instance_of(self.policy.grant(self.who(request)))
         checkpoint = SessionCheckpoint.from_json(
-            await read_json(request, settings.max_checkpoint_octets)
+            await read_json(request, self.settings.max_checkpoint_octets)
         )
         # SEC1: the instance must be allowed to write the session's scope.
-        policy.require_write(who(request), checkpoint.scope_id)
+        self.policy.require_write(self.who(request), checkpoint.scope_id)
         if checkpoint.session != request.path_params["session"].lower():
             raise BadRequest("the checkpoint's session is not the path's session")
-        entry = await state.put_checkpoint(checkpoint, instance)  # CK2, CK7
+        entry = await self.state.put_checkpoint(checkpoint, instance)  # CK2, CK7
         kept = entry.checkpoint.output_offset if entry.checkpoint is not None else 0
         # The acknowledgement a non-deterministic sampler waits for (CK3).
         return json_response({"epoch": entry.epoch, "output_offset": kept})
 
-    async def place(request: Request) -> Response:
+    async def place(self, request: Request) -> Response:
         # Ours, not KVSP: where should this request go, and why (PL1, PL2).
-        body = await read_json(request, settings.max_json_octets)
-        query = LookupRequest.from_json(body, max_keys=settings.max_place_keys)
-        policy.require_read(who(request), query.scope_id)
+        body = await read_json(request, self.settings.max_json_octets)
+        query = LookupRequest.from_json(body, max_keys=self.settings.max_place_keys)
+        self.policy.require_read(self.who(request), query.scope_id)
         obj = body if isinstance(body, dict) else {}
-        block_tokens = settings.block_tokens.get(query.compat_id)
+        block_tokens = self.settings.block_tokens.get(query.compat_id)
         if block_tokens is None:
             raise BadRequest("unknown compat_id: the PC needs its descriptor (block_tokens)")
         tokens = obj.get("tokens")
@@ -173,7 +199,7 @@ def create_app(
             isinstance(request_ref, str) and len(request_ref) <= 256
         ):
             raise BadRequest("place.request_ref: an opaque string of at most 256 characters")
-        placement = await placer.place(
+        placement = await self.placer.place(
             query.scope_id, query.compat_id, query.block_keys, total, block_tokens
         )
         answer: dict[str, Any] = {
@@ -183,32 +209,35 @@ def create_app(
         }
         best = placement.candidates[0] if placement.candidates else None
         fits = best is not None and (
-            settings.start_above_ms <= 0 or best.cost_us <= settings.start_above_ms * 1000
+            self.settings.start_above_ms <= 0 or best.cost_us <= self.settings.start_above_ms * 1000
         )
-        if not fits and starter is not None:
+        if not fits and self.starter is not None:
             # PL3: nothing acceptable runs; start an instance and go there.
-            started = await starter.start(query.scope_id, query.compat_id, request_ref)
-            counters.instances_started = starter.launched
-            if started is not None and eligible(started, query.scope_id):
+            started = await self.starter.start(query.scope_id, query.compat_id, request_ref)
+            self.counters.instances_started = self.starter.launched
+            if started is not None and self.eligible(started, query.scope_id):
                 answer.update(instance=started, started=True)
             elif started is not None:
-                log.error("started %s may not serve scope %s (policy)", started, query.scope_id)
+                log.error(
+                    "started %s may not serve scope %s (self.policy)", started, query.scope_id
+                )
         if "instance" not in answer:
             answer["instance"] = choose(placement.candidates).instance  # 409 if none (S4)
-        counters.placements += 1
+        self.counters.placements += 1
         instance = answer["instance"]
-        if instances is not None and settings.prefetch and placement.matched:
+        if self.instances is not None and self.settings.prefetch and placement.matched:
             if not answer.get("started") and instance not in {
-                s.instance for s in await state.active()
+                s.instance for s in await self.state.active()
             }:  # S4: it expired or began draining since it was chosen
                 answer["prefetch"] = {"error": "the instance is no longer active"}
             else:
-                answer["prefetch"] = await send_prefetch(
+                answer["prefetch"] = await self.send_prefetch(
                     placement, instance, placement.links.get(instance, ()), query, request_ref
                 )
         return json_response(answer)
 
     async def send_prefetch(
+        self,
         placement: Placement,
         instance: str,
         links: tuple[Link, ...],
@@ -220,78 +249,80 @@ def create_app(
         placement as it is."""
         found = directive(
             placement, instance, links, query.block_keys, query.scope_id, query.compat_id,
-            deadline_ms=settings.prefetch_deadline_ms, lease_ms=settings.prefetch_lease_ms,
-            request_ref=request_ref,
+            deadline_ms=self.settings.prefetch_deadline_ms,
+            lease_ms=self.settings.prefetch_lease_ms, request_ref=request_ref,
         )  # fmt: skip
         if found is None:
             return None  # everything matched is resident there already
         try:
-            location = await instances.prefetch(instance, found)
+            location = await self.instances.prefetch(instance, found)
         except KvspError as exc:
-            counters.prefetch_failures += 1
+            self.counters.prefetch_failures += 1
             log.warning("prefetch directive to %s failed: %s", instance, exc.detail)
             return {"directive": found.directive, "error": exc.detail}
-        counters.prefetches += 1
+        self.counters.prefetches += 1
         return {"directive": found.directive, "location": location, "blocks": len(found.blocks)}
 
-    async def put_state(request: Request) -> Response:
+    async def put_state(self, request: Request) -> Response:
         # Ours: an operator wakes an instance or has it drain (S3, S6); the PC
         # tells the instance (PUT state) and then holds the new state.
-        policy.require_role(who(request), "admin")
-        change = StateChange.from_json(await read_json(request, settings.max_json_octets))
+        self.policy.require_role(self.who(request), "admin")
+        change = StateChange.from_json(await read_json(request, self.settings.max_json_octets))
         if change.state not in ("active", "draining"):
             raise BadRequest("state: an instance is set active or draining (it reports the rest)")
-        instance = await state.instance_named(request.path_params["instance_id"])
-        if instances is None:
+        instance = await self.state.instance_named(request.path_params["instance_id"])
+        if self.instances is None:
             raise InvalidState("the PC has no client for instances")
         try:
-            await instances.set_state(instance, change.state)
+            await self.instances.set_state(instance, change.state)
         except KvspError as exc:
             raise BadGateway(f"the instance did not take the state: {exc.detail}") from exc
-        await state.set_state(instance, change.state)
+        await self.state.set_state(instance, change.state)
         return json_response(change.to_json())
 
-    def map_in(request: Request, body: Any, name: str) -> ShardMap:
+    def map_in(self, request: Request, body: Any, name: str) -> ShardMap:
         shard_map = ShardMap.from_json(body)
         if shard_map.map != request.path_params["map"]:
             raise BadRequest(f"{name}.map: must be the path's map")
         return shard_map
 
-    async def put_map(request: Request) -> Response:
+    async def put_map(self, request: Request) -> Response:
         # Ours: an operator gives the PC a context's shard map (RS1).
-        policy.require_role(who(request), "admin")
-        shard_map = map_in(request, await read_json(request, settings.max_json_octets), "map")
-        entry = await state.create_map(shard_map)
+        self.policy.require_role(self.who(request), "admin")
+        shard_map = self.map_in(
+            request, await read_json(request, self.settings.max_json_octets), "map"
+        )
+        entry = await self.state.create_map(shard_map)
         return json_response(entry.current.to_json())
 
-    async def get_map(request: Request) -> Response:
-        policy.require_role(who(request), "admin")
-        entry = await state.shard_map(request.path_params["map"])
+    async def get_map(self, request: Request) -> Response:
+        self.policy.require_role(self.who(request), "admin")
+        entry = await self.state.shard_map(request.path_params["map"])
         return json_response({**entry.current.to_json(), "resharding_to": entry.pending})
 
-    async def post_reshard(request: Request) -> Response:
+    async def post_reshard(self, request: Request) -> Response:
         # Ours: move the map to the target version (RS2-RS6), answered when
         # committed or aborted.
-        policy.require_role(who(request), "admin")
-        body = await read_json(request, settings.max_json_octets)
+        self.policy.require_role(self.who(request), "admin")
+        body = await read_json(request, self.settings.max_json_octets)
         obj = body if isinstance(body, dict) else {}
-        target = map_in(request, obj.get("target"), "target")
+        target = self.map_in(request, obj.get("target"), "target")
         deadline_ms = check_int(obj.get("deadline_ms", 1000), "deadline_ms", lo=1, hi=600_000)
-        if coordinator is None:
+        if self.coordinator is None:
             raise InvalidState("the PC has no client for instances")
-        outcome = await coordinator.reshard(target, deadline_ms)
+        outcome = await self.coordinator.reshard(target, deadline_ms)
         if not outcome.committed:
             raise ReshardAborted("members did not acknowledge by the deadline (RS6)",
                                  **outcome.to_json())  # fmt: skip
         return json_response(outcome.to_json())
 
-    async def end_session(request: Request) -> Response:
+    async def end_session(self, request: Request) -> Response:
         # Ours: the owner says the session is over; it is never migrated.
-        instance = _instance_of(policy.grant(who(request)))
-        await state.end_session(request.path_params["session"].lower(), instance)
+        instance = _instance_of(self.policy.grant(self.who(request)))
+        await self.state.end_session(request.path_params["session"].lower(), instance)
         return empty_response()
 
-    async def get_session(request: Request) -> Response:
+    async def get_session(self, request: Request) -> Response:
         # Ours: where a session is now (a front end following it across a
         # migration, CK4). Only for principals of its scope; "absent" and
         # "not yours" read the same (L3).
@@ -299,48 +330,52 @@ def create_app(
         ended = False
         try:
             try:
-                entry = await state.session(name)
+                entry = await self.state.session(name)
             except NotFound:
                 # Ended: its last owner holds its end (a front end that lost
                 # the stream finds it there).
-                entry, ended = await state.ended(name), True
+                entry, ended = await self.state.ended(name), True
             if entry.checkpoint is None:
                 raise NotFound("unknown session")
-            policy.require_read(who(request), entry.checkpoint.scope_id)
+            self.policy.require_read(self.who(request), entry.checkpoint.scope_id)
         except (Forbidden, ScopeDenied) as exc:
             raise NotFound("unknown session") from exc
         return json_response({"session": entry.session, "epoch": entry.epoch,
                               "instance": entry.owner, "ended": ended,
                               "output_offset": entry.checkpoint.output_offset})  # fmt: skip
 
-    async def list_instances(request: Request) -> Response:
+    async def list_instances(self, request: Request) -> Response:
         # Ours: operators see every instance and the state the PC holds.
-        policy.require_any_role(who(request), ("admin", "metrics"))
-        return json_response({"instances": await state.overview()})
+        self.policy.require_any_role(self.who(request), ("admin", "metrics"))
+        return json_response({"instances": await self.state.overview()})
 
-    metrics = Metrics(counters=counters, counters_prefix="kvstore_controller")
 
-    routes = [
-        Route("/instances", list_instances, methods=["GET"]),
-        Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
-        Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),
-        Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
-        Route("/sessions/{session}", end_session, methods=["DELETE"]),
-        Route("/sessions/{session}", get_session, methods=["GET"]),
-        Route("/maps/{map}", put_map, methods=["PUT"]),
-        Route("/maps/{map}", get_map, methods=["GET"]),
-        Route("/maps/{map}/reshard", post_reshard, methods=["POST"]),
-        Route("/place", place, methods=["POST"]),
-    ]
-    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
+def create_app(
+    settings: ControllerSettings,
+    state: ControllerState,
+    policy: Policy,
+    index: Any = None,
+    instances: Any = None,
+    *,
+    closing: Sequence[Step] = (),
+) -> Starlette:
+    """``index``: a :class:`kvstore.client.IndexClient` for placement lookups;
+    ``instances``: a :class:`kvstore.client.InstanceClient` for prefetch
+    directives and resumes. The app's lifespan runs the migrator (with
+    ``instances``) and at the stop closes the starter (the instances it
+    started go on), then runs ``closing`` (the clients its maker made)."""
+    controller = Controller(settings, state, policy, index, instances)
+    services = [controller.migrator] if controller.migrator is not None else []
+    then: list[Step] = [controller.starter.close] if controller.starter is not None else []
+
+    def lifespan(app: Starlette) -> AbstractAsyncContextManager[None]:
+        return running(services, then=[*then, *closing])
+
+    metrics = Metrics(counters=controller.counters, counters_prefix="kvstore_controller")
+    app = role_app(settings.base_path, controller.routes(), metrics, policy,
+                   settings.allow_anonymous, lifespan=lifespan)  # fmt: skip
     app.state.controller = state
-    app.state.counters = counters
-    app.state.starter = starter
-    app.state.migrator = None
-    if instances is not None:
-        app.state.migrator = Migrator(
-            state, placer, instances, dict(settings.block_tokens),
-            interval_s=settings.migrate_interval_s, session_idle_s=settings.session_idle_s,
-            counters=counters,
-        )  # fmt: skip
+    app.state.counters = controller.counters
+    app.state.starter = controller.starter
+    app.state.migrator = controller.migrator
     return app

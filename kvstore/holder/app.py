@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -28,6 +29,7 @@ from ..http import (
     read_json,
     role_app,
 )
+from ..lifespan import Listening, Shutdown, run_steps, running
 from ..metrics import Metrics
 from ..protocol import container as kc
 from ..protocol._json import UINT32_MAX, check_int
@@ -46,6 +48,9 @@ from ..protocol.wire import (
 from ..security import Policy
 from ..storage import BlockRef, TieredStore
 from ..storage.leases import Lease
+
+if TYPE_CHECKING:
+    from .publisher import IndexPublisher
 
 log = logging.getLogger("kvstore.holder")
 
@@ -81,16 +86,6 @@ class HolderSettings:
         return base_path(self.holder_uri)
 
 
-class Publisher:
-    """Hooks the holder calls as replicas come and go (P1-P3); no-op by default."""
-
-    async def published(self, ref: BlockRef) -> None:
-        """A replica was stored."""
-
-    async def withdrawn(self, ref: BlockRef) -> None:
-        """A replica is about to leave (called before it is gone)."""
-
-
 def _ref(request: Request) -> BlockRef:
     compat, scope, key = (request.path_params[k] for k in ("compat", "scope", "block_key"))
     # Malformed path parts name no resource: 404, never a 500.
@@ -106,27 +101,27 @@ def _lease_json(lease: Lease, clock: Callable[[], float]) -> dict[str, Any]:
     return LeaseGrant(lease.id, remaining, tuple(r.block_key for r in lease.blocks)).to_json()
 
 
-def create_app(
-    settings: HolderSettings,
-    store: TieredStore,
-    policy: Policy,
-    publisher: Publisher | None = None,
-) -> Starlette:
-    """The holder app over ``store``, authorizing with ``policy``."""
-    publisher = publisher or Publisher()
-    if store.on_evict is None:
-        # P3: the store calls this before a replica leaves; the publisher withdraws it.
-        async def withdraw(ref: BlockRef, reason: str) -> None:
-            await publisher.withdrawn(ref)
+class Holder:
+    """The holder's handlers over one store (its ``routes()`` are the table)."""
 
-        store.on_evict = withdraw
+    def __init__(self, settings: HolderSettings, store: TieredStore, policy: Policy) -> None:
+        self.settings, self.store, self.policy = settings, store, policy
 
-    def who(request: Request) -> str | None:
-        return principal(request, settings.allow_anonymous)
+    def routes(self) -> list[Route]:
+        return [
+            Route("/blocks/{compat}/{scope}/{block_key}", self.get_block, methods=["GET", "HEAD"]),
+            Route("/blocks/{compat}/{scope}/{block_key}", self.put_block, methods=["PUT"]),
+            Route("/leases", self.create_lease, methods=["POST"]),
+            Route("/leases/{lease_id}", self.renew_lease, methods=["PUT"]),
+            Route("/leases/{lease_id}", self.release_lease, methods=["DELETE"]),
+        ]
 
-    async def get_block(request: Request) -> Response:
+    def who(self, request: Request) -> str | None:
+        return principal(request, self.settings.allow_anonymous)
+
+    async def get_block(self, request: Request) -> Response:
         ref = _ref(request)
-        policy.require_read(who(request), ref.scope_id)
+        self.policy.require_read(self.who(request), ref.scope_id)
         first = last = None
         if "layers" in request.query_params:
             first, last = parse_layers(request.query_params["layers"])
@@ -136,24 +131,25 @@ def create_app(
             # takes the GET path: a transcoded length is not known). Repr-Digest only once
             # computed by a GET (RFC 9110 lets HEAD omit what only
             # generating the content would give).
-            probe = store.read(ref, first, last, count=False)
+            probe = self.store.read(ref, first, last, count=False)
             probe.check_reachable()
             digest = probe.known_repr_digest()
+            settings = self.settings
             headers = _block_headers(digest, settings) if digest else {
                 "Cache-Control": block_cache_control(settings.replica_ttl_ms // 3)}  # fmt: skip
             headers["Content-Length"] = str(len(probe))
             return Response(None, headers=headers, media_type=BLOCK_MEDIA_TYPE)
-        read = store.read(ref, first, last)
+        read = self.store.read(ref, first, last)
         codec = request.query_params.get("codec")
-        info = store.info(ref)
-        if codec is not None and _wants_transcode(codec, info.codec, ref, settings):
+        info = self.store.info(ref)
+        if codec is not None and _wants_transcode(codec, info.codec, ref, self.settings):
             # BL3: transcoded representations are protected by Repr-Digest only.
             body = kc.transcode(
                 kc.decode(await read.read_all()),
                 int(codec),
-                settings.descriptors[ref.compat_id],
+                self.settings.descriptors[ref.compat_id],
             )
-            headers = _block_headers(repr_digest(body), settings)
+            headers = _block_headers(repr_digest(body), self.settings)
             return Response(bytes(body), headers=headers, media_type=BLOCK_MEDIA_TYPE)
         digest = read.known_repr_digest()
         if digest is not None and read.in_memory:
@@ -165,13 +161,13 @@ def create_app(
             # fails does so before the status line (a 503, not a cut body).
             digest, loaded = await read.buffered()
             chunks = _from_memory(loaded)
-        headers = _block_headers(digest, settings)
+        headers = _block_headers(digest, self.settings)
         headers["Content-Length"] = str(len(read))
         return StreamingResponse(chunks, headers=headers, media_type=BLOCK_MEDIA_TYPE)
 
-    async def put_block(request: Request) -> Response:
+    async def put_block(self, request: Request) -> Response:
         ref = _ref(request)
-        policy.require_write(who(request), ref.scope_id)
+        self.policy.require_write(self.who(request), ref.scope_id)
         if request.headers.get("if-none-match", "").strip() != "*":
             raise PreconditionRequired("a block PUT must carry If-None-Match: * (BL7)")
         # B3: layer digests are taken as the body arrives (no second pass),
@@ -181,25 +177,26 @@ def create_app(
         # many small GIL hand-offs contend with a busy loop.
         hasher = LayerHasher()
         try:
-            body = await read_body(request, settings.max_block_octets, hasher.feed,
-                                   base_s=settings.body_timeout_base_s,
-                                   min_rate=settings.body_min_octets_per_s)  # fmt: skip
+            body = await read_body(request, self.settings.max_block_octets, hasher.feed,
+                                   base_s=self.settings.body_timeout_base_s,
+                                   min_rate=self.settings.body_min_octets_per_s)  # fmt: skip
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)
-        descriptor = settings.descriptors.get(ref.compat_id)
+        descriptor = self.settings.descriptors.get(ref.compat_id)
         digests = hasher.digests if hasher.complete else None
-        await store.put(ref, body, descriptor=descriptor, layer_digests=digests)
-        await publisher.published(ref)
-        record = store.replica_record(ref, settings.holder_uri, settings.replica_ttl_ms)
+        # P1: the store's "stored" event has the publisher queue its record.
+        await self.store.put(ref, body, descriptor=descriptor, layer_digests=digests)
+        settings = self.settings
+        record = self.store.replica_record(ref, settings.holder_uri, settings.replica_ttl_ms)
         location = settings.base_path + block_path(ref.compat_id, ref.scope_id, ref.block_key)
         return json_response(record.to_json(), 201, {"Location": location})
 
-    async def create_lease(request: Request) -> Response:
-        client = who(request)
-        grant = policy.grant(client)
+    async def create_lease(self, request: Request) -> Response:
+        client = self.who(request)
+        grant = self.policy.grant(client)
         wanted = LeaseRequest.from_json(
-            await read_json(request, settings.max_json_octets), settings.max_lease_keys
+            await read_json(request, self.settings.max_json_octets), self.settings.max_lease_keys
         )
 
         def allowed(ref: BlockRef) -> bool:
@@ -211,38 +208,73 @@ def create_app(
             )
 
         assert client is not None
-        lease = store.lease(client, wanted.block_keys, wanted.ttl_ms, allowed)
-        location = settings.base_path + f"leases/{lease.id}"
-        return json_response(_lease_json(lease, store.clock), 201, {"Location": location})
+        lease = self.store.lease(client, wanted.block_keys, wanted.ttl_ms, allowed)
+        location = self.settings.base_path + f"leases/{lease.id}"
+        return json_response(_lease_json(lease, self.store.clock), 201, {"Location": location})
 
-    async def renew_lease(request: Request) -> Response:
-        client = who(request)
-        policy.grant(client)
-        body = await read_json(request, settings.max_json_octets)
+    async def renew_lease(self, request: Request) -> Response:
+        client = self.who(request)
+        self.policy.grant(client)
+        body = await read_json(request, self.settings.max_json_octets)
         if not isinstance(body, dict):
             raise BadRequest('renewal body must be {"ttl_ms": <integer>}')
         ttl_ms = check_int(body.get("ttl_ms"), "renewal.ttl_ms", lo=1, hi=UINT32_MAX)
         assert client is not None
-        lease = store.renew_lease(client, request.path_params["lease_id"], ttl_ms)
-        return json_response(_lease_json(lease, store.clock))
+        lease = self.store.renew_lease(client, request.path_params["lease_id"], ttl_ms)
+        return json_response(_lease_json(lease, self.store.clock))
 
-    async def release_lease(request: Request) -> Response:
-        client = who(request)
-        policy.grant(client)
+    async def release_lease(self, request: Request) -> Response:
+        client = self.who(request)
+        self.policy.grant(client)
         assert client is not None
-        store.release_lease(client, request.path_params["lease_id"])
+        self.store.release_lease(client, request.path_params["lease_id"])
         return empty_response()
 
-    metrics = Metrics(store, publisher)
 
-    routes = [
-        Route("/blocks/{compat}/{scope}/{block_key}", get_block, methods=["GET", "HEAD"]),
-        Route("/blocks/{compat}/{scope}/{block_key}", put_block, methods=["PUT"]),
-        Route("/leases", create_lease, methods=["POST"]),
-        Route("/leases/{lease_id}", renew_lease, methods=["PUT"]),
-        Route("/leases/{lease_id}", release_lease, methods=["DELETE"]),
-    ]
-    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
+def create_app(
+    settings: HolderSettings,
+    store: TieredStore,
+    policy: Policy,
+    publisher: IndexPublisher | None = None,
+    *,
+    listening: Listening | None = None,
+    shutdown: Shutdown | None = None,
+) -> Starlette:
+    """The holder app over ``store``, authorizing with ``policy``.
+
+    ``publisher`` (when the holder publishes to an IS) hears of replicas
+    from the store's events; it runs with the app's lifespan, from the
+    moment the listener listens (``listening``: its first round republishes
+    what was recovered). At a graceful stop the lifespan stops it, spills
+    what only memory holds into a persistent tier, then sends what is
+    queued and withdraws the replicas that do not outlive the process, in
+    what is left of ``shutdown``'s deadline.
+    """
+    stopping = shutdown or Shutdown()
+
+    async def stop() -> None:
+        # One budget for the store's spill and the IS: what the listener's
+        # grace left, at least a second each.
+        spill_s, withdraw_s = stopping.share(0.6), stopping.share(0.4)
+        # What only memory holds goes down to a persistent tier while there
+        # is room and time (a restart serves it again) ...
+        await store.spill(spill_s)
+        if publisher is not None:
+            # ... and the replicas that still do not survive the process
+            # leave the IS; the rest stays published (withdrawals queued
+            # while the IS was away go too, P3).
+            await run_steps([lambda: publisher.drain(withdraw_s / 2),
+                             lambda: publisher.withdraw_volatile(withdraw_s / 2),
+                             publisher.close])  # fmt: skip
+
+    def lifespan(app: Starlette) -> AbstractAsyncContextManager[None]:
+        services = [publisher] if publisher is not None else []
+        return running(services, after=listening, then=[stop])
+
+    holder = Holder(settings, store, policy)
+    metrics = Metrics(store, publisher)
+    app = role_app(settings.base_path, holder.routes(), metrics, policy,
+                   settings.allow_anonymous, lifespan=lifespan)  # fmt: skip
     app.state.store = store
     app.state.settings = settings
     return app

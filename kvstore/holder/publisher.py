@@ -3,7 +3,10 @@
 * a new replica is published at once; every held replica is refreshed with
   the same idempotent PUT every ``ttl/3`` (P2);
 * a replica about to leave is withdrawn with DELETE before it goes (P3); the
-  store awaits :meth:`IndexPublisher.withdrawn` before dropping the data;
+  store awaits :meth:`IndexPublisher.evicting` before dropping the data.
+  The publisher hears both from the store's events (it subscribes when made),
+  so no role calls it: a block the instance prefetched or stored is
+  published like one a client PUT;
 * an unreachable IS never stops the holder from serving: failed PUTs and
   DELETEs are queued and caught up, in order, when it answers again;
 * after a restart, :meth:`IndexPublisher.start` republishes what the store
@@ -24,7 +27,6 @@ from ..background import Background
 from ..client import IndexClient
 from ..protocol.problems import KvspError
 from ..storage import BlockRef, TieredStore
-from .app import Publisher
 
 log = logging.getLogger("kvstore.holder.publisher")
 
@@ -48,7 +50,7 @@ def _permanent(error: KvspError) -> bool:
     return 400 <= error.status < 500 and error.status != 429
 
 
-class IndexPublisher(Background, Publisher):
+class IndexPublisher(Background):
     """Keeps an Index Service's records of this holder's replicas current."""
 
     def __init__(
@@ -77,6 +79,7 @@ class IndexPublisher(Background, Publisher):
         # latest intent per block wins, in the order blocks were touched.
         self._pending: OrderedDict[BlockRef, str] = OrderedDict()
         self._wake = asyncio.Event()
+        self.unsubscribe = store.events.subscribe(self)
 
     @property
     def pending(self) -> int:
@@ -87,12 +90,19 @@ class IndexPublisher(Background, Publisher):
         """False while the IS is treated as down (its last call failed)."""
         return self._index_down_until <= self.clock()
 
-    async def published(self, ref: BlockRef) -> None:
+    async def close(self) -> None:
+        """Stop hearing of the store's blocks and close the IS client."""
+        self.unsubscribe()
+        await self.index.close()
+
+    def stored(self, ref: BlockRef) -> None:
+        """P1: a new replica, published by the next round (at once: it is woken)."""
         self._pending[ref] = "put"
         self._pending.move_to_end(ref)
         self._wake.set()
 
-    async def withdrawn(self, ref: BlockRef) -> None:
+    async def evicting(self, ref: BlockRef, reason: str = "capacity") -> None:
+        """P3: withdraw ``ref`` before it leaves."""
         # P3: withdraw before the replica leaves; a slow or absent IS delays
         # the eviction by at most withdraw_timeout_s, then it is queued.
         self._pending.pop(ref, None)

@@ -97,17 +97,17 @@ class Prefetcher:
         store: TieredStore,
         holders: Any,
         *,
-        publisher: Any = None,
         index: Any = None,
         max_pending: int = 16,
         keep: int = 1024,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``holders``: a :class:`~kvstore.client.HolderClient`; ``publisher``:
-        told of every block placed (it publishes the replica, P1); ``index``:
+        """``holders``: a :class:`~kvstore.client.HolderClient` (a block
+        placed in ``store`` is published by the holder's publisher, which
+        hears of it from the store's events, P1); ``index``:
         an :class:`~kvstore.client.IndexClient` for the records that let every
         layer be verified (BL6), or None (Repr-Digest only)."""
-        self.store, self.holders, self.publisher, self.index = store, holders, publisher, index
+        self.store, self.holders, self.index = store, holders, index
         self.max_pending, self.keep, self.clock = max_pending, keep, clock
         self.runs: OrderedDict[str, DirectiveRun] = OrderedDict()
         #: Measured rtt and rate per holder (what status reports as links).
@@ -295,13 +295,8 @@ class Prefetcher:
                 if record is not None and decode(body).codec != record.codec:
                     # The layer digests describe the record's codec only.
                     raise DigestMismatch("the holder answered in another codec")
-                try:
-                    await self.store.put(ref, body)
-                except PreconditionFailed:
-                    pass  # placed meanwhile (another directive)
-                else:
-                    if self.publisher is not None:
-                        await self.publisher.published(ref)  # P1: our new replica
+                with contextlib.suppress(PreconditionFailed):  # placed meanwhile
+                    await self.store.put(ref, body)  # P1: published as the store tells
                 loaded.append(ref.block_key)
                 return
             except KvspError as exc:

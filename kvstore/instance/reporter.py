@@ -23,7 +23,7 @@ from ..background import Background
 from ..protocol.control import InstanceStatus, Link
 from ..protocol.problems import KvspError
 from ..storage import TieredStore
-from .app import Lifecycle
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("kvstore.instance")
 
@@ -82,8 +82,8 @@ class StatusReporter(Background):
             requested = "sleeping"  # S3
         utilization = 0.0
         if self.store is not None:
-            fastest: dict[str, Any] = self.store.health()[0]
-            utilization = min(1.0, fastest["used"] / max(1, fastest["capacity"]))
+            fastest = self.store.snapshot().tiers[0]
+            utilization = min(1.0, fastest.used / max(1, fastest.capacity))
         return InstanceStatus(
             instance=self.instance_uri, epoch=self.epoch, state=state,
             running=load.running, queued=load.queued, batch_size=load.batch_size,

@@ -2,6 +2,7 @@
 
 from .blocks import BlockInfo, BlockRead
 from .crypto import SegmentSealer
+from .events import StoreListener, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits
 from .manager import TieredStore
 from .tier import TIER_ORDER, Tier
@@ -15,6 +16,9 @@ __all__ = [
     "Lease",
     "LeaseLimits",
     "SegmentSealer",
+    "StoreListener",
+    "StoreSnapshot",
     "Tier",
+    "TierSnapshot",
     "TieredStore",
 ]

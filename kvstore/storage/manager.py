@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..protocol import container as kc
@@ -52,6 +52,7 @@ from .blocks import (
     repr_digest_of,
 )
 from .crypto import SegmentSealer
+from .events import EvictHook, OnEvict, StoreEvents, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits, LeaseTable
 from .placement import Placement
 from .policy import LRU, EvictionPolicy
@@ -77,9 +78,6 @@ def _off_loop(data: BytesLike, fn: Callable[[Any], T], arg: Any) -> asyncio.Futu
     if len(memoryview(data)) >= OFFLOAD_OCTETS:
         return asyncio.ensure_future(asyncio.to_thread(fn, arg))
     return _done(fn(arg))
-
-
-EvictHook = Callable[[BlockRef, str], Awaitable[None]]
 
 
 class TieredStore:
@@ -108,6 +106,7 @@ class TieredStore:
     ) -> None:
         """
         ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
+        ``on_evict``: a listener of evictions only (see :attr:`events`).
         ``sealer``: encryption/compression for persistent tiers (SEC4).
         ``fast_layers``: keep layers [0, n) of a new block in the first tier and
         the rest in the second (the draft's device 0-15 / host 16-31 split).
@@ -136,7 +135,10 @@ class TieredStore:
         self.promote = promote
         self.fast_layers = fast_layers
         self.verify_reads = verify_reads
-        self.on_evict = on_evict
+        #: Who hears of blocks stored and leaving (the holder's publisher, P1-P3).
+        self.events = StoreEvents()
+        if on_evict is not None:
+            self.events.subscribe(OnEvict(on_evict))
         self.clock = clock
         self.retention_s, self.wall_clock = retention_s, wall_clock
         self.write_through = write_through and any(s.tier.persistent for s in self.slots)
@@ -144,6 +146,7 @@ class TieredStore:
         self.io = TierIO(self.slots, sealer or SegmentSealer(), self.stats, retry_after_s, clock)
         self.table = BlockTable(self.slots)
         self.placement = Placement(self)
+        self._spilled = False
 
     @property
     def sealer(self) -> SegmentSealer:
@@ -232,20 +235,31 @@ class TieredStore:
 
         await measure_read_rates(self, probe_octets, rounds)
 
-    def health(self) -> list[dict[str, object]]:
-        now = self.clock()
-        return [
-            {
-                "tier": s.kind,
-                "used": s.used,
-                "capacity": s.capacity,
-                "reserved": s.reserved,
-                "degraded": s.degraded_until > now,
-                "failures": s.failures,
-                "last_error": s.last_error,
-            }
+    def snapshot(self) -> StoreSnapshot:
+        """The store now, for metrics and readiness (OPS1)."""
+        now, stats = self.clock(), self.stats
+        tiers = tuple(
+            TierSnapshot(
+                s.kind,
+                s.used,
+                s.capacity,
+                s.reserved,
+                s.degraded_until > now,
+                s.failures,
+                s.last_error,
+            )
             for s in self.slots
-        ]
+        )
+        return StoreSnapshot(
+            tiers=tiers,
+            blocks={state.value: n for state, n in self.table.states().items()},
+            hits=stats.hits, misses=stats.misses, evictions=stats.evictions,
+            fault_evictions=stats.fault_evictions, expired=stats.expired,
+            demotions=stats.demotions, promotions=stats.promotions,
+            promotions_dropped=stats.promotions_dropped, copies_dropped=stats.copies_dropped,
+            integrity_failures=stats.integrity_failures,
+            lease_rejections=self.leases.rejections, leases=len(self.leases),
+        )  # fmt: skip
 
     # --- writes --------------------------------------------------------
 
@@ -312,6 +326,7 @@ class TieredStore:
                 raise
             self.table.stored(info)
             self.stats.puts += 1
+            self.events.stored(ref)  # P1: the publisher queues its record
             return info
         finally:
             if not (hashing.done() and whole.done()):
@@ -344,6 +359,11 @@ class TieredStore:
         persistent tiers' free room; see :func:`.spill.spill`."""
         from .spill import spill
 
+        # Once per process: the holder's stop spills before it withdraws what
+        # did not go down, and the store's own stop finds nothing left to do.
+        if self._spilled:
+            return 0
+        self._spilled = True
         # Promotions are optional work: none may run after the spill, where
         # making room for one would evict what the spill kept.
         await self.placement.stop()

@@ -13,7 +13,7 @@ requirement they serve:
   room (LE2); a put that could only make room by evicting leased data goes
   to a lower tier, or fails with :class:`InsufficientStorage`;
 * eviction marks the block LEAVING (no new read or lease), awaits
-  ``on_evict`` so the holder withdraws it from the Index Service (P3), then
+  the store's ``evicting`` event so the holder withdraws it from the Index Service (P3), then
   deletes it; data lost to a fault leaves the same way, leased or not (LE4);
 * tiers are inclusive below memory: a promotion copies a segment up and the
   persistent tier keeps its copy until it needs the room; a demotion onto a
@@ -443,8 +443,8 @@ class Placement:
     # --- removal ---------------------------------------------------------
 
     async def evict(self, info: BlockInfo, reason: str, unless_pinned: bool = False) -> bool:
-        """Remove a whole block from the holder: LEAVING, withdrawn through
-        ``on_evict`` (P3, LE4), then deleted. ``unless_pinned``: not if a
+        """Remove a whole block from the holder: LEAVING, withdrawn by the
+        ``evicting`` listeners (P3, LE4), then deleted. ``unless_pinned``: not if a
         lease or a read now pins it (LE2). True if it went."""
         await info.claim.take()
         try:
@@ -460,13 +460,9 @@ class Placement:
             info.claim.give()
 
     async def _leave(self, info: BlockInfo, reason: str) -> None:
-        hook = self.store.on_evict
         self.hooks_running += 1
         try:
-            if hook is not None:
-                await hook(info.ref, reason)  # P3: withdrawn before it goes
-        except Exception:
-            log.exception("eviction hook failed for %s", info.ref.block_key)
+            await self.store.events.evicting(info.ref, reason)  # P3: withdrawn before it goes
         finally:
             self.hooks_running -= 1
         self.store.leases.forget_block(info.ref)

@@ -11,7 +11,6 @@ import pytest
 
 from backends.host import HostTier
 from kvstore.holder import HolderSettings, create_app
-from kvstore.holder.app import Publisher
 from kvstore.protocol.compat import parse_descriptor
 from kvstore.security import Policy, create_dev_certificates
 from kvstore.storage import BlockRef, LeaseLimits, TieredStore
@@ -63,14 +62,18 @@ class AsPrincipal:
         await self.app(scope, receive, send)
 
 
-class RecordingPublisher(Publisher):
-    def __init__(self) -> None:
-        self.events: list[tuple[str, BlockRef]] = []
+class RecordingPublisher:
+    """A listener of the store's events, as the holder's publisher is one."""
 
-    async def published(self, ref: BlockRef) -> None:
+    def __init__(self, store: TieredStore | None = None) -> None:
+        self.events: list[tuple[str, BlockRef]] = []
+        if store is not None:
+            store.events.subscribe(self)
+
+    def stored(self, ref: BlockRef) -> None:
         self.events.append(("published", ref))
 
-    async def withdrawn(self, ref: BlockRef) -> None:
+    async def evicting(self, ref: BlockRef, reason: str) -> None:
         self.events.append(("withdrawn", ref))
 
 
@@ -80,8 +83,8 @@ def store() -> TieredStore:
 
 
 @pytest.fixture
-def publisher() -> RecordingPublisher:
-    return RecordingPublisher()
+def publisher(store: TieredStore) -> RecordingPublisher:
+    return RecordingPublisher(store)
 
 
 @pytest.fixture
@@ -89,7 +92,7 @@ def app(store: TieredStore, publisher: RecordingPublisher) -> Any:
     settings = HolderSettings(
         HOLDER, max_block_octets=1 << 20, descriptors={SMALL.compat_id_hex: SMALL}
     )
-    return create_app(settings, store, POLICY, publisher)
+    return create_app(settings, store, POLICY)
 
 
 ClientFactory = Callable[[str | None], httpx.AsyncClient]

@@ -12,7 +12,7 @@ from kvstore.holder import HolderSettings, create_app
 from kvstore.storage import LeaseLimits, TieredStore
 
 from ..storage.helpers import COMPAT, SCOPE, block, ref
-from .conftest import HOLDER, POLICY, AsPrincipal, RecordingPublisher, pem
+from .conftest import HOLDER, POLICY, AsPrincipal, pem
 
 
 async def test_a_full_lmdb_refuses_puts_and_serves_the_rest(tmp_path: Path, certs: Path) -> None:
@@ -20,8 +20,7 @@ async def test_a_full_lmdb_refuses_puts_and_serves_the_rest(tmp_path: Path, cert
     # long before the store thinks the tier is.
     tier = LmdbTier(str(tmp_path / "lmdb"), map_size=256 << 10)
     store = TieredStore([(tier, 64 << 20)], lease_limits=LeaseLimits())
-    app = create_app(HolderSettings(HOLDER, max_block_octets=1 << 20), store, POLICY,
-                     RecordingPublisher())  # fmt: skip
+    app = create_app(HolderSettings(HOLDER, max_block_octets=1 << 20), store, POLICY)  # fmt: skip
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))
     stored: dict[int, bytes] = {}
     async with httpx.AsyncClient(transport=transport, base_url=HOLDER) as alice:

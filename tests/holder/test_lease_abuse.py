@@ -14,7 +14,7 @@ from kvstore.security import Policy, create_dev_certificates
 from kvstore.storage import LeaseLimits, TieredStore
 
 from ..storage.helpers import COMPAT, SCOPE, block, ref, size_of
-from .conftest import HOLDER, AsPrincipal, RecordingPublisher
+from .conftest import HOLDER, AsPrincipal
 
 HEADERS = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
 
@@ -28,7 +28,7 @@ async def test_a_lease_hog_is_refused_and_others_go_on(tmp_path: Path) -> None:
     limits = LeaseLimits(max_octets_per_client=3 * size_of(), max_ttl_ms=2000,
                          max_leases_per_client=20)  # fmt: skip
     store = TieredStore([(HostTier(), 12 * size_of())], lease_limits=limits)
-    app = create_app(HolderSettings(HOLDER), store, policy, RecordingPublisher())
+    app = create_app(HolderSettings(HOLDER), store, policy)
 
     def as_(name: str) -> httpx.AsyncClient:
         cert = (tmp_path / f"client-{name}.pem").read_text()

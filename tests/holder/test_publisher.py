@@ -34,13 +34,9 @@ async def client(index: StandInIndex) -> AsyncIterator[IndexClient]:
 
 
 def wire(store: TieredStore, client: IndexClient, ttl_ms: int = 60_000) -> IndexPublisher:
-    publisher = IndexPublisher(client, store, HOLDER, ttl_ms, withdraw_timeout_s=1)
-
-    async def hook(r: object, reason: str) -> None:
-        await publisher.withdrawn(r)  # type: ignore[arg-type]
-
-    store.on_evict = hook
-    return publisher
+    # It subscribes to the store's events: stored blocks are queued, evicting
+    # ones withdrawn first (P1, P3).
+    return IndexPublisher(client, store, HOLDER, ttl_ms, withdraw_timeout_s=1)
 
 
 async def test_new_replica_is_published(index: StandInIndex, client: IndexClient) -> None:
@@ -48,7 +44,6 @@ async def test_new_replica_is_published(index: StandInIndex, client: IndexClient
     store = TieredStore([(HostTier(), 10 * size_of())])
     publisher = wire(store, client)
     await store.put(ref(1), block())
-    await publisher.published(ref(1))
     assert await publisher.flush()
     assert index.records[ref(1).block_key] == store.replica_record(ref(1), HOLDER, 60_000)
 
@@ -77,7 +72,6 @@ async def test_withdrawn_before_the_replica_leaves(
     index.on_delete = lambda key: held_at_delete.append(ref(1) in store)
     for n in (1, 2):
         await store.put(ref(n), block())
-        await publisher.published(ref(n))
     await publisher.flush()
     await store.put(ref(3), block())  # evicts 1
     assert held_at_delete == [True]
@@ -90,11 +84,9 @@ async def test_index_down_then_caught_up(index: StandInIndex, client: IndexClien
     publisher = wire(store, client)
     for n in (1, 2):
         await store.put(ref(n), block())
-        await publisher.published(ref(n))
     await publisher.flush()
     await index.stop()
     await store.put(ref(3), block())  # evicts 1: its withdrawal cannot reach the IS
-    await publisher.published(ref(3))
     assert ref(1) not in store  # serving goes on
     assert not await publisher.flush()
     assert publisher.pending == 2
@@ -129,32 +121,26 @@ async def test_restart_republishes_recovered_replicas(
 async def test_a_hanging_index_delays_evictions_once(index: StandInIndex) -> None:
     # An IS that accepts connections but never answers: the first withdrawal
     # waits out the timeout, later ones are queued at once (the store is not
-    # held for seconds per eviction).
+    # held for seconds per eviction). Counted in calls, not in wall time.
     hang = asyncio.Event()
-
-    async def never(key: str) -> None:
-        await hang.wait()
+    asked: list[str] = []
 
     class Hanging(IndexClient):
         async def withdraw(self, holder: str, block_key: str) -> None:
-            await never(block_key)
+            asked.append(block_key)
+            await hang.wait()
 
     store = TieredStore([(HostTier(), 2 * size_of())])
     async with Hanging(index.uri, timeout_s=2) as client:
         publisher = IndexPublisher(client, store, HOLDER, 60_000, withdraw_timeout_s=0.3)
-
-        async def hook(r: object, reason: str) -> None:
-            await publisher.withdrawn(r)  # type: ignore[arg-type]
-
-        store.on_evict = hook
         for n in (1, 2):
             await store.put(ref(n), block())
-        started = asyncio.get_running_loop().time()
         for n in (3, 4, 5):
             await store.put(ref(n), block())  # each evicts one
-        elapsed = asyncio.get_running_loop().time() - started
-        assert 0.3 <= elapsed < 0.6  # one timeout, not three
-        assert publisher.pending == 3
+        assert asked == [ref(1).block_key]  # one timeout waited out, not three
+        queued = [r for r, action in publisher._pending.items() if action == "delete"]
+        assert queued == [ref(1), ref(2), ref(3)]
+        assert not publisher.index_reachable
         hang.set()
 
 
@@ -168,13 +154,12 @@ async def test_shutdown_withdraws_only_what_does_not_survive(
     publisher = wire(store, client)
     for n in (1, 2):  # the second pushes the first down to LMDB
         await store.put(ref(n), block())
-        await publisher.published(ref(n))
     assert await publisher.flush() and len(index.records) == 2
     assert [r.tier for r in store.residency(ref(1))] == ["local-storage"]
     assert await publisher.withdraw_volatile() == 1
     assert sorted(index.records) == [ref(1).block_key]
     # Withdrawals queued while the IS was away are sent at shutdown too.
-    await publisher.withdrawn(ref(1))  # (the IS answered: sent at once)
+    await publisher.evicting(ref(1))  # (the IS answered: sent at once)
     publisher._pending[ref(2)] = "delete"
     assert await publisher.drain(2.0) and publisher.pending == 0
     await store.close()

@@ -17,7 +17,7 @@ from kvstore.storage import TieredStore
 
 from ..conftest import RedisServer
 from ..storage.helpers import COMPAT, SCOPE, block, ref, size_of
-from .conftest import HOLDER, POLICY, AsPrincipal, RecordingPublisher, pem
+from .conftest import HOLDER, POLICY, AsPrincipal, pem
 
 HEADERS = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
 
@@ -35,7 +35,7 @@ async def test_redis_down_and_back_under_http(
          (LmdbTier(str(tmp_path / "lmdb")), 20 * size_of())],
         promote=False, retry_after_s=0.2,
     )  # fmt: skip
-    app = create_app(HolderSettings(HOLDER), store, POLICY, RecordingPublisher())
+    app = create_app(HolderSettings(HOLDER), store, POLICY)
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))
     bodies = {n: block() for n in range(8)}
     async with httpx.AsyncClient(transport=transport, base_url=HOLDER) as alice:
@@ -51,13 +51,13 @@ async def test_redis_down_and_back_under_http(
         away = await alice.get(url(1))
         assert away.status_code == 503 and away.headers["content-type"].startswith(
             "application/problem+json")  # fmt: skip
-        assert store.health()[1]["degraded"]
+        assert store.snapshot().tiers[1].degraded
         # Writes go on: what host memory pushes down skips Redis for LMDB.
         for n in (5, 6):
             assert (await alice.put(url(n), content=bodies[n], headers=HEADERS)).status_code == 201
         assert store.residency(ref(3))[0].tier == "local-storage"
         own_redis.start()  # back, and empty
-        if store.health()[1]["degraded"]:  # within its retry time: not asked (a 503)
+        if store.snapshot().tiers[1].degraded:  # within its retry time: not asked (a 503)
             assert (await alice.get(url(1))).status_code == 503
         import asyncio
 

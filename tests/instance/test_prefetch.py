@@ -17,7 +17,8 @@ from backends.host import HostTier
 from kvstore.client import HolderClient
 from kvstore.holder import HolderSettings
 from kvstore.holder import create_app as create_holder
-from kvstore.instance.app import InstanceSettings, Lifecycle, create_app
+from kvstore.instance.app import InstanceSettings, create_app
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.protocol.records import PrefetchBlock, PrefetchDirective
 from kvstore.security import Policy
@@ -79,9 +80,9 @@ async def test_blocks_are_fetched_placed_and_published(holders: list[Holder]) ->
     await first.store.put(ref(0), zero)
     await second.store.put(ref(1), one)
     mine = TieredStore([(HostTier(), 64 << 20)])
-    published = RecordingPublisher()
+    published = RecordingPublisher(mine)  # hears of blocks from the store's events
     async with HolderClient() as client:
-        prefetcher = Prefetcher(mine, client, publisher=published)
+        prefetcher = Prefetcher(mine, client)
         run = prefetcher.submit(directive([
             PrefetchBlock(ref(0).block_key, (first.uri,)),
             PrefetchBlock(ref(1).block_key, (first.uri, second.uri)),  # first has no block 1

@@ -14,7 +14,7 @@ from backends.host import HostTier
 from kvstore.client import ControllerClient
 from kvstore.controller.app import ControllerSettings, create_app
 from kvstore.controller.state import MemoryControllerState, SleepPolicy
-from kvstore.instance.app import Lifecycle
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.reporter import Load, StatusReporter
 from kvstore.protocol.control import Link
 from kvstore.security import Policy

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from backends.host import HostTier
-from kvstore.instance.app import Lifecycle
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reporter import Load, StatusReporter
 from kvstore.protocol.problems import BadRequest

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from backends.host import HostTier
-from kvstore.instance.app import InstanceSettings, Lifecycle, create_app
+from kvstore.instance.app import InstanceSettings, create_app
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reference import ReferenceEngine
 from kvstore.instance.reporter import Load

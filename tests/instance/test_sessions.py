@@ -14,7 +14,7 @@ import pytest
 
 from backends.host import HostTier
 from kvstore.controller.state import MemoryControllerState
-from kvstore.instance.app import Lifecycle
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.engine import sample
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reference import EOS, ReferenceEngine, encode_text

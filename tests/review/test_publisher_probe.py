@@ -33,11 +33,6 @@ class FakeIS:
 
 def wire(store, idx, ttl_ms=60_000):
     p = IndexPublisher(idx, store, HOLDER, ttl_ms, withdraw_timeout_s=1)
-
-    async def hook(r, reason):
-        await p.withdrawn(r)
-
-    store.on_evict = hook
     return p
 
 
@@ -48,7 +43,6 @@ async def test_one_rejected_record_blocks_all_later_updates():
     idx.reject.add(ref(1).block_key)
     for n in (1, 2, 3):
         await store.put(ref(n), block())
-        await p.published(ref(n))
     for _ in range(5):
         await p.flush()
     assert ref(2).block_key in idx.records, f"pending={p.pending}, IS has {len(idx.records)}"
@@ -60,7 +54,6 @@ async def test_withdraw_racing_inflight_publish_leaves_stale_record():
     p = wire(store, idx)
     for n in (1, 2):
         await store.put(ref(n), block())
-    await p.published(ref(1))
     idx.gate = asyncio.Event()
     flushing = asyncio.create_task(p.flush())
     await idx.in_put.wait()  # PUT of ref(1) is in flight
@@ -78,7 +71,6 @@ async def test_background_task_dies_on_unexpected_error():
     p = wire(store, idx, ttl_ms=300)
     idx.boom = True
     await store.put(ref(1), block())
-    await p.published(ref(1))
     p.start()
     await asyncio.sleep(0.05)
     idx.boom = False
@@ -94,9 +86,7 @@ async def test_withdraw_of_one_scope_drops_record_of_other_scope_same_key():
     a = ref(1)
     b = BlockRef(a.compat_id, "e" * 32, a.block_key)
     await store.put(a, block())
-    await p.published(a)
     await store.put(b, block())
-    await p.published(b)
     assert await p.flush()
     await store.put(ref(9), block())  # evicts a (LRU); b still held
     assert b in store and a not in store

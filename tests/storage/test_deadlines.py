@@ -62,7 +62,7 @@ async def test_a_hung_tier_costs_at_most_its_deadline_then_is_skipped() -> None:
     with pytest.raises(TierUnavailable, match="deadline"):
         await store.get(ref(0))  # only the hung tier has it: a 503, not a hang
     assert time.monotonic() - started < 5
-    assert store.health()[1]["degraded"]
+    assert store.snapshot().tiers[1].degraded
     # A PUT that would demote into it: the tier is skipped at once (degraded),
     # the PUT goes on, and host memory reads go on.
     calls = below.calls
@@ -75,7 +75,7 @@ async def test_a_hung_tier_costs_at_most_its_deadline_then_is_skipped() -> None:
     for slot in store.slots:
         slot.degraded_until = min(slot.degraded_until, store.clock())
     assert await store.get(ref(0)) == data[0]  # answered again: used again
-    assert not store.health()[1]["degraded"]
+    assert not store.snapshot().tiers[1].degraded
     await store.settle()
 
 

@@ -219,10 +219,10 @@ async def test_delete() -> None:
 async def test_health_reports_usage() -> None:
     store = host_store(4)
     await store.put(ref(1), block())
-    [health] = store.health()
-    assert health["tier"] == "host"
-    assert health["used"] == SIZE
-    assert health["degraded"] is False
+    [tier] = store.snapshot().tiers
+    assert tier.kind == "host"
+    assert tier.used == SIZE
+    assert tier.degraded is False
 
 
 async def test_device_tier_in_the_store() -> None:

@@ -194,7 +194,7 @@ async def test_redis_killed_mid_run_degrades_and_recovers(own_redis: RedisServer
     own_redis.kill()
     with pytest.raises(TierUnavailable):
         await store.get(ref(1))
-    assert store.health()[1]["failures"] == 1
+    assert store.snapshot().tiers[1].failures == 1
     assert await store.get(ref(2)) == two  # the host tier still serves
     assert ref(1) in store  # an unreachable tier is not data loss
 
@@ -206,7 +206,7 @@ async def test_redis_killed_mid_run_degrades_and_recovers(own_redis: RedisServer
     await store.put(ref(3), block())  # demotes 2 into the new Redis
     assert store.residency(ref(2))[0].tier == "remote-memory"
     assert await store.get(ref(2)) == two
-    assert store.health()[1]["degraded"] is False
+    assert store.snapshot().tiers[1].degraded is False
     await store.close()
 
 
@@ -218,7 +218,7 @@ async def test_degraded_tier_is_skipped_for_writes_until_retry() -> None:
     lower.down = True
     await store.put(ref(2), block())  # demoting 1 fails: 1 is evicted, 2 is placed
     assert ref(1) not in store and ref(2) in store
-    assert store.health()[1]["degraded"] is True
+    assert store.snapshot().tiers[1].degraded is True
     lower.down = False  # still skipped until the retry time
     await store.put(ref(3), block())
     assert ref(2) not in store
@@ -236,7 +236,7 @@ async def test_s3_unreachable_is_tier_unavailable() -> None:
     await store.put(ref(1), block())
     await store.put(ref(2), block())  # demotion fails, 1 is evicted, no crash
     assert ref(2) in store
-    assert store.health()[1]["degraded"] is True
+    assert store.snapshot().tiers[1].degraded is True
     await store.close()
 
 

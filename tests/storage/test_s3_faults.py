@@ -86,7 +86,7 @@ async def test_s3_errors_and_timeouts_degrade_and_recover(
     with pytest.raises(TierUnavailable):
         await store.get(ref(0))
     assert asyncio.get_running_loop().time() - started < 10  # bounded, not a hang
-    assert store.health()[1]["degraded"]
+    assert store.snapshot().tiers[1].degraded
     for n in (2, 3):  # the other tier serves
         assert await store.get(ref(n)) == bodies[n]
     # Writes go on while S3 is away: what host memory must let go is not

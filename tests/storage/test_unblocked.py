@@ -159,7 +159,7 @@ async def test_redis_stopped_below_holds_up_nothing_in_host(own_redis: RedisServ
         await asyncio.wait_for(demoting, 10)
     finally:
         os.kill(own_redis.process.pid, signal.SIGCONT)
-    assert store.health()[1]["degraded"] and store.stats.evictions == 0
+    assert store.snapshot().tiers[1].degraded and store.stats.evictions == 0
     assert {n: await store.get(ref(n)) for n in data} == data
     await store.close()
 

@@ -1,0 +1,142 @@
+"""A session's own record (what it generated, its epoch and checkpoints),
+the settings every session runs under, and the counters of all of them;
+:mod:`.sessions` runs them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..config import GREEDY_DETERMINISTIC
+from ..protocol.control import GenerationLimits, Sampler, SessionCheckpoint
+from ..protocol.keys import BlockKeyChain
+from ..protocol.problems import LeaseQuota
+
+if TYPE_CHECKING:
+    from .engine import Generation
+
+PLACEHOLDER = 0  # stands for prompt tokens a resumed session has only as KV
+
+
+class TooManySessions(LeaseQuota):
+    """The instance's bound on open sessions (429)."""
+
+    title = "Too many sessions"
+
+
+@dataclass
+class Session:
+    id: str
+    scope_id: str
+    compat_id: str
+    epoch: int
+    sampler: Sampler
+    limits: GenerationLimits
+    #: The sequence so far: prompt, then output (``PLACEHOLDER`` where a
+    #: resumed session has only the KV of prompt blocks).
+    tokens: list[int]
+    prompt_tokens: int
+    block_tokens: int
+    #: Blocks before the prompt's last token (the checkpoint's prompt_blocks).
+    prompt_blocks: int
+    #: Output tokens computed so far (all of them, from index 0).
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    #: Output tokens the followers may see (index < released).
+    released: int = 0
+    #: The highest output_offset the PC acknowledged (CK3).
+    checkpointed: int = 0
+    #: running, done, moved (a newer epoch elsewhere, CK7) or failed.
+    state: str = "running"
+    detail: str = ""
+    #: Block keys of the sequence's complete blocks, hex, in order.
+    keys: list[str] = field(default_factory=list)
+    chain: BlockKeyChain | None = field(default=None, repr=False)
+    generation: Generation | None = field(default=None, repr=False)
+    stats: dict[str, Any] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def checkpoint(self) -> SessionCheckpoint:
+        start = self.prompt_blocks * self.block_tokens
+        return SessionCheckpoint(
+            session=self.id, epoch=self.epoch, compat_id=self.compat_id, scope_id=self.scope_id,
+            prompt_blocks=tuple(self.keys[: self.prompt_blocks]),
+            prompt_tail=tuple(self.tokens[start : self.prompt_tokens]),
+            generated=tuple(self.generated), output_offset=len(self.generated),
+            sampler=Sampler(self.sampler.method, self.sampler.seed, len(self.generated),
+                            self.sampler.deterministic, dict(self.sampler.params)),
+            limits=self.limits,
+        )  # fmt: skip
+
+    def head(self) -> dict[str, Any]:
+        return {"event": "session", "session": self.id, "epoch": self.epoch,
+                "resumed_from": self.stats.get("resumed_from")}  # fmt: skip
+
+    def end(self) -> dict[str, Any]:
+        if self.state == "done":
+            return {"event": "done", "epoch": self.epoch, "output_tokens": len(self.generated),
+                    "stats": dict(self.stats)}  # fmt: skip
+        if self.state == "moved":
+            return {"event": "moved", "epoch": self.epoch, "detail": self.detail}
+        return {"event": "error", "epoch": self.epoch, "detail": self.detail}
+
+    def event(self, index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index, "epoch": self.epoch, "token": self.generated[index]}
+        logprob = self.logprobs[index] if index < len(self.logprobs) else None
+        if logprob is not None:
+            out["logprob"] = logprob
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self.state != "running"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    instance_uri: str
+    #: At most 64 (CK1); non-deterministic sessions use ``release_tokens``.
+    checkpoint_tokens: int = 32
+    release_tokens: int = 4
+    max_sessions: int = 64
+    max_running: int = 8
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 2048
+    #: Finished sessions kept for followers that reconnect.
+    keep_finished: int = 256
+    #: Loading a prefix through the IS, and a resume's whole restore.
+    load_deadline_s: float = 2.0
+    resume_deadline_s: float = 4.0
+    #: Holders every completed block is also written to (CK1: so that the
+    #: KV of the session survives the instance).
+    store_to: tuple[str, ...] = ()
+    #: Least time between two tokens of a session (0: none): for demos and
+    #: tests that must catch a session in the middle.
+    token_interval_s: float = 0.0
+    #: Claim greedy decoding deterministic (R4 ``sampler.deterministic``):
+    #: only where every instance that may resume a session computes
+    #: bit-identical logits, batch-invariant kernels included (a resume
+    #: recomputes in one batch what was decoded token by token). Off, greedy
+    #: tokens wait for acknowledged checkpoints like sampled ones (CK3).
+    greedy_deterministic: bool = GREEDY_DETERMINISTIC
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    """OPS1 figures of the instance: fetched (loaded) versus recomputed tokens."""
+
+    sessions: int = 0
+    resumed: int = 0
+    moved: int = 0
+    failed: int = 0
+    loaded_tokens: int = 0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    checkpoints: int = 0
+    checkpoint_failures: int = 0
