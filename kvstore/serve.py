@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from .config import Config, ConfigError
@@ -381,8 +381,9 @@ def compose(
 
     async def health(request: Request) -> Response:
         ok, checks = (True, {}) if request.url.path == "/healthz" else readiness(store, publisher)
-        body = {"status": "ok" if ok else "unavailable", **checks}
-        return JSONResponse(body, 200 if ok else 503, headers={"Cache-Control": NO_STORE})
+        body = json.dumps({"status": "ok" if ok else "unavailable", **checks}).encode()
+        return Response(body, 200 if ok else 503, headers={"Cache-Control": NO_STORE},
+                        media_type="application/json")  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
