@@ -290,7 +290,7 @@ def _dev_context(
     first use or ``kvstore certs init`` (ca.pem, client-NAME.pem/.key, NAME
     ``principal`` or ``client``), each file overridable. A missing file is a
     :class:`FileNotFoundError` naming it."""
-    import ssl
+    from .tls import client_context
 
     root = Path(certs)
     stem = f"client-{principal or 'client'}"
@@ -302,9 +302,8 @@ def _dev_context(
     for what, file in files.items():
         if not Path(file).is_file():
             raise FileNotFoundError(f"{what} {file} does not exist")
-    context = ssl.create_default_context(cafile=files["CA certificate"])
-    context.load_cert_chain(files["client certificate"], files["client key"])
-    return context
+    return client_context(files["CA certificate"], files["client certificate"],
+                          files["client key"])  # fmt: skip
 
 
 def cmd_status(args: argparse.Namespace) -> Any:

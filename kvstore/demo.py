@@ -207,7 +207,7 @@ class Cluster:
         self.stop()
 
     def context(self, name: str) -> Any:
-        from .security import client_context
+        from .tls import client_context
 
         certs = self.root / "certs"
         return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),

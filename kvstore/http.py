@@ -35,7 +35,7 @@ from .protocol.problems import (
     render_problem,
 )
 from .protocol.wire import JSON_MEDIA_TYPE, NO_STORE
-from .tlsscope import principal_from_scope
+from .tls import principal_from_scope
 
 if TYPE_CHECKING:
     from .security import Policy

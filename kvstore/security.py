@@ -25,7 +25,6 @@ import datetime
 import ipaddress
 import json
 import re
-import ssl
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,46 +37,6 @@ from .protocol.problems import Forbidden, ScopeDenied, Unauthenticated
 #: failed their digest (BL8).
 #: "metrics": may scrape /metrics (store-wide figures are not for tenants).
 ROLES = frozenset({"client", "holder", "pc", "instance", "index", "admin", "reporter", "metrics"})
-
-
-# --- TLS contexts ----------------------------------------------------------
-
-
-def server_context(
-    certfile: str, keyfile: str, cafile: str, *, require_client: bool = True
-) -> ssl.SSLContext:
-    """A server context: TLS 1.3 only (H1), client certificates from ``cafile``."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.load_cert_chain(certfile, keyfile)
-    context.load_verify_locations(cafile)
-    context.verify_mode = ssl.CERT_REQUIRED if require_client else ssl.CERT_OPTIONAL
-    return context
-
-
-def client_context(
-    cafile: str, certfile: str | None = None, keyfile: str | None = None
-) -> ssl.SSLContext:
-    """A client context: TLS 1.3, the server verified against ``cafile``, our certificate."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    if certfile is not None:
-        context.load_cert_chain(certfile, keyfile)
-    return context
-
-
-def principal_of(peercert: Mapping[str, Any] | None) -> str | None:
-    """The principal of a peer certificate as ``ssl.SSLSocket.getpeercert()`` returns it."""
-    if not peercert:
-        return None
-    for kind, value in peercert.get("subjectAltName", ()):
-        if kind == "URI":
-            return str(value)
-    for rdn in peercert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                return str(value)
-    return None
 
 
 # --- policy ----------------------------------------------------------------

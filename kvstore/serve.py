@@ -91,7 +91,7 @@ def index_client(config: Config, section: str) -> Any:
     """An IndexClient for ``<section>.index_uri``, authenticating with the
     section's client certificate when the index is https; None when unset."""
     from .client import IndexClient
-    from .security import client_context
+    from .tls import client_context
 
     cfg = getattr(config, section)
     if not cfg.index_uri:
@@ -191,7 +191,7 @@ def build_controller(config: Config, state: Any) -> Starlette:
 def instance_client(config: Config) -> Any:
     """The PC's client of instances, with its client certificate (SEC1)."""
     from .client import InstanceClient
-    from .security import client_context
+    from .tls import client_context
 
     cfg = config.controller
     context = None
@@ -213,7 +213,7 @@ def build_instance(
     from .instance.lifecycle import Lifecycle
     from .instance.prefetch import Prefetcher
     from .instance.reporter import Load, StatusReporter
-    from .security import client_context
+    from .tls import client_context
 
     cfg = config.instance
     if not cfg.policy:
@@ -470,7 +470,7 @@ def _is_loopback(host: str) -> bool:
 def uvicorn_config(config: Config, app: Any) -> Any:
     import uvicorn
 
-    from .tlsscope import http1_protocol
+    from .tls import http1_protocol, server_context
 
     server = config.server
     options: dict[str, Any] = {
@@ -489,17 +489,20 @@ def uvicorn_config(config: Config, app: Any) -> Any:
         missing = [k for k in ("certfile", "keyfile", "cafile") if not getattr(server, k)]
         if missing:
             raise ConfigError(f"server.{missing[0]}: required unless insecure_http = true")
-        options.update(
-            ssl_certfile=server.certfile,
-            ssl_keyfile=server.keyfile,
-            ssl_ca_certs=server.cafile,
-            ssl_cert_reqs=ssl.CERT_REQUIRED,  # H1: both sides authenticate
-        )
+        certfile, keyfile, cafile = server.certfile, server.keyfile, server.cafile
+
+        # H1: TLS 1.3, both sides authenticate; the context kvstore's own
+        # clients and tests also use (tls.server_context).
+        def context(uv: Any, default: Any) -> ssl.SSLContext:
+            alpn = getattr(uv.http_protocol_class, "alpn_protocols", None)  # h2 by ALPN
+            return server_context(certfile, keyfile, cafile, alpn=alpn)
+
+        options["ssl_context_factory"] = context
     if server.http2:
         if server.insecure_http:
             raise ConfigError("server.http2: offered by ALPN, so only with TLS")
         try:
-            from .tlsscope import http2_protocol
+            from .tls import http2_protocol
 
             options["http"] = http2_protocol()  # H1 SHOULD: h2 or http/1.1 by ALPN
         except ImportError as exc:
@@ -507,8 +510,6 @@ def uvicorn_config(config: Config, app: Any) -> Any:
     # The lifespan runs the roles' background parts and their stop (STYLE 14).
     uv = uvicorn.Config(app, log_level="warning", lifespan="on", **options)
     uv.load()
-    if uv.ssl is not None:
-        uv.ssl.minimum_version = ssl.TLSVersion.TLSv1_3  # H1: TLS 1.3 or later
     return uv
 
 

@@ -26,8 +26,8 @@ from kvstore.holder import create_app as create_holder
 from kvstore.index import IndexSettings, MemoryState
 from kvstore.index import create_app as create_index
 from kvstore.instance.app import InstanceSettings
-from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.app import create_app as create_instance
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.protocol.control import InstanceStatus, Sampler, SessionCheckpoint
 from kvstore.protocol.wire import role_id

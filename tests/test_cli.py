@@ -182,7 +182,7 @@ def test_certs_init_makes_a_working_ca(tmp_path: Path) -> None:
     assert "urn:kvstore:alice" in policy["principals"]
     import ssl
 
-    from kvstore.security import client_context, server_context
+    from kvstore.tls import client_context, server_context
 
     server_context(*info["server"], info["ca"])
     client_context(info["ca"], *info["clients"]["alice"])
@@ -379,7 +379,7 @@ class _TLSProbe:
         import http.server
         import threading
 
-        from kvstore.security import principal_of, server_context
+        from kvstore.tls import principal_of, server_context
 
         seen: list[str | None] = []
         self.seen = seen

@@ -70,7 +70,7 @@ class Servers:
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def client_ssl(self) -> ssl.SSLContext:
-        from ..security import client_context
+        from ..tls import client_context
 
         certs = self.root / "certs"
         return client_context(

@@ -291,7 +291,7 @@ async def _run_all(
     root: Path, seconds: float, counts: tuple[int, ...], redis_url: str | None,
     s3_endpoint: str | None, chains: tuple[str, ...],
 ) -> dict[tuple[str, int], Run]:  # fmt: skip
-    from ..security import client_context
+    from ..tls import client_context
 
     context = client_context(str(root / "certs" / "ca.pem"),
                              str(root / "certs" / "client-bench.pem"),

@@ -113,7 +113,7 @@ class ChunkSettings:
             log.warning("kvstore.holders: plain http: no TLS, no client identity (the holder "
                         "must allow anonymous access; development only)")  # fmt: skip
         if any(h.startswith("https://") for h in holders):
-            from ..security import client_context
+            from ..tls import client_context
 
             try:
                 context = client_context(_text(options, "cafile"), _text(options, "certfile"),

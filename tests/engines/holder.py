@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.protocol.keys import scope_id
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port
 from ..integration.test_index import SERVER, Process

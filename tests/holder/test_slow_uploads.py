@@ -120,7 +120,7 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
     # connection. Silent, trickling and kept-alive-then-trickling clients all
     # lose their socket (those that began a request with a 408 problem),
     # while another client is served.
-    from kvstore.tlsscope import http1_protocol
+    from kvstore.tls import http1_protocol
 
     port = free_port()
     uri = f"http://127.0.0.1:{port}/kvsp/"
@@ -187,7 +187,7 @@ async def test_the_header_deadline_never_cuts_into_a_response_or_a_pipeline() ->
     from starlette.responses import PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    from kvstore.tlsscope import http1_protocol
+    from kvstore.tls import http1_protocol
 
     async def slow(request: object) -> StreamingResponse:
         async def body() -> Any:

@@ -14,8 +14,8 @@ import pytest
 
 from backends.host import HostTier
 from kvstore.controller.state import MemoryControllerState
-from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.engine import sample
+from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reference import EOS, ReferenceEngine, encode_text
 from kvstore.instance.reporter import Load

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvstore.client import HolderClient, IndexClient
 from kvstore.protocol.records import LookupRequest
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port, wait_for_port
 from ..storage.helpers import COMPAT, SCOPE, block, ref

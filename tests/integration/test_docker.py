@@ -30,7 +30,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from kvstore.protocol.container import encode
-from kvstore.security import client_context
+from kvstore.tls import client_context
 
 from ..conftest import RedisServer, free_port, wait_for_port
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from kvstore.client import HolderClient
 from kvstore.protocol import container as kc
 from kvstore.protocol.problems import KvspError
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port, wait_for_port
 from ..storage.helpers import COMPAT, SCOPE, ref

@@ -93,7 +93,7 @@ def test_http2_is_offered_when_configured(tmp_path: Path) -> None:
     # ALPN on the same TLS 1.3 listener with client certificates.
     import httpx
 
-    from kvstore.security import client_context
+    from kvstore.tls import client_context
 
     directory, port, log = tmp_path / ".kvstore", free_port(), tmp_path / "serve.log"
     with log.open("ab") as out:

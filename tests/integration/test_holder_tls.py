@@ -32,7 +32,8 @@ from kvstore.protocol.problems import (
     PreconditionFailed,
     ScopeDenied,
 )
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port, wait_for_port
 from ..storage.helpers import SCOPE, block

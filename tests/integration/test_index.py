@@ -18,7 +18,8 @@ import pytest
 from kvstore.client import HolderClient, IndexClient
 from kvstore.protocol.problems import KvspError
 from kvstore.protocol.records import LookupRequest
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port, wait_for_port
 from ..storage.helpers import SCOPE, block

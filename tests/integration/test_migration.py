@@ -24,8 +24,9 @@ from kvstore.config import Config, ServerConfig
 from kvstore.http import principal
 from kvstore.protocol.control import InstanceStatus, ResumeRequest, Sampler, SessionCheckpoint
 from kvstore.protocol.wire import role_id
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
 from kvstore.serve import uvicorn_config
+from kvstore.tls import client_context
 
 from ..conftest import free_port
 from ..protocol.vectors import COMPAT_ID, DESCRIPTOR, K0

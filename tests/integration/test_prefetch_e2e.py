@@ -16,7 +16,8 @@ import aiohttp
 from kvstore.client import HolderClient, IndexClient, InstanceClient
 from kvstore.protocol.compat import parse_descriptor
 from kvstore.protocol.records import LookupRequest
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port
 from ..storage.helpers import SCOPE, block, ref

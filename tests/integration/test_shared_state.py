@@ -17,7 +17,8 @@ from kvstore.client import IndexClient
 from kvstore.protocol.control import InstanceStatus, Link, Sampler, SessionCheckpoint
 from kvstore.protocol.records import LookupRequest, ReplicaRecord, Residency
 from kvstore.protocol.wire import role_id
-from kvstore.security import client_context, create_dev_certificates
+from kvstore.security import create_dev_certificates
+from kvstore.tls import client_context
 
 from ..conftest import free_port
 from ..protocol.vectors import COMPAT_ID, DESCRIPTOR, K0, K1

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 import uvicorn
 
-from kvstore.security import client_context, create_dev_certificates
-from kvstore.tlsscope import TLSH11Protocol, TLSHttpToolsProtocol, principal_from_scope
+from kvstore.security import create_dev_certificates
+from kvstore.tls import TLSH11Protocol, TLSHttpToolsProtocol, client_context, principal_from_scope
 
 from ..conftest import free_port
 
@@ -70,7 +70,7 @@ async def test_http2_carries_the_principal_too(tmp_path: Path) -> None:
     # H1 SHOULD: HTTP/2 by ALPN, with the same client-certificate identity.
     import httpx
 
-    from kvstore.tlsscope import http2_protocol
+    from kvstore.tls import http2_protocol
 
     async with serving(tmp_path, http2_protocol()) as (port, context):
         async with httpx.AsyncClient(verify=context, http2=True) as client:

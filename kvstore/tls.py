@@ -1,17 +1,25 @@
-"""The ASGI ``tls`` scope extension for uvicorn, and the principal it carries.
+"""TLS in one place: every server and client context, the ASGI ``tls``
+scope extension for uvicorn, and the principal of a connection (H1, SEC1).
 
-Roles authorize by the peer's certificate (SEC1), so the app must see it. The
-ASGI spec defines ``scope["extensions"]["tls"]`` for that, but no released
-uvicorn fills it in (tested with uvicorn 0.54). These protocol classes do:
-on each new connection they read the transport's ``ssl_object`` and wrap the
-app for that connection so every request scope carries::
+* :func:`server_context` and :func:`client_context` build every context
+  kvstore uses: TLS 1.3 or later (H1), the peer verified against the
+  deployment's CA, client certificates required by servers. ``kvstore
+  serve`` hands uvicorn its context through ``ssl_context_factory``.
+* Roles authorize by the peer's certificate (SEC1), so the app must see it.
+  The ASGI spec defines ``scope["extensions"]["tls"]`` for that, but no
+  released uvicorn fills it in (tested with uvicorn 0.54). The protocol
+  classes here do: on each new connection they read the transport's
+  ``ssl_object`` once and wrap the app for that connection so every request
+  scope carries::
 
     {"server_cert": None, "client_cert_chain": [<PEM>], "client_cert_name": <RFC 4514>,
-     "client_cert_error": None, "tls_version": 0x0304, "cipher_suite": None}
+     "client_cert_error": None, "tls_version": 0x0304, "cipher_suite": None,
+     "kvstore.principal": <the principal>}
 
-Use them with ``uvicorn.Config(app, http=TLSH11Protocol, ...)`` (or
-``TLSHttpToolsProtocol``). ``tests/integration`` fails if an upgrade breaks
-this.
+  The principal (the first URI subjectAltName, else the common name) is
+  fixed per connection, so it is computed there, from the certificate
+  OpenSSL already decoded, not per request. ``tests/integration/test_tls.py``
+  fails if a uvicorn upgrade breaks this.
 """
 
 from __future__ import annotations
@@ -20,8 +28,8 @@ import asyncio
 import functools
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -33,6 +41,64 @@ log = logging.getLogger(__name__)
 
 _TLS_VERSIONS = {"TLSv1.3": 0x0304, "TLSv1.2": 0x0303}
 
+#: Our key in the ``tls`` extension: the connection's principal.
+PRINCIPAL = "kvstore.principal"
+
+
+# --- contexts --------------------------------------------------------------
+
+
+def server_context(
+    certfile: str,
+    keyfile: str,
+    cafile: str,
+    *,
+    require_client: bool = True,
+    alpn: Sequence[str] | None = None,
+) -> ssl.SSLContext:
+    """A server context: TLS 1.3 only (H1), client certificates from ``cafile``;
+    ``alpn``: the protocols offered (h2, http/1.1) when the server speaks several."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_cert_chain(certfile, keyfile)
+    context.load_verify_locations(cafile)
+    context.verify_mode = ssl.CERT_REQUIRED if require_client else ssl.CERT_OPTIONAL
+    if alpn:
+        context.set_alpn_protocols(list(alpn))
+    return context
+
+
+def client_context(
+    cafile: str, certfile: str | None = None, keyfile: str | None = None
+) -> ssl.SSLContext:
+    """A client context: TLS 1.3, the server verified against ``cafile``, our certificate."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    if certfile is not None:
+        context.load_cert_chain(certfile, keyfile)
+    return context
+
+
+# --- the principal -----------------------------------------------------------
+
+
+def principal_of(peercert: Mapping[str, Any] | None) -> str | None:
+    """The principal of a peer certificate as ``ssl.SSLObject.getpeercert()``
+    decodes it: its first URI subjectAltName, else its common name."""
+    if not peercert:
+        return None
+    for kind, value in peercert.get("subjectAltName", ()):
+        if kind == "URI":
+            return str(value)
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+# --- the ASGI tls extension -------------------------------------------------
+
 
 def tls_extension(transport: asyncio.BaseTransport) -> dict[str, Any] | None:
     """The ASGI ``tls`` extension dict of a connection, or None for plain TCP."""
@@ -41,13 +107,15 @@ def tls_extension(transport: asyncio.BaseTransport) -> dict[str, Any] | None:
         return None
     der = ssl_object.getpeercert(binary_form=True)
     chain = [ssl.DER_cert_to_PEM_cert(der)] if der else []
+    decoded = ssl_object.getpeercert() if der else None
     return {
         "server_cert": None,
         "client_cert_chain": chain,
-        "client_cert_name": _rfc4514(ssl_object.getpeercert()) if der else None,
+        "client_cert_name": _rfc4514(decoded),
         "client_cert_error": None,
         "tls_version": _TLS_VERSIONS.get(ssl_object.version() or ""),
         "cipher_suite": None,
+        PRINCIPAL: principal_of(decoded),  # once per connection (SEC1)
     }
 
 
@@ -75,23 +143,32 @@ class _WithTLS:
         await self.app(scope, receive, send)
 
 
-class _TLSScope:
+# The mixins below are typed against the protocol they extend, so that mypy
+# checks their calls of the protocol's own methods.
+if TYPE_CHECKING:
+    _AnyProtocol = asyncio.Protocol
+    _HttpTools = HttpToolsProtocol
+else:
+    _AnyProtocol = _HttpTools = object
+
+
+class _TLSScope(_AnyProtocol):
     """Mixin for a uvicorn HTTP protocol: wrap the app of each TLS connection."""
 
     app: Any
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
         tls = tls_extension(transport)
         if tls is not None:
             self.app = _WithTLS(self.app, tls)
 
 
-class TLSH11Protocol(_TLSScope, H11Protocol):  # type: ignore[misc]
+class TLSH11Protocol(_TLSScope, H11Protocol):
     pass
 
 
-class TLSHttpToolsProtocol(_TLSScope, HttpToolsProtocol):  # type: ignore[misc]
+class TLSHttpToolsProtocol(_TLSScope, HttpToolsProtocol):
     pass
 
 
@@ -104,7 +181,7 @@ def _request_timeout() -> bytes:
             b"content-length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
 
 
-class _HeaderDeadline:
+class _HeaderDeadline(_HttpTools):
     """Mixin for uvicorn's httptools protocol: a request's line and headers
     must arrive within ``header_timeout_s`` of the connection's open, or of
     the moment the server is ready to read them (a kept-alive connection's
@@ -118,19 +195,16 @@ class _HeaderDeadline:
     written into a response in flight would corrupt it."""
 
     header_timeout_s: float = 10.0
-    loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
-    cycle: Any
-    pipeline: Any
     _header_timer: asyncio.TimerHandle | None = None
     _reading_headers = False  # a request has begun; its headers are not complete
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvicorn's protocols take the stream transport the server gives them.
+        super().connection_made(cast(asyncio.Transport, transport))
         self._arm_header_deadline()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()  # type: ignore[misc]
+        super().on_message_begin()
         self._reading_headers = True
         if self._header_timer is None and self._serving_nothing():
             self._arm_header_deadline()
@@ -138,17 +212,17 @@ class _HeaderDeadline:
     def on_headers_complete(self) -> None:
         self._reading_headers = False
         self._disarm_header_deadline()
-        super().on_headers_complete()  # type: ignore[misc]
+        super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # type: ignore[misc]
+        super().on_response_complete()
         # Ready to read again: a request begun meanwhile has its clock now.
         if self._reading_headers and self._header_timer is None and self._serving_nothing():
             self._arm_header_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
-        super().connection_lost(exc)  # type: ignore[misc]
+        super().connection_lost(exc)
 
     def _serving_nothing(self) -> bool:
         cycle = self.cycle
@@ -180,7 +254,7 @@ def http1_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's httptools HTTP/1.1 with the ``tls`` extension and a deadline
     on request headers (0: none)."""
 
-    class Protocol(_HeaderDeadline, TLSHttpToolsProtocol):  # type: ignore[misc]
+    class Protocol(_HeaderDeadline, TLSHttpToolsProtocol):
         pass
 
     Protocol.header_timeout_s = header_timeout_s
@@ -207,10 +281,17 @@ def principal_of_pem(pem: str) -> str | None:
 
 
 def principal_from_scope(scope: Scope) -> str | None:
-    """The authenticated principal of a request, or None without a client certificate."""
+    """The authenticated principal of a request, or None without a client certificate.
+
+    Read from the connection's ``tls`` extension, where these protocols put
+    it; a scope filled by another server (only the PEM chain) is parsed, with
+    a cache."""
     tls = (scope.get("extensions") or {}).get("tls")
     if not tls or not tls.get("client_cert_chain"):
         return None
+    if PRINCIPAL in tls:
+        found: str | None = tls[PRINCIPAL]
+        return found
     return principal_of_pem(tls["client_cert_chain"][0])
 
 
@@ -221,10 +302,10 @@ def http2_protocol() -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.zttp_h2_impl import ZttpH2Protocol
     from uvicorn.protocols.http.zttp_impl import ZttpProtocol
 
-    class TLSZttpH2Protocol(_TLSScope, ZttpH2Protocol):  # type: ignore[misc]
+    class TLSZttpH2Protocol(_TLSScope, ZttpH2Protocol):
         pass
 
-    class TLSZttpProtocol(_TLSScope, ZttpProtocol):  # type: ignore[misc]
+    class TLSZttpProtocol(_TLSScope, ZttpProtocol):
         pass
 
     class TLSAutoZttpProtocol(AutoZttpProtocol):
