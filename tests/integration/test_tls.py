@@ -15,7 +15,13 @@ import pytest
 import uvicorn
 
 from kvstore.security import create_dev_certificates
-from kvstore.tls import TLSH11Protocol, TLSHttpToolsProtocol, client_context, principal_from_scope
+from kvstore.tls import (
+    PRINCIPAL,
+    TLSH11Protocol,
+    TLSHttpToolsProtocol,
+    client_context,
+    principal_from_scope,
+)
 
 from ..conftest import free_port
 
@@ -24,9 +30,10 @@ async def echo(scope: Any, receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     tls = (scope.get("extensions") or {}).get("tls") or {}
-    body = json.dumps(
-        {"principal": principal_from_scope(scope), "tls_version": tls.get("tls_version")}
-    ).encode()
+    body = json.dumps({
+        "principal": principal_from_scope(scope), "tls_version": tls.get("tls_version"),
+        "per_connection": tls.get(PRINCIPAL), "tls_id": id(tls),
+    }).encode()  # fmt: skip
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": body})
 
@@ -60,10 +67,16 @@ async def test_principal_reaches_the_app(tmp_path: Path, protocol: type) -> None
     async with serving(tmp_path, protocol) as (port, context):
         connector = aiohttp.TCPConnector(ssl=context)
         async with aiohttp.ClientSession(connector=connector) as session:
+            answers = []
             for _ in range(2):  # two requests on one connection: both carry it
                 async with session.get(f"https://127.0.0.1:{port}/") as response:
-                    seen = json.loads(await response.read())
-                assert seen == {"principal": "urn:kvstore:carol", "tls_version": 0x0304}
+                    answers.append(json.loads(await response.read()))
+        for seen in answers:
+            assert seen["principal"] == seen["per_connection"] == "urn:kvstore:carol"
+            assert seen["tls_version"] == 0x0304
+        # SEC1: the principal was taken at the handshake, once: both requests
+        # of the connection carry the very same extension.
+        assert answers[0]["tls_id"] == answers[1]["tls_id"]
 
 
 async def test_http2_carries_the_principal_too(tmp_path: Path) -> None:
@@ -76,4 +89,6 @@ async def test_http2_carries_the_principal_too(tmp_path: Path) -> None:
         async with httpx.AsyncClient(verify=context, http2=True) as client:
             response = await client.get(f"https://127.0.0.1:{port}/")
         assert response.http_version == "HTTP/2"
-        assert response.json() == {"principal": "urn:kvstore:carol", "tls_version": 0x0304}
+        seen = response.json()
+        assert seen["principal"] == seen["per_connection"] == "urn:kvstore:carol"
+        assert seen["tls_version"] == 0x0304
