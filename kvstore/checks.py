@@ -33,57 +33,47 @@ def cmd_config_check(args: argparse.Namespace) -> Any:
 
 
 def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
-    """What a role needs that the configuration lacks (every one found)."""
+    """What the roles need that the configuration lacks (every one found):
+    the invariants of its values (:func:`kvstore.config.check`), then what
+    the files it names hold."""
+    from .config import ROLE_SECTIONS, check
     from .security import Policy, PolicyError
 
-    known = {"holder": "holder", "index": "index", "pc": "controller", "instance": "instance"}
-    out: list[str] = []
+    out = check(config, roles)
+    if out and out[0].startswith("roles:"):
+        return out
     for role in roles:
-        if role not in known:
-            return [f"roles: {role!r} unknown; available: {', '.join(known)}"]
-        section = getattr(config, known[role])
+        section = getattr(config, ROLE_SECTIONS[role])
         if not section.policy:
-            out.append(f"{known[role]}.policy: a policy file is required")
-            continue
+            continue  # named by check()
         try:
             Policy.load(section.policy)
         except PolicyError as exc:
             # One line per invalid member, each with its path in the document.
-            out += [f"{known[role]}.policy: {problem}" for problem in exc.problems]
+            out += [f"{ROLE_SECTIONS[role]}.policy: {problem}" for problem in exc.problems]
         except OSError as exc:
-            out.append(f"{known[role]}.policy: {exc.strerror or exc}: {section.policy}")
+            out.append(f"{ROLE_SECTIONS[role]}.policy: {exc.strerror or exc}: {section.policy}")
         except ValueError as exc:
-            out.append(f"{known[role]}.policy: {exc}")
-    if ("holder" in roles or "instance" in roles) and not config.storage.tiers:
-        out.append("storage.tiers: at least one [[storage.tiers]] is required")
+            out.append(f"{ROLE_SECTIONS[role]}.policy: {exc}")
     out += _check_parts(config, roles)
     server = config.server
     if not server.insecure_http:
         for key in ("certfile", "keyfile", "cafile"):
             value = getattr(server, key)
-            if not value:
-                out.append(f"server.{key}: required unless insecure_http = true")
-            elif not Path(value).exists():
+            if value and not Path(value).exists():
                 out.append(f"server.{key}: {value} does not exist")
     return out
 
 
 def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
-    """What ``serve`` would refuse beyond the file's syntax: backends, state
-    names, descriptors, the sealing key, TLS files, plain HTTP off loopback."""
+    """What ``serve`` would refuse in the files the configuration names, and
+    the backends it names: descriptors, the sealing key, TLS files."""
     import json as json_
 
-    from backends import BACKENDS
-
     from .protocol.compat import parse_descriptor
-    from .serve import _is_loopback
 
     out: list[str] = []
     if "holder" in roles or "instance" in roles:
-        for index, tier in enumerate(config.storage.tiers):
-            if tier.backend not in BACKENDS:
-                out.append(f"storage.tiers[{index}].backend: {tier.backend!r}; known: "
-                           f"{', '.join(sorted(BACKENDS))}")  # fmt: skip
         key = config.storage.encryption_key_file
         if key:
             try:
@@ -91,10 +81,6 @@ def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
                     out.append("storage.encryption_key_file: must hold exactly 32 octets")
             except OSError as exc:
                 out.append(f"storage.encryption_key_file: {exc.strerror}: {key}")
-    for section, role in (("index", "index"), ("controller", "pc")):
-        if role in roles and getattr(config, section).state not in ("memory", "redis"):
-            out.append(f"{section}.state: {getattr(config, section).state!r} is not "
-                       "'memory' or 'redis'")  # fmt: skip
     for section, role in (("holder", "holder"), ("index", "index"), ("controller", "pc")):
         if role not in roles:
             continue
@@ -104,8 +90,6 @@ def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
             except (OSError, ValueError, KvspError) as exc:
                 out.append(f"{section}.descriptors: {file}: {exc}")
     server = config.server
-    if server.insecure_http and not _is_loopback(server.host):
-        out.append("server.insecure_http: refused on a non-loopback address")
     if not server.insecure_http and all(
         getattr(server, k) and Path(getattr(server, k)).exists()
         for k in ("certfile", "keyfile", "cafile")

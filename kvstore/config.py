@@ -118,8 +118,9 @@ Relative paths are resolved against the file's directory.
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -357,6 +358,95 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         storage=StorageConfig(**{**_asdict(storage), "tiers": tuple(tiers)}),
         root=root,
     )
+
+
+#: Backends whose segments outlive the process (write_through needs one).
+PERSISTENT_BACKENDS = frozenset({"lmdb", "redis", "s3"})
+#: Where each role's settings are.
+ROLE_SECTIONS = {"holder": "holder", "index": "index", "pc": "controller", "instance": "instance"}
+
+
+def is_loopback(host: str) -> bool:
+    """A host name or address of this machine only (plain HTTP is refused elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check(config: Config, roles: Sequence[str]) -> list[str]:
+    """Every invariant of the values the ``roles`` need, each broken one named
+    by its key (STYLE 16: they are checked here only). ``kvstore serve``
+    refuses to start on the first; ``kvstore config check`` lists them all.
+    What needs a file read (policies, descriptors, keys, certificates) is
+    checked where the file is read."""
+    out: list[str] = []
+    for role in roles:
+        if role not in ROLE_SECTIONS:
+            return [f"roles: {role!r} unknown; available: {', '.join(ROLE_SECTIONS)}"]
+        if not getattr(config, ROLE_SECTIONS[role]).policy:
+            out.append(f"{ROLE_SECTIONS[role]}.policy: a policy file is required")
+    if "holder" in roles or "instance" in roles:
+        out += _check_storage(config.storage)
+    for section, role in (("index", "index"), ("controller", "pc")):
+        state = getattr(config, section).state
+        if role in roles and state not in ("memory", "redis"):
+            out.append(f"{section}.state: {state!r} is not 'memory' or 'redis'")
+    if "instance" in roles:
+        out += _check_instance(config.instance)
+    server = config.server
+    if server.insecure_http:
+        if not is_loopback(server.host):
+            out.append("server.insecure_http: refused on a non-loopback address")
+        if server.http2:
+            out.append("server.http2: offered by ALPN, so only with TLS")
+    else:
+        missing = [key for key in ("certfile", "keyfile", "cafile") if not getattr(server, key)]
+        out += [f"server.{key}: required unless insecure_http = true" for key in missing]
+    return out
+
+
+def _check_storage(cfg: StorageConfig) -> list[str]:
+    from backends import BACKENDS
+
+    out: list[str] = []
+    if not cfg.tiers:
+        out.append("storage.tiers: at least one [[storage.tiers]] is required")
+    for index, tier in enumerate(cfg.tiers):
+        if tier.backend not in BACKENDS:
+            out.append(f"storage.tiers[{index}].backend: {tier.backend!r} is an unknown "
+                       f"backend; known: {', '.join(sorted(BACKENDS))}")  # fmt: skip
+        deadline = tier.options.get("deadline_s")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0
+        ):
+            out.append(f"storage.tiers[{index}].deadline_s: a positive number of seconds")
+    if not 0 <= cfg.demote_above < 1:
+        out.append("storage.demote_above: a fraction of a tier's capacity, 0 <= x < 1 (0: off)")
+    if cfg.write_through and not any(t.backend in PERSISTENT_BACKENDS for t in cfg.tiers[1:]):
+        out.append("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
+                   "below the first one")  # fmt: skip
+    return out
+
+
+def _check_instance(cfg: InstanceConfig) -> list[str]:
+    out: list[str] = []
+    if cfg.status_ttl_ms < 300:
+        out.append("instance.status_ttl_ms: at least 300 (reports go every third of it)")
+    if cfg.max_pending_directives < 1:
+        out.append("instance.max_pending_directives: at least 1")
+    if cfg.engine not in ("", "reference"):
+        out.append(f"instance.engine: {cfg.engine!r}; available: reference")
+    if cfg.engine:
+        if not 1 <= cfg.checkpoint_tokens <= 64:
+            out.append("instance.checkpoint_tokens: 1 to 64 (CK1)")
+        if cfg.release_tokens < 1 or cfg.max_sessions < 1 or cfg.max_running < 1:
+            out.append("instance.release_tokens, max_sessions, max_running: at least 1")
+        if cfg.block_tokens < 1:
+            out.append("instance.block_tokens: at least 1")
+    return out
 
 
 def _asdict(obj: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import shlex
@@ -18,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check
 from .holder import HolderSettings, create_app
 from .http import EXCEPTION_HANDLERS
 from .lifespan import Listening, Shutdown, Step, run_steps
@@ -44,8 +43,6 @@ def build_store(config: Config) -> TieredStore:
     from backends import create_tier
 
     cfg = config.storage
-    if not cfg.tiers:
-        raise ConfigError("storage.tiers: at least one [[storage.tiers]] is required")
     key = None
     if cfg.encryption_key_file:
         key = Path(cfg.encryption_key_file).read_bytes()
@@ -55,10 +52,6 @@ def build_store(config: Config) -> TieredStore:
     for index, tier in enumerate(cfg.tiers):
         options = dict(tier.options)
         deadline = options.pop("deadline_s", None)  # the manager's, not the backend's
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0
-        ):
-            raise ConfigError(f"storage.tiers[{index}].deadline_s: a positive number of seconds")
         try:
             made = create_tier(tier.backend, **options)
         except (TypeError, ValueError) as exc:
@@ -66,12 +59,6 @@ def build_store(config: Config) -> TieredStore:
         if deadline is not None:
             made.deadline_s = float(deadline)
         tiers.append((made, tier.capacity))
-    if not 0 <= cfg.demote_above < 1:
-        raise ConfigError("storage.demote_above: a fraction of a tier's capacity, "
-                          "0 <= x < 1 (0: off)")  # fmt: skip
-    if cfg.write_through and not any(t.persistent for t, _ in tiers[1:]):
-        raise ConfigError("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
-                          "below the first one")  # fmt: skip
     return TieredStore(
         tiers,
         sealer=SegmentSealer(key, compress=cfg.compress),
@@ -120,8 +107,6 @@ def build_holder(
 ) -> Starlette:  # fmt: skip
     """The holder app over ``store``, with its publisher (see :func:`.holder.create_app`)."""
     cfg = config.holder
-    if not cfg.policy:
-        raise ConfigError("holder.policy: a policy file is required")
     descriptors = {}
     for file in cfg.descriptors:
         descriptor = parse_descriptor(json.loads(Path(file).read_text()))
@@ -164,8 +149,6 @@ def build_controller(config: Config, state: Any) -> Starlette:
     from .controller.app import create_app as create_controller
 
     cfg = config.controller
-    if not cfg.policy:
-        raise ConfigError("controller.policy: a policy file is required")
     index = index_client(config, "controller")
     settings = ControllerSettings(
         cfg.uri,
@@ -216,12 +199,6 @@ def build_instance(
     from .tls import client_context
 
     cfg = config.instance
-    if not cfg.policy:
-        raise ConfigError("instance.policy: a policy file is required")
-    if cfg.status_ttl_ms < 300:
-        raise ConfigError("instance.status_ttl_ms: at least 300 (reports go every third of it)")
-    if cfg.max_pending_directives < 1:
-        raise ConfigError("instance.max_pending_directives: at least 1")
     if not with_holder:
         log.warning("instance without the holder role: prefetched blocks are not published")
     context = None
@@ -275,14 +252,6 @@ def build_sessions(
     from .instance.sessions import Sessions, SessionSettings
 
     cfg = config.instance
-    if cfg.engine != "reference":
-        raise ConfigError(f"instance.engine: {cfg.engine!r}; available: reference")
-    if not 1 <= cfg.checkpoint_tokens <= 64:
-        raise ConfigError("instance.checkpoint_tokens: 1 to 64 (CK1)")
-    if cfg.release_tokens < 1 or cfg.max_sessions < 1 or cfg.max_running < 1:
-        raise ConfigError("instance.release_tokens, max_sessions, max_running: at least 1")
-    if cfg.block_tokens < 1:
-        raise ConfigError("instance.block_tokens: at least 1")
     try:
         from .instance.reference import ReferenceEngine
     except ImportError as exc:
@@ -326,8 +295,6 @@ def build_index(config: Config, statuses: Any = None) -> tuple[Any, Any]:
     from .index import create_app as create_index
 
     cfg = config.index
-    if not cfg.policy:
-        raise ConfigError("index.policy: a policy file is required")
     state: Any
     if cfg.state == "memory":
         state = MemoryState(max_records=cfg.max_records)
@@ -458,15 +425,6 @@ def _server_class() -> Any:
     return Server
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def uvicorn_config(config: Config, app: Any) -> Any:
     import uvicorn
 
@@ -481,14 +439,9 @@ def uvicorn_config(config: Config, app: Any) -> Any:
         "timeout_graceful_shutdown": server.shutdown_grace_s,
     }
     if server.insecure_http:
-        if not _is_loopback(server.host):
-            raise ConfigError("server.insecure_http: refused on a non-loopback address")
         where = f"{server.host}:{server.port}"
         log.warning("PLAIN HTTP on %s: no TLS, no client identity (development only)", where)
     else:
-        missing = [k for k in ("certfile", "keyfile", "cafile") if not getattr(server, k)]
-        if missing:
-            raise ConfigError(f"server.{missing[0]}: required unless insecure_http = true")
         certfile, keyfile, cafile = server.certfile, server.keyfile, server.cafile
 
         # H1: TLS 1.3, both sides authenticate; the context kvstore's own
@@ -499,8 +452,6 @@ def uvicorn_config(config: Config, app: Any) -> Any:
 
         options["ssl_context_factory"] = context
     if server.http2:
-        if server.insecure_http:
-            raise ConfigError("server.http2: offered by ALPN, so only with TLS")
         try:
             from .tls import http2_protocol
 
@@ -520,11 +471,11 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
     listener binds), the store recovers what its persistent tiers hold, then
     uvicorn serves :func:`compose` of the role apps: their lifespans start
     their background parts and, at a signal, stop them (see ``Server``)."""
-    unknown = set(roles) - {"holder", "index", "pc", "instance"}
-    if unknown or not roles:
-        raise ConfigError(
-            f"roles: {sorted(unknown) or roles} unknown; available: holder, index, pc, instance"
-        )
+    if not roles:
+        raise ConfigError("roles: none given; available: holder, index, pc, instance")
+    problems = check(config, roles)
+    if problems:
+        raise ConfigError(problems[0])
     listening, shutdown = Listening(False), Shutdown(config.server.shutdown_grace_s)
     store = publisher = pc_state = None
     apps: list[Starlette] = []

@@ -252,18 +252,18 @@ def test_bench_load_quick_drives_real_holders(redis_server: Any) -> None:
 
 def test_instance_config_is_checked(tmp_path: Path) -> None:
     # Bad [instance] values are refused at start, with the key named.
-    from backends.host import HostTier
-    from kvstore.config import ConfigError, parse
-    from kvstore.serve import build_instance
-    from kvstore.storage import TieredStore
+    from kvstore.config import check, parse
 
     (tmp_path / "policy.json").write_text('{"principals": {}}')
-    store = TieredStore([(HostTier(), 1 << 20)])
     for key, value in (("status_ttl_ms", 10), ("max_pending_directives", 0)):
-        config = parse({"instance": {"policy": "policy.json", key: value}}, tmp_path)
-        with pytest.raises(ConfigError) as info:
-            build_instance(config, store, None)
-        assert f"instance.{key}" in str(info.value)
+        config = parse({"instance": {"policy": "policy.json", key: value},
+                        "server": {"insecure_http": True}}, tmp_path)  # fmt: skip
+        problems = check(config, ("instance",))
+        assert (
+            [p for p in problems if p.startswith("instance.")]
+            == [p for p in problems if p.startswith(f"instance.{key}:")]
+            != []
+        ), problems
 
 
 def test_config_check_names_the_key(tmp_path: Path) -> None:

@@ -111,3 +111,21 @@ async def client_as(app: Any, certs: Path) -> AsyncIterator[ClientFactory]:
     yield make
     for client in clients:
         await client.aclose()
+
+
+@pytest.fixture
+async def served_as(app: Any, certs: Path) -> AsyncIterator[ClientFactory]:
+    """Like ``client_as``, but an exception in the app is a 500 answer, as a
+    server would give, instead of raised into the test."""
+    clients: list[httpx.AsyncClient] = []
+
+    def make(name: str | None) -> httpx.AsyncClient:
+        wrapped = AsPrincipal(app, pem(certs, name) if name else None)
+        transport = httpx.ASGITransport(wrapped, raise_app_exceptions=False)
+        client = httpx.AsyncClient(transport=transport, base_url=HOLDER)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.aclose()

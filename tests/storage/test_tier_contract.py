@@ -80,12 +80,12 @@ async def test_two_mib_segment(tier: Tier) -> None:
     assert got is not None and bytes(got) == data
 
 
-async def test_persistent_tiers_survive_reopening(
+async def test_reopening_keeps_what_a_persistent_tier_holds_and_nothing_else(
     tier: Tier, kind: str, request: pytest.FixtureRequest
 ) -> None:
-    if not tier.persistent:
-        assert kind in ("host", "device")
-        return
+    # Persistent tiers (LMDB, Redis, S3) outlive the object and the process;
+    # a memory tier's contents end with it (what the holder withdraws at a
+    # stop, and why a restart re-adopts only persistent segments).
     await tier.put(K1, b"durable")
     options = {}
     if kind == "remote-memory":
@@ -96,6 +96,9 @@ async def test_persistent_tiers_survive_reopening(
     reopened = make_tier(kind, request, **options)
     try:
         got = await reopened.get(K1)
-        assert got is not None and bytes(got) == b"durable"
+        if tier.persistent:
+            assert got is not None and bytes(got) == b"durable"
+        else:
+            assert kind in ("host", "device") and got is None
     finally:
         await reopened.close()

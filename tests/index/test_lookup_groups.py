@@ -1,4 +1,4 @@
-"""Regression tests from the review of joined lookup groups (Redis index state)."""
+"""Edge cases of joined lookup groups (Redis index state)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Regression tests from the review of the instance's prefetch and reports."""
+"""Edge cases of the instance's prefetch and reports."""
 
 from __future__ import annotations
 

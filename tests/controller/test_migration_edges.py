@@ -1,4 +1,4 @@
-"""Regression tests from the review of the PC's migration and placement."""
+"""Edge cases of the PC's migration and placement."""
 
 from __future__ import annotations
 

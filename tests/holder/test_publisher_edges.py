@@ -1,3 +1,6 @@
+"""The publisher at its edges: a record the IS refuses for good, a withdrawal
+racing a PUT in flight, a failing round, one key held under two scopes."""
+
 import asyncio
 
 from backends.host import HostTier

@@ -1,3 +1,6 @@
+"""P2: the holder refreshes at a third of the TTL the IS grants, when the IS
+caps the one asked for (a real IS app under uvicorn)."""
+
 import asyncio
 import socket
 

@@ -1,3 +1,6 @@
+"""The IS app at its edges: TTL 0, expired records, lookups a principal may
+not see, malformed keys, absurd JSON, methods not allowed."""
+
 import asyncio
 import json
 import uuid

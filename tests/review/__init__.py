@@ -1,1 +1,0 @@
-"""Regression tests written by review helpers: each failed before its fix."""
