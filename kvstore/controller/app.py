@@ -28,7 +28,7 @@ from ..http import base_path, empty_response, json_response, principal, read_jso
 from ..lifespan import Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
-from ..protocol.control import InstanceStatus, Link, SessionCheckpoint, ShardMap, StateChange
+from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
 from ..protocol.problems import (
     BadGateway,
     BadRequest,
@@ -40,11 +40,12 @@ from ..protocol.problems import (
 )
 from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
+from ..seams import Instances, Lookups
 from ..security import Grant, Policy
 from .coordinator import ReshardAborted, ReshardCoordinator
-from .migrate import MigrationCounters, Migrator
-from .placement import choose
-from .placer import Placement, Placer, directive
+from .dispatch import ControllerCounters, Dispatch
+from .migrate import Migrator
+from .placer import Placer
 from .starter import InstanceStarter
 from .state import ControllerState
 
@@ -92,16 +93,6 @@ def _instance_of(grant: Grant) -> str:
     return grant.instance
 
 
-@dataclass(slots=True)
-class ControllerCounters(MigrationCounters):
-    """OPS1 figures of the PC."""
-
-    placements: int = 0
-    prefetches: int = 0
-    prefetch_failures: int = 0
-    instances_started: int = 0
-
-
 class Controller:
     """The PC's handlers over its state (its ``routes()`` are the table)."""
 
@@ -110,8 +101,8 @@ class Controller:
         settings: ControllerSettings,
         state: ControllerState,
         policy: Policy,
-        index: Any = None,
-        instances: Any = None,
+        index: Lookups | None = None,
+        instances: Instances | None = None,
     ) -> None:
         self.settings, self.state, self.policy, self.instances = settings, state, policy, instances
         self.counters = ControllerCounters()
@@ -124,6 +115,12 @@ class Controller:
             self.starter = InstanceStarter(settings.start_command,
                                            timeout_s=settings.start_timeout_s,
                                            cooldown_s=settings.start_cooldown_s)  # fmt: skip
+        self.dispatch = Dispatch(
+            self.placer, state, self.counters, self.eligible, instances=instances,
+            starter=self.starter, start_above_ms=settings.start_above_ms,
+            prefetch=settings.prefetch, prefetch_deadline_ms=settings.prefetch_deadline_ms,
+            prefetch_lease_ms=settings.prefetch_lease_ms,
+        )  # fmt: skip
         #: Moves the sessions of failed instances (CK5); runs with the app.
         self.migrator = None
         if instances is not None:
@@ -199,69 +196,8 @@ class Controller:
             isinstance(request_ref, str) and len(request_ref) <= 256
         ):
             raise BadRequest("place.request_ref: an opaque string of at most 256 characters")
-        placement = await self.placer.place(
-            query.scope_id, query.compat_id, query.block_keys, total, block_tokens
-        )
-        answer: dict[str, Any] = {
-            "matched": placement.matched,
-            "index": placement.index,
-            "candidates": [c.to_json() for c in placement.candidates],
-        }
-        best = placement.candidates[0] if placement.candidates else None
-        fits = best is not None and (
-            self.settings.start_above_ms <= 0 or best.cost_us <= self.settings.start_above_ms * 1000
-        )
-        if not fits and self.starter is not None:
-            # PL3: nothing acceptable runs; start an instance and go there.
-            started = await self.starter.start(query.scope_id, query.compat_id, request_ref)
-            self.counters.instances_started = self.starter.launched
-            if started is not None and self.eligible(started, query.scope_id):
-                answer.update(instance=started, started=True)
-            elif started is not None:
-                log.error(
-                    "started %s may not serve scope %s (self.policy)", started, query.scope_id
-                )
-        if "instance" not in answer:
-            answer["instance"] = choose(placement.candidates).instance  # 409 if none (S4)
-        self.counters.placements += 1
-        instance = answer["instance"]
-        if self.instances is not None and self.settings.prefetch and placement.matched:
-            if not answer.get("started") and instance not in {
-                s.instance for s in await self.state.active()
-            }:  # S4: it expired or began draining since it was chosen
-                answer["prefetch"] = {"error": "the instance is no longer active"}
-            else:
-                answer["prefetch"] = await self.send_prefetch(
-                    placement, instance, placement.links.get(instance, ()), query, request_ref
-                )
-        return json_response(answer)
-
-    async def send_prefetch(
-        self,
-        placement: Placement,
-        instance: str,
-        links: tuple[Link, ...],
-        query: LookupRequest,
-        request_ref: str | None,
-    ) -> dict[str, Any] | None:
-        """PL2, PF1: the chosen (active, S4) or just started (PL3) instance
-        starts loading at once. Advisory: a refused directive leaves the
-        placement as it is."""
-        found = directive(
-            placement, instance, links, query.block_keys, query.scope_id, query.compat_id,
-            deadline_ms=self.settings.prefetch_deadline_ms,
-            lease_ms=self.settings.prefetch_lease_ms, request_ref=request_ref,
-        )  # fmt: skip
-        if found is None:
-            return None  # everything matched is resident there already
-        try:
-            location = await self.instances.prefetch(instance, found)
-        except KvspError as exc:
-            self.counters.prefetch_failures += 1
-            log.warning("prefetch directive to %s failed: %s", instance, exc.detail)
-            return {"directive": found.directive, "error": exc.detail}
-        self.counters.prefetches += 1
-        return {"directive": found.directive, "location": location, "blocks": len(found.blocks)}
+        answer = await self.dispatch.place(query, total, block_tokens, request_ref)
+        return json_response(answer.to_json())
 
     async def put_state(self, request: Request) -> Response:
         # Ours: an operator wakes an instance or has it drain (S3, S6); the PC
@@ -354,8 +290,8 @@ def create_app(
     settings: ControllerSettings,
     state: ControllerState,
     policy: Policy,
-    index: Any = None,
-    instances: Any = None,
+    index: Lookups | None = None,
+    instances: Instances | None = None,
     *,
     closing: Sequence[Step] = (),
 ) -> Starlette:

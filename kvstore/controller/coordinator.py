@@ -22,6 +22,7 @@ from typing import Any
 
 from ..protocol.control import ReshardAbort, ReshardCommit, ReshardMessage, ShardMap
 from ..protocol.problems import BadGateway, KvspError
+from ..seams import Instances
 from .reshard import plan_reshard
 from .state import ControllerState
 
@@ -46,7 +47,7 @@ class ReshardOutcome:
 
 
 class ReshardCoordinator:
-    def __init__(self, state: ControllerState, instances: Any) -> None:
+    def __init__(self, state: ControllerState, instances: Instances) -> None:
         """``instances``: an :class:`~kvstore.client.InstanceClient`."""
         self.state = state
         self.instances = instances

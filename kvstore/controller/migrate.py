@@ -32,11 +32,11 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..background import Background
 from ..protocol.control import ResumeRequest, SessionCheckpoint
 from ..protocol.problems import InsufficientStorage, KvspError, StaleEpoch
+from ..seams import Instances
 from .placer import Placer
 from .rules import SessionEntry
 from .state import ControllerState
@@ -69,7 +69,7 @@ class Migrator(Background):
         self,
         state: ControllerState,
         placer: Placer,
-        instances: Any,
+        instances: Instances,
         block_tokens: dict[str, int],
         *,
         interval_s: float = 0.5,

@@ -14,7 +14,6 @@ import math
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..protocol.control import Link
 from ..protocol.placement import read_us
@@ -26,6 +25,7 @@ from ..protocol.records import (
     PrefetchDirective,
     ReplicaShape,
 )
+from ..seams import Lookups
 from .placement import Candidate, rank
 from .state import ControllerState
 
@@ -56,7 +56,7 @@ class Placer:
     def __init__(
         self,
         state: ControllerState,
-        index: Any,
+        index: Lookups | None,
         mean_service_us: float = 0.0,
         eligible: Callable[[str, str], bool] | None = None,
     ) -> None:

@@ -21,7 +21,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..protocol.container import decode
 from ..protocol.control import Link
@@ -34,6 +33,7 @@ from ..protocol.problems import (
     PreconditionFailed,
 )
 from ..protocol.records import LookupRequest, PrefetchDirective, PrefetchStatus, ReplicaRecord
+from ..seams import Holders, Lookups
 from ..storage import BlockRef, TieredStore
 
 log = logging.getLogger("kvstore.instance")
@@ -95,9 +95,9 @@ class Prefetcher:
     def __init__(
         self,
         store: TieredStore,
-        holders: Any,
+        holders: Holders,
         *,
-        index: Any = None,
+        index: Lookups | None = None,
         max_pending: int = 16,
         keep: int = 1024,
         clock: Callable[[], float] = time.monotonic,

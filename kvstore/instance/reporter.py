@@ -17,11 +17,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..background import Background
 from ..protocol.control import InstanceStatus, Link
 from ..protocol.problems import KvspError
+from ..seams import Controller
 from ..storage import TieredStore
 from .lifecycle import Lifecycle
 
@@ -46,7 +46,7 @@ class StatusReporter(Background):
     def __init__(
         self,
         instance_uri: str,
-        controller: Any,
+        controller: Controller,
         lifecycle: Lifecycle,
         load: Load,
         store: TieredStore | None = None,

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..protocol.problems import KvspError, PreconditionFailed
+from ..seams import Holders
 from ..storage import BlockRef
 from .engine import Engine
 
@@ -36,7 +37,7 @@ class BlockWriter:
     """Writes completed blocks to the configured holders in the background,
     a bounded queue ahead of them (the oldest is dropped when full)."""
 
-    def __init__(self, holders: Any, targets: Sequence[str], limit: int = 256) -> None:
+    def __init__(self, holders: Holders | None, targets: Sequence[str], limit: int = 256) -> None:
         self.holders, self.targets, self.limit = holders, tuple(targets), limit
         self.queue: asyncio.Queue[tuple[BlockRef, bytes]] = asyncio.Queue()
         self.written = self.failed = self.dropped = 0
@@ -62,6 +63,7 @@ class BlockWriter:
         await asyncio.gather(*(self._put(target, ref, body) for target in self.targets))
 
     async def _put(self, target: str, ref: BlockRef, body: bytes) -> None:
+        assert self.holders is not None  # targets are given with a client only
         try:
             await self.holders.put_block(target, ref.compat_id, ref.scope_id, ref.block_key, body)
             self.written += 1

@@ -59,6 +59,7 @@ from ..protocol.problems import (
     PreconditionFailed,
     StaleEpoch,
 )
+from ..seams import Controller, Holders
 from ..storage import BlockRef, TieredStore
 from .engine import Engine, Generation, block_container, load_blocks, sample
 from .lifecycle import Lifecycle
@@ -87,8 +88,8 @@ class Sessions:
         load: Load,
         *,
         prefetcher: Prefetcher,
-        controller: Any = None,
-        holders: Any = None,
+        controller: Controller | None = None,
+        holders: Holders | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``controller``: a :class:`~kvstore.client.ControllerClient` for
