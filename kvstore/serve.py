@@ -28,8 +28,14 @@ from .security import Policy
 from .storage import LeaseLimits, SegmentSealer, TieredStore
 
 if TYPE_CHECKING:
-    from .client import ControllerClient, HolderClient
+    import uvicorn
+    from starlette.types import ASGIApp
+
+    from .client import ControllerClient, HolderClient, IndexClient, InstanceClient
+    from .controller.state import ControllerState
     from .holder.publisher import IndexPublisher
+    from .index.app import StatusSource
+    from .index.state import IndexState
     from .instance.lifecycle import Lifecycle
     from .instance.prefetch import Prefetcher
     from .instance.reporter import Load
@@ -74,7 +80,7 @@ def build_store(config: Config) -> TieredStore:
     )
 
 
-def index_client(config: Config, section: str) -> Any:
+def index_client(config: Config, section: str) -> IndexClient | None:
     """An IndexClient for ``<section>.index_uri``, authenticating with the
     section's client certificate when the index is https; None when unset."""
     from .client import IndexClient
@@ -124,7 +130,7 @@ def build_holder(
                       listening=listening, shutdown=shutdown)  # fmt: skip
 
 
-def controller_state(config: Config) -> Any:
+def controller_state(config: Config) -> ControllerState:
     """The PC's state a configuration describes ([controller] state)."""
     from .controller.state import MemoryControllerState, SleepPolicy
 
@@ -143,7 +149,7 @@ def controller_state(config: Config) -> Any:
     raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
 
 
-def build_controller(config: Config, state: Any) -> Starlette:
+def build_controller(config: Config, state: ControllerState) -> Starlette:
     """The Placement Controller app over ``state``."""
     from .controller.app import ControllerSettings
     from .controller.app import create_app as create_controller
@@ -171,7 +177,7 @@ def build_controller(config: Config, state: Any) -> Starlette:
                              closing=closing)  # fmt: skip
 
 
-def instance_client(config: Config) -> Any:
+def instance_client(config: Config) -> InstanceClient:
     """The PC's client of instances, with its client certificate (SEC1)."""
     from .client import InstanceClient
     from .tls import client_context
@@ -289,13 +295,15 @@ def _block_tokens(files: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
-def build_index(config: Config, statuses: Any = None) -> tuple[Any, Any]:
+def build_index(
+    config: Config, statuses: StatusSource | None = None
+) -> tuple[Starlette, IndexState]:
     """The Index Service app and its state."""
     from .index import IndexSettings, MemoryState
     from .index import create_app as create_index
 
     cfg = config.index
-    state: Any
+    state: IndexState
     if cfg.state == "memory":
         state = MemoryState(max_records=cfg.max_records)
     elif cfg.state == "redis":
@@ -425,7 +433,7 @@ def _server_class() -> Any:
     return Server
 
 
-def uvicorn_config(config: Config, app: Any) -> Any:
+def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
     import uvicorn
 
     from .tls import http1_protocol, server_context
@@ -510,6 +518,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         pc_state = controller_state(config)
         closing.append(pc_state.close)
     if "pc" in roles:
+        assert pc_state is not None
         apps.append(build_controller(config, pc_state))
         log.info("controller %s (%s state)", config.controller.uri,
                  config.controller.state)  # fmt: skip

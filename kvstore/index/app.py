@@ -134,94 +134,110 @@ async def estimates(
     return out
 
 
+class Index:
+    """The IS's handlers over its state (its ``routes()`` are the table)."""
+
+    def __init__(
+        self,
+        settings: IndexSettings,
+        state: IndexState,
+        policy: Policy,
+        statuses: StatusSource | None = None,
+    ) -> None:
+        self.settings, self.state, self.policy = settings, state, policy
+        self.statuses = statuses or StatusBook()
+        self.counters = IndexCounters()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/replicas/{holder_id}/{block_key}", self.put_replica, methods=["PUT"]),
+            Route("/replicas/{holder_id}/{block_key}", self.delete_replica, methods=["DELETE"]),
+            Route("/lookup", self.lookup, methods=["POST"]),
+        ]
+
+    def who(self, request: Request) -> str | None:
+        return principal(request, self.settings.allow_anonymous)
+
+    def path_parts(self, request: Request) -> tuple[str, str]:
+        holder_id, block_key = request.path_params["holder_id"], request.path_params["block_key"]
+        if len(holder_id) != 43 or len(block_key) != 64:
+            raise NotFound("no such replica resource")
+        return holder_id, block_key
+
+    async def put_replica(self, request: Request) -> Response:
+        holder_id, block_key = self.path_parts(request)
+        grant = self.policy.grant(self.who(request))
+        if not _may_act_for(grant, holder_id):
+            raise Forbidden("only the holder itself may publish its replicas (P1)")
+        body = await read_json(request, self.settings.max_json_octets)
+        record = ReplicaRecord.from_json(body)
+        if role_id(record.holder) != holder_id or record.block_key != block_key:
+            raise BadRequest("the record's holder and block_key must match the path")
+        self.policy.require_write(self.who(request), record.scope_id)
+        ttl_ms = min(record.ttl_ms, self.settings.max_ttl_ms)  # P2: capped
+        if ttl_ms != record.ttl_ms:
+            record = dataclasses.replace(record, ttl_ms=ttl_ms)
+        await self.state.put(record, ttl_ms)
+        self.counters.published += 1
+        return json_response({"ttl_ms": ttl_ms})
+
+    async def delete_replica(self, request: Request) -> Response:
+        holder_id, block_key = self.path_parts(request)
+        grant = self.policy.grant(self.who(request))
+        if not _may_act_for(grant, holder_id):
+            # BL8: a client that found a replica failing its digest may withdraw
+            # it on the holder's behalf, when the policy makes it a reporter.
+            scope = await self.state.scope_of(holder_id, block_key)
+            if "reporter" not in grant.roles or scope is None or not grant.can_read(scope):
+                raise Forbidden("only the holder itself may withdraw its replicas (P1)")
+            self.counters.reported += 1
+        if not await self.state.delete(holder_id, block_key):
+            raise NotFound("no such replica record")
+        self.counters.withdrawn += 1
+        return empty_response()
+
+    async def lookup(self, request: Request) -> Response:
+        grant = self.policy.grant(self.who(request))
+        query = LookupRequest.from_json(
+            await read_json(request, self.settings.max_json_octets),
+            max_keys=self.settings.max_lookup_keys,
+            max_targets=self.settings.max_targets,
+        )
+        self.counters.lookups += 1
+        self.counters.lookup_keys += len(query.block_keys)
+        if not grant.can_read(query.scope_id):
+            # L3: exactly what an empty index answers; nothing tells the scope exists.
+            self.counters.lookups_denied_scope += 1
+            return LookupAnswer(Hits())
+        block_tokens = self.settings.block_tokens.get(query.compat_id)
+        with_targets = bool(query.targets and block_tokens)
+        hits = await self.state.lookup(
+            query.scope_id, query.compat_id, query.block_keys,
+            shapes=with_targets or query.shapes_only, records=not query.shapes_only,
+        )  # fmt: skip
+        self.counters.lookup_matched_keys += hits.matched
+        found = []
+        if query.targets and block_tokens:
+            found = await estimates(query.targets, hits, block_tokens, self.statuses)
+        if query.shapes_only:
+            return _shapes_answer(hits, found)
+        return LookupAnswer(hits, found)
+
+
 def create_app(
     settings: IndexSettings,
     state: IndexState,
     policy: Policy,
     statuses: StatusSource | None = None,
 ) -> Starlette:
-    statuses = statuses or StatusBook()
-    counters = IndexCounters()
-
-    def who(request: Request) -> str | None:
-        return principal(request, settings.allow_anonymous)
-
-    def path_parts(request: Request) -> tuple[str, str]:
-        holder_id, block_key = request.path_params["holder_id"], request.path_params["block_key"]
-        if len(holder_id) != 43 or len(block_key) != 64:
-            raise NotFound("no such replica resource")
-        return holder_id, block_key
-
-    async def put_replica(request: Request) -> Response:
-        holder_id, block_key = path_parts(request)
-        grant = policy.grant(who(request))
-        if not _may_act_for(grant, holder_id):
-            raise Forbidden("only the holder itself may publish its replicas (P1)")
-        body = await read_json(request, settings.max_json_octets)
-        record = ReplicaRecord.from_json(body)
-        if role_id(record.holder) != holder_id or record.block_key != block_key:
-            raise BadRequest("the record's holder and block_key must match the path")
-        policy.require_write(who(request), record.scope_id)
-        ttl_ms = min(record.ttl_ms, settings.max_ttl_ms)  # P2: capped
-        if ttl_ms != record.ttl_ms:
-            record = dataclasses.replace(record, ttl_ms=ttl_ms)
-        await state.put(record, ttl_ms)
-        counters.published += 1
-        return json_response({"ttl_ms": ttl_ms})
-
-    async def delete_replica(request: Request) -> Response:
-        holder_id, block_key = path_parts(request)
-        grant = policy.grant(who(request))
-        if not _may_act_for(grant, holder_id):
-            # BL8: a client that found a replica failing its digest may withdraw
-            # it on the holder's behalf, when the policy makes it a reporter.
-            scope = await state.scope_of(holder_id, block_key)
-            if "reporter" not in grant.roles or scope is None or not grant.can_read(scope):
-                raise Forbidden("only the holder itself may withdraw its replicas (P1)")
-            counters.reported += 1
-        if not await state.delete(holder_id, block_key):
-            raise NotFound("no such replica record")
-        counters.withdrawn += 1
-        return empty_response()
-
-    async def lookup(request: Request) -> Response:
-        grant = policy.grant(who(request))
-        query = LookupRequest.from_json(
-            await read_json(request, settings.max_json_octets),
-            max_keys=settings.max_lookup_keys,
-            max_targets=settings.max_targets,
-        )
-        counters.lookups += 1
-        counters.lookup_keys += len(query.block_keys)
-        if not grant.can_read(query.scope_id):
-            # L3: exactly what an empty index answers; nothing tells the scope exists.
-            counters.lookups_denied_scope += 1
-            return LookupAnswer(Hits())
-        block_tokens = settings.block_tokens.get(query.compat_id)
-        with_targets = bool(query.targets and block_tokens)
-        hits = await state.lookup(
-            query.scope_id, query.compat_id, query.block_keys,
-            shapes=with_targets or query.shapes_only, records=not query.shapes_only,
-        )  # fmt: skip
-        counters.lookup_matched_keys += hits.matched
-        found = []
-        if query.targets and block_tokens:
-            found = await estimates(query.targets, hits, block_tokens, statuses)
-        if query.shapes_only:
-            return _shapes_answer(hits, found)
-        return LookupAnswer(hits, found)
-
-    metrics = Metrics(counters=counters, counters_prefix="kvstore_index")
-
-    routes = [
-        Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
-        Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
-        Route("/lookup", lookup, methods=["POST"]),
-    ]
-    app = role_app(settings.base_path, routes, metrics, policy, settings.allow_anonymous)
+    """The IS app over ``state``; ``statuses``: where instance status is read
+    for estimates (L2), the PC's state when they share a process or Redis."""
+    index = Index(settings, state, policy, statuses)
+    metrics = Metrics(counters=index.counters, counters_prefix="kvstore_index")
+    app = role_app(settings.base_path, index.routes(), metrics, policy, settings.allow_anonymous)
     app.state.state = state
-    app.state.counters = counters
-    app.state.statuses = statuses
+    app.state.counters = index.counters
+    app.state.statuses = index.statuses
     return app
 
 
