@@ -96,9 +96,10 @@ def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
     ):
         import ssl
 
-        try:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=server.cafile)
-            context.load_cert_chain(server.certfile, server.keyfile)
+        from .tls import server_context
+
+        try:  # the very context serve builds
+            server_context(server.certfile, server.keyfile, server.cafile)
         except (OSError, ssl.SSLError) as exc:
             out.append(f"server.certfile / keyfile / cafile: {exc}")
     return out
