@@ -50,6 +50,13 @@ def _permanent(error: KvspError) -> bool:
     return 400 <= error.status < 500 and error.status != 429
 
 
+def next_backoff(ok: bool, backoff: float, granted_ttl_ms: int) -> float:
+    """The wait before the next round after a failed one: doubling from half a
+    second, but never past a third of the granted TTL (P2), so that records
+    come back within a refresh of the IS answering again."""
+    return 0.5 if ok else min(backoff * 2, granted_ttl_ms / 3000)
+
+
 class IndexPublisher(Background):
     """Keeps an Index Service's records of this holder's replicas current."""
 
@@ -241,7 +248,7 @@ class IndexPublisher(Background):
                 # Never let the refresher die: records would silently expire.
                 log.exception("publisher round failed; retrying")
                 ok = False
-            backoff = 0.5 if ok else min(backoff * 2, self.granted_ttl_ms / 3000)
+            backoff = next_backoff(ok, backoff, self.granted_ttl_ms)
             timeout = max(0.0, next_refresh - self.clock()) if ok else backoff
             self._wake.clear()
             with contextlib.suppress(TimeoutError):

@@ -10,7 +10,7 @@ import pytest
 from backends.host import HostTier
 from backends.lmdb import LmdbTier
 from kvstore.client import IndexClient
-from kvstore.holder.publisher import IndexPublisher
+from kvstore.holder.publisher import IndexPublisher, next_backoff
 from kvstore.storage import TieredStore
 
 from ..storage.helpers import block, ref, size_of
@@ -163,3 +163,16 @@ async def test_shutdown_withdraws_only_what_does_not_survive(
     publisher._pending[ref(2)] = "delete"
     assert await publisher.drain(2.0) and publisher.pending == 0
     await store.close()
+
+
+def test_backoff_doubles_and_is_capped_at_a_third_of_the_ttl() -> None:
+    # P2: after the IS failed, rounds are retried doubling from 0.5 s, but
+    # never further apart than a refresh, so that records come back within
+    # one once it answers; a round that went through starts over.
+    waits, backoff = [], 0.5
+    for _ in range(6):
+        backoff = next_backoff(False, backoff, granted_ttl_ms=9000)
+        waits.append(backoff)
+    assert waits == [1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
+    assert next_backoff(True, 3.0, granted_ttl_ms=9000) == 0.5
+

@@ -55,7 +55,6 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
                       "Content-Type: application/kvsp-block\r\n"
                       f"Content-Length: {len(slow)}\r\n\r\n").encode())  # fmt: skip
         await writer.drain()
-        started = time.monotonic()
         answered: list[float] = []  # when the first octet of the answer came
 
         async def read_to_close() -> bytes:
@@ -76,12 +75,15 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
 
         reading = asyncio.create_task(read_to_close())
 
+        trickled = [0]
+
         async def trickle() -> None:
             for i in range(100):  # a byte every 50 ms: far below the rate
                 if answered:  # cut off: writing on would only draw a reset
                     return
                 writer.write(slow[i : i + 1])
                 await writer.drain()
+                trickled[0] += 1
                 await asyncio.sleep(0.05)
 
         trickling = asyncio.create_task(trickle())
@@ -104,8 +106,12 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
         assert answer.startswith(b"HTTP/1.1 408"), answer[-400:]
         assert b"connection: close" in answer.lower()
         assert answer.endswith(b"}"), answer[-400:]  # the whole problem, then the close
-        elapsed = answered[0] - started
-        assert 0.4 < elapsed < 3.0, elapsed  # cut at ~0.5 s + its size / 1 MiB/s
+        # Cut at 0.5 s + its size / 1 MiB/s, long before the trickle (a byte
+        # every 50 ms, 5 s) would have ended: the deadline the problem names
+        # is that formula's (the clock itself is tested in tests/test_tls.py
+        # for headers; here only that it runs out, bounded by the wait above).
+        assert b"within 0.5 s" in answer, answer[-400:]
+        assert trickled[0] < 100, trickled
         assert ref(1) not in store and ref(3) not in store
         writer.close()
     finally:
@@ -134,24 +140,25 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
     path = f"/kvsp/blocks/{COMPAT}/{SCOPE}/{ref(1).block_key}"
     late = f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: aaaaaaaaaaaaaaaaaaaaaa\r\n\r\n".encode()
 
+    sent: dict[asyncio.StreamWriter, int] = {}
+
     async def trickle(writer: asyncio.StreamWriter, text: bytes) -> None:
         for i in range(len(text)):
             writer.write(text[i : i + 1])
             await writer.drain()
+            sent[writer] = i + 1
             await asyncio.sleep(0.05)
 
-    async def cut_off(reader: asyncio.StreamReader, started: float, answered: bool = True) -> float:
+    async def cut_off(reader: asyncio.StreamReader, answered: bool = True) -> None:
         answer = await asyncio.wait_for(reader.read(), 5)  # to the close
         if answered:  # a request had begun: a 408 problem, never cached
             assert answer.startswith(b"HTTP/1.1 408"), answer
             assert b"application/problem+json" in answer and b"no-store" in answer
         else:  # nothing was sent: closed without an answer
             assert answer == b"", answer
-        return time.monotonic() - started
 
     try:
         silent_r, silent_w = await asyncio.open_connection("127.0.0.1", port)
-        started = time.monotonic()
         slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
         slow = asyncio.create_task(trickle(slow_w, late))
         kept_r, kept_w = await asyncio.open_connection("127.0.0.1", port)
@@ -159,17 +166,21 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
         first = await asyncio.wait_for(kept_r.readuntil(b"\r\n\r\n"), 5)
         assert first.startswith(b"HTTP/1.1 404")  # a whole request in time is served
         await kept_r.readexactly(int(first.lower().split(b"content-length: ")[1].split(b"\r")[0]))
-        kept_started = time.monotonic()
         kept = asyncio.create_task(trickle(kept_w, late))
         async with httpx.AsyncClient(base_url=uri) as other:  # served meanwhile
             put = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}", content=block(),
                                   headers={"If-None-Match": "*",
                                            "Content-Type": "application/kvsp-block"})  # fmt: skip
             assert put.status_code == 201
-        ends = (await cut_off(silent_r, started, answered=False),
-                await cut_off(slow_r, started), await cut_off(kept_r, kept_started))  # fmt: skip
-        for elapsed in ends:
-            assert 0.4 < elapsed < 2.0, elapsed
+        # Each is cut off (within the 5 s each wait allows; the deadline's
+        # clock is tested on an injected one in tests/test_tls.py), the
+        # trickling ones before their headers could have ended (3 s at a
+        # byte every 50 ms).
+        await cut_off(silent_r, answered=False)
+        await cut_off(slow_r)
+        assert sent[slow_w] < len(late), sent[slow_w]
+        await cut_off(kept_r)
+        assert sent[kept_w] < len(late), sent[kept_w]
         for t, w in ((slow, slow_w), (kept, kept_w), (None, silent_w)):
             if t is not None:
                 t.cancel()
