@@ -109,6 +109,9 @@ EXCEPTION_HANDLERS = {
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }
+#: For an app that only mounts role apps: a role app already answers (and
+#: logs) what it raised; what is left is an unknown path.
+OUTER_HANDLERS = {KvspError: handle_kvsp_error, HTTPException: handle_http_exception}
 
 
 #: A body must arrive within BODY_BASE_S plus its size at BODY_MIN_RATE
@@ -243,7 +246,7 @@ def role_app(
         # Also at ``/metrics``: a scraper of one role needs no base path.
         app = Starlette(
             routes=[Route("/metrics", get_metrics, methods=["GET"]), Mount(prefix, app=mountable)],
-            exception_handlers=EXCEPTION_HANDLERS,
+            exception_handlers=OUTER_HANDLERS,
             lifespan=lifespan,
         )
         app.router.redirect_slashes = False

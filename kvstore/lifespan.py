@@ -60,14 +60,25 @@ class Shutdown:
         self.grace_s = grace_s
         self.clock = clock
         self.began: float | None = None
+        self._frozen: float | None = None
 
     def begin(self) -> None:
         """The stop began (a signal): the first call counts."""
         if self.began is None:
             self.began = self.clock()
 
+    def freeze(self) -> None:
+        """The roles' own stopping begins: what is left now is what they
+        share, however long the ones before take (the holder's spill and
+        withdrawals get their part of it after the instance stopped)."""
+        if self._frozen is None:
+            self._frozen = self.left()
+
     def left(self) -> float:
-        """Seconds left of the grace (all of it if the stop has not begun)."""
+        """Seconds left of the grace (all of it if the stop has not begun);
+        once frozen, what was left then."""
+        if self._frozen is not None:
+            return self._frozen
         if self.began is None:
             return self.grace_s
         return max(0.0, self.grace_s - (self.clock() - self.began))

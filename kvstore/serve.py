@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from .config import Config, ConfigError, check
 from .holder import HolderSettings, create_app
 from .http import EXCEPTION_HANDLERS
-from .lifespan import Listening, Shutdown, Step, run_steps
+from .lifespan import Listening, Service, Shutdown, Step, run_steps, running
 from .protocol.compat import parse_descriptor
 from .protocol.wire import NO_STORE
 from .seams import PublisherStatsSource, Snapshots
@@ -149,7 +149,9 @@ def controller_state(config: Config) -> ControllerState:
     raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
 
 
-def build_controller(config: Config, state: ControllerState) -> Starlette:
+def build_controller(
+    config: Config, state: ControllerState, listening: Listening | None = None
+) -> Starlette:
     """The Placement Controller app over ``state``."""
     from .controller.app import ControllerSettings
     from .controller.app import create_app as create_controller
@@ -174,7 +176,7 @@ def build_controller(config: Config, state: ControllerState) -> Starlette:
     instances = instance_client(config)
     closing = [c.close for c in (instances, index) if c is not None]
     return create_controller(settings, state, Policy.load(cfg.policy), index, instances,
-                             closing=closing)  # fmt: skip
+                             closing=closing, listening=listening)  # fmt: skip
 
 
 def instance_client(config: Config) -> InstanceClient:
@@ -343,6 +345,10 @@ def compose(
     store: TieredStore | None = None,
     publisher: IndexPublisher | None = None,
     closing: Sequence[Step] = (),
+    *,
+    services: Sequence[Service] = (),
+    listening: Listening | None = None,
+    shutdown: Shutdown | None = None,
 ) -> Starlette:
     """One app for one listener: each role's app mounted at its base path
     (longest first), ``/metrics`` of the first role, and ``/healthz`` (the
@@ -351,8 +357,11 @@ def compose(
     certificate).
 
     Its lifespan enters every role's lifespan in one exit stack, in the
-    order given, so they stop in reverse (users before what they use), and
-    then runs ``closing`` (the store and the states the roles shared)."""
+    order given, then runs ``services`` (the store's retention sweep) once
+    ``listening``; at the stop they go in reverse (users before what they
+    use: the sweep first, the holder's spill and withdrawals after the
+    instance), sharing what ``shutdown`` left when the stop reached them,
+    and then ``closing`` runs (the store and the states the roles shared)."""
 
     async def health(request: Request) -> Response:
         ok, checks = (True, {}) if request.url.path == "/healthz" else readiness(store, publisher)
@@ -366,12 +375,15 @@ def compose(
             stack.push_async_callback(run_steps, closing, "closing the store")
             for role in apps:
                 await stack.enter_async_context(role.router.lifespan_context(role))
+            await stack.enter_async_context(running(services, after=listening))
             yield
+            if shutdown is not None:
+                shutdown.freeze()
 
     mounts = sorted(apps, key=lambda a: -len(a.state.base))
     routes: list[BaseRoute] = [
-        Route("/healthz", health, methods=["GET", "HEAD"]),
-        Route("/readyz", health, methods=["GET", "HEAD"]),
+        Route("/healthz", health),  # any method, as a probe may send
+        Route("/readyz", health),
         Route("/metrics", apps[0].state.mountable, methods=["GET"]),
         *(Mount(a.state.base, app=a.state.mountable) for a in mounts),
     ]
@@ -404,6 +416,14 @@ def _server_class() -> Any:
             await super().startup(sockets)
             if self.started:
                 self.listening.set()
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:
+                # A second SIGINT cut the wait for in-flight requests short;
+                # uvicorn then skips the lifespan, but kvstore's stop (spill,
+                # withdrawals, closing the tiers) still runs.
+                await self.lifespan.shutdown()
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if self.should_exit:
@@ -485,22 +505,39 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
     if problems:
         raise ConfigError(problems[0])
     listening, shutdown = Listening(False), Shutdown(config.server.shutdown_grace_s)
+    closing: list[Step] = []
+    try:
+        app = await _build(config, roles, listening, shutdown, closing)
+        server = _server_class()(uvicorn_config(config, app), listening, shutdown)
+    except BaseException:
+        # Built this far: the tiers and states made are closed again.
+        await run_steps(closing, "closing after a failed start")
+        raise
+    scheme = "http" if config.server.insecure_http else "https"
+    log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
+             config.server.port)  # fmt: skip
+    await server.serve()
+
+
+async def _build(
+    config: Config, roles: Sequence[str], listening: Listening, shutdown: Shutdown,
+    closing: list[Step],
+) -> Starlette:  # fmt: skip
+    """The composed app of ``roles``; what to close at the end goes to ``closing``."""
     store = publisher = pc_state = None
     apps: list[Starlette] = []
-    closing: list[Step] = []
+    services: list[Service] = []
     if "holder" in roles or "instance" in roles:
         store = build_store(config)
+        # The store's own stop: a spill the holder did not do already, then
+        # closing its tiers (the roles that use it stopped before).
+        closing += [lambda: store.spill(shutdown.share(0.6)), store.close]
         found = await store.recover()
         await store.measure_read_rates()
         if config.storage.retention_s > 0:
             from .storage.retention import RetentionSweeper
 
-            sweeper = RetentionSweeper(store)
-            sweeper.start()
-            closing.append(sweeper.stop)
-        # The store's own stop: a spill the holder did not do already, then
-        # closing its tiers (the roles that use it stopped before).
-        closing += [lambda: store.spill(shutdown.share(0.6)), store.close]
+            services.append(RetentionSweeper(store))
     if "holder" in roles:
         assert store is not None
         publisher = build_publisher(config, store)
@@ -510,7 +547,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         # Its blocks are in the store; with the holder role the holder
         # serves and publishes them (an instance is a holder of its tiers).
         assert store is not None
-        apps.append(build_instance(config, store, "holder" in roles, listening))
+        apps.append(build_instance(config, store, publisher is not None, listening))
         log.info("instance %s", config.instance.uri)
     if "pc" in roles or ("index" in roles and config.controller.state == "redis"):
         # The IS estimates from the PC's instance status (L2): the PC's
@@ -519,7 +556,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         closing.append(pc_state.close)
     if "pc" in roles:
         assert pc_state is not None
-        apps.append(build_controller(config, pc_state))
+        apps.append(build_controller(config, pc_state, listening))
         log.info("controller %s (%s state)", config.controller.uri,
                  config.controller.state)  # fmt: skip
     if "index" in roles:
@@ -527,12 +564,8 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
         apps.append(index_app)
         closing.insert(len(closing) - (pc_state is not None), index_state.close)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
-    server = _server_class()(uvicorn_config(config, compose(apps, store, publisher, closing)),
-                             listening, shutdown)  # fmt: skip
-    scheme = "http" if config.server.insecure_http else "https"
-    log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
-             config.server.port)  # fmt: skip
-    await server.serve()
+    return compose(apps, store, publisher, closing, services=services, listening=listening,
+                   shutdown=shutdown)  # fmt: skip
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:

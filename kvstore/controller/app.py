@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..http import base_path, empty_response, json_response, principal, read_json, role_app
-from ..lifespan import Step, running
+from ..lifespan import Listening, Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
@@ -294,6 +294,7 @@ def create_app(
     instances: Instances | None = None,
     *,
     closing: Sequence[Step] = (),
+    listening: Listening | None = None,
 ) -> Starlette:
     """``index``: a :class:`kvstore.client.IndexClient` for placement lookups;
     ``instances``: a :class:`kvstore.client.InstanceClient` for prefetch
@@ -305,7 +306,9 @@ def create_app(
     then: list[Step] = [controller.starter.close] if controller.starter is not None else []
 
     def lifespan(app: Starlette) -> AbstractAsyncContextManager[None]:
-        return running(services, then=[*then, *closing])
+        # The migrator's first round may resume sessions on instances of
+        # this very listener: it starts once it listens.
+        return running(services, after=listening, then=[*then, *closing])
 
     metrics = Metrics(counters=controller.counters, counters_prefix="kvstore_controller")
     app = role_app(settings.base_path, controller.routes(), metrics, policy,

@@ -29,7 +29,7 @@ from ..http import (
     read_json,
     role_app,
 )
-from ..lifespan import Listening, Shutdown, run_steps, running
+from ..lifespan import Listening, Shutdown, Step, run_steps, running
 from ..metrics import Metrics
 from ..protocol import container as kc
 from ..protocol._json import UINT32_MAX, check_int
@@ -258,14 +258,16 @@ def create_app(
         spill_s, withdraw_s = stopping.share(0.6), stopping.share(0.4)
         # What only memory holds goes down to a persistent tier while there
         # is room and time (a restart serves it again) ...
-        await store.spill(spill_s)
+        steps: list[Step] = [lambda: store.spill(spill_s)]
         if publisher is not None:
             # ... and the replicas that still do not survive the process
             # leave the IS; the rest stays published (withdrawals queued
-            # while the IS was away go too, P3).
-            await run_steps([lambda: publisher.drain(withdraw_s / 2),
-                             lambda: publisher.withdraw_volatile(withdraw_s / 2),
-                             publisher.close])  # fmt: skip
+            # while the IS was away go too, P3). One failing step does not
+            # skip the others.
+            steps += [lambda: publisher.drain(withdraw_s / 2),
+                      lambda: publisher.withdraw_volatile(withdraw_s / 2),
+                      publisher.close]  # fmt: skip
+        await run_steps(steps)
 
     def lifespan(app: Starlette) -> AbstractAsyncContextManager[None]:
         services = [publisher] if publisher is not None else []

@@ -175,4 +175,3 @@ def test_backoff_doubles_and_is_capped_at_a_third_of_the_ttl() -> None:
         waits.append(backoff)
     assert waits == [1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
     assert next_backoff(True, 3.0, granted_ttl_ms=9000) == 0.5
-

@@ -148,3 +148,32 @@ def test_the_port_of_the_environment_is_served_printed_and_logged_at_info(
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_a_second_interrupt_does_not_skip_the_stop(tmp_path: Path) -> None:
+    # Ctrl-C twice: uvicorn stops waiting for in-flight requests, but
+    # kvstore's own stop still runs: the block only the host tier held is
+    # spilled into LMDB, and a restart serves it.
+    directory, port, log = tmp_path / ".kvstore", free_port(), tmp_path / "serve.log"
+    process = start(directory, port, log)
+    try:
+        banner = log.read_text()
+        commands = re.findall(r"^    (curl .*?)(?=^    curl|\n\n)", banner, re.M | re.S)
+        put, get = commands[0], commands[1].split(" && ")[0]
+        assert curl(put)[0] == 201
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)  # two at once would be one signal
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0, log.read_text()
+        # The stop ran as the lifespan's, in order: not cut by the loop's
+        # teardown (which would cancel it midway and log the traceback).
+        assert "Traceback" not in log.read_text(), log.read_text()
+        process = start(directory, port, log)
+        deadline = time.monotonic() + 10
+        while curl(get)[0] != 200:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
