@@ -1,6 +1,10 @@
 """Configuration files (TOML): strict, every key typed, unknown keys are errors.
 
-A holder's file, with every key and its default::
+The role tables are the roles' own settings (:mod:`kvstore.settings`), the
+one definition of their keys, types and defaults; ``[server]`` and
+``[storage]`` are defined here. docs/configuration.md lists every key (and
+is tested against these classes). A holder's file, with its usual keys and
+their defaults::
 
     [server]
     host = "127.0.0.1"
@@ -125,18 +129,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .settings import (
+    ControllerSettings,
+    HolderSettings,
+    IndexSettings,
+    InstanceSettings,
+    is_key,
+)
+
 
 class ConfigError(ValueError):
     """A configuration file is wrong; the message names the key's path."""
-
-
-#: Whether an instance claims greedy decoding bit-identical on every instance
-#: that may resume its sessions (R4 ``sampler.deterministic``). Off by default:
-#: that holds only with batch-invariant kernels (a resume recomputes in one
-#: batch what was decoded token by token), and with the claim tokens go out
-#: before the PC acknowledges a checkpoint, so a migration could splice two
-#: different continuations (CK3). The one definition of this default.
-GREEDY_DETERMINISTIC = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,90 +156,12 @@ class ServerConfig:
     log_level: str = "info"
 
 
-@dataclass(frozen=True, slots=True)
-class HolderConfig:
-    uri: str = "https://127.0.0.1:8443/kvsp/"
-    policy: str = ""
-    descriptors: tuple[str, ...] = ()
-    replica_ttl_ms: int = 600_000
-    max_block_octets: int = 64 << 20
-    body_timeout_base_s: float = 10.0
-    body_min_octets_per_s: int = 1 << 20
-    index_uri: str = ""
-    client_certfile: str = ""
-    client_keyfile: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class IndexConfig:
-    uri: str = "https://127.0.0.1:8443/is/"
-    policy: str = ""
-    state: str = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "kvsp-index:"
-    max_records: int = 1_000_000
-    max_ttl_ms: int = 600_000
-    max_lookup_keys: int = 8192
-    descriptors: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerConfig:
-    uri: str = "https://127.0.0.1:8443/pc/"
-    policy: str = ""
-    sleep_idle_s: float = 60.0
-    sleep_max_running: int = 0
-    sleep_max_queued: int = 0
-    index_uri: str = ""
-    client_certfile: str = ""
-    client_keyfile: str = ""
-    descriptors: tuple[str, ...] = ()
-    mean_service_ms: float = 0.0
-    state: str = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "kvsp-pc:"
-    max_sessions: int = 100_000
-    max_sessions_per_instance: int = 10_000
-    prefetch: bool = False
-    prefetch_deadline_ms: int = 50
-    prefetch_lease_ms: int = 2000
-    migrate_interval_s: float = 0.5
-    session_idle_s: float = 600.0
-    start_command: str = ""
-    start_above_ms: float = 0.0
-    start_timeout_s: float = 60.0
-    start_cooldown_s: float = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceConfig:
-    uri: str = "https://127.0.0.1:8443/ii/"
-    policy: str = ""
-    controller_uri: str = ""
-    index_uri: str = ""
-    client_certfile: str = ""
-    client_keyfile: str = ""
-    status_ttl_ms: int = 3000
-    sleep_idle_s: float = 0.0
-    max_pending_directives: int = 16
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    engine: str = ""
-    engine_dir: str = ""
-    engine_seed: int = 0
-    engine_device: str = "cpu"
-    block_tokens: int = 16
-    scope_keys: tuple[str, ...] = ()
-    store_blocks_to: tuple[str, ...] = ()
-    checkpoint_tokens: int = 32
-    release_tokens: int = 4
-    max_sessions: int = 64
-    max_running: int = 8
-    max_prompt_tokens: int = 4096
-    max_output_tokens: int = 2048
-    resume_deadline_ms: int = 4000
-    token_interval_ms: float = 0.0
-    greedy_deterministic: bool = GREEDY_DETERMINISTIC
+# The role sections are the roles' own settings (kvstore/settings.py): one
+# definition of every key, its type and its default.
+HolderConfig = HolderSettings
+IndexConfig = IndexSettings
+ControllerConfig = ControllerSettings
+InstanceConfig = InstanceSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +189,10 @@ class StorageConfig:
 @dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = ServerConfig()
-    holder: HolderConfig = HolderConfig()
-    index: IndexConfig = IndexConfig()
-    controller: ControllerConfig = ControllerConfig()
-    instance: InstanceConfig = InstanceConfig()
+    holder: HolderSettings = field(default_factory=HolderSettings)
+    index: IndexSettings = field(default_factory=IndexSettings)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+    instance: InstanceSettings = field(default_factory=InstanceSettings)
     storage: StorageConfig = StorageConfig()
     #: Directory relative paths are resolved against.
     root: Path = Path(".")
@@ -293,7 +218,7 @@ _URI_LISTS = {"store_blocks_to"}
 def _section(cls: type, data: Any, where: str, root: Path) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a table")
-    known = {f.name: f for f in fields(cls)}
+    known = {f.name: f for f in fields(cls) if is_key(f)}
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key not in known or key == "tiers":
@@ -500,7 +425,7 @@ def apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> dict[
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
         if section not in _SECTIONS:
             raise ConfigError(f"{name}: {section!r} is not a section ({', '.join(_SECTIONS)})")
-        known = {f.name: f.default for f in fields(classes[section])}
+        known = {f.name: f.default for f in fields(classes[section]) if is_key(f)}
         if key not in known or key == "tiers":
             raise ConfigError(f"{name}: {section}.{key}: unknown key; known: "
                               f"{sorted(k for k in known if k != 'tiers')}")  # fmt: skip

@@ -14,7 +14,6 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -198,12 +197,6 @@ def principal(request: Request, allow_anonymous: bool = False) -> str | None:
     if found is None and allow_anonymous:
         return ANONYMOUS
     return found
-
-
-def base_path(uri: str) -> str:
-    """The path of a role's base URI, with a trailing slash (H7)."""
-    path = urlsplit(uri).path or "/"
-    return path if path.endswith("/") else path + "/"
 
 
 def role_app(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
-import shlex
 import ssl
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from .config import Config, ConfigError, check
-from .holder import HolderSettings, create_app
+from .holder import create_app
 from .http import EXCEPTION_HANDLERS
 from .lifespan import Listening, Service, Shutdown, Step, run_steps, running
 from .protocol.compat import parse_descriptor
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .instance.prefetch import Prefetcher
     from .instance.reporter import Load
     from .instance.sessions import Sessions
+    from .settings import InstanceSettings
 
 log = logging.getLogger("kvstore.serve")
 
@@ -117,15 +118,10 @@ def build_holder(
     for file in cfg.descriptors:
         descriptor = parse_descriptor(json.loads(Path(file).read_text()))
         descriptors[descriptor.compat_id_hex] = descriptor
-    settings = HolderSettings(
-        holder_uri=cfg.uri,
-        max_block_octets=cfg.max_block_octets,
-        body_timeout_base_s=cfg.body_timeout_base_s,
-        body_min_octets_per_s=cfg.body_min_octets_per_s,
-        replica_ttl_ms=cfg.replica_ttl_ms,
-        descriptors=descriptors,
-        allow_anonymous=config.server.insecure_http,
-    )
+    # The [holder] section is the holder's settings; serve adds what it
+    # derives: the descriptors its files hold, plain-HTTP development mode.
+    settings = dataclasses.replace(cfg, known_descriptors=descriptors,
+                                   allow_anonymous=config.server.insecure_http)  # fmt: skip
     return create_app(settings, store, Policy.load(cfg.policy), publisher,
                       listening=listening, shutdown=shutdown)  # fmt: skip
 
@@ -153,26 +149,12 @@ def build_controller(
     config: Config, state: ControllerState, listening: Listening | None = None
 ) -> Starlette:
     """The Placement Controller app over ``state``."""
-    from .controller.app import ControllerSettings
     from .controller.app import create_app as create_controller
 
     cfg = config.controller
     index = index_client(config, "controller")
-    settings = ControllerSettings(
-        cfg.uri,
-        allow_anonymous=config.server.insecure_http,
-        block_tokens=_block_tokens(cfg.descriptors),
-        mean_service_ms=cfg.mean_service_ms,
-        prefetch=cfg.prefetch,
-        prefetch_deadline_ms=cfg.prefetch_deadline_ms,
-        prefetch_lease_ms=cfg.prefetch_lease_ms,
-        migrate_interval_s=cfg.migrate_interval_s,
-        session_idle_s=cfg.session_idle_s,
-        start_command=tuple(shlex.split(cfg.start_command)),
-        start_above_ms=cfg.start_above_ms,
-        start_timeout_s=cfg.start_timeout_s,
-        start_cooldown_s=cfg.start_cooldown_s,
-    )
+    settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),
+                                   allow_anonymous=config.server.insecure_http)  # fmt: skip
     instances = instance_client(config)
     closing = [c.close for c in (instances, index) if c is not None]
     return create_controller(settings, state, Policy.load(cfg.policy), index, instances,
@@ -200,7 +182,7 @@ def build_instance(
     """The Inference Instance app over ``store``; its lifespan runs its
     sessions and status reporter and closes the clients made here."""
     from .client import ControllerClient, HolderClient, IndexClient
-    from .instance.app import InstanceSettings, create_app
+    from .instance.app import create_app
     from .instance.lifecycle import Lifecycle
     from .instance.prefetch import Prefetcher
     from .instance.reporter import Load, StatusReporter
@@ -216,13 +198,14 @@ def build_instance(
     index = IndexClient(cfg.index_uri, context) if cfg.index_uri else None
     prefetcher = Prefetcher(store, holders, index=index, max_pending=cfg.max_pending_directives)
     lifecycle = Lifecycle()
-    settings = InstanceSettings(cfg.uri, allow_anonymous=config.server.insecure_http)
+    settings = dataclasses.replace(cfg, allow_anonymous=config.server.insecure_http)
     load = Load(prefill_tokens_per_s=cfg.prefill_tokens_per_s,
                 decode_tokens_per_s=cfg.decode_tokens_per_s)  # fmt: skip
     controller = ControllerClient(cfg.controller_uri, context) if cfg.controller_uri else None
     sessions = None
     if cfg.engine:
-        sessions = build_sessions(config, store, prefetcher, holders, controller, lifecycle, load)
+        sessions = build_sessions(config, settings, store, prefetcher, holders, controller,
+                                  lifecycle, load)  # fmt: skip
     from .instance.shards import Shards
 
     policy = Policy.load(cfg.policy)
@@ -253,11 +236,11 @@ def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
 
 
 def build_sessions(
-    config: Config, store: TieredStore, prefetcher: Prefetcher, holders: HolderClient,
-    controller: ControllerClient | None, lifecycle: Lifecycle, load: Load,
+    config: Config, settings: InstanceSettings, store: TieredStore, prefetcher: Prefetcher,
+    holders: HolderClient, controller: ControllerClient | None, lifecycle: Lifecycle, load: Load,
 ) -> Sessions:  # fmt: skip
     """The instance's engine and its sessions ([instance] engine)."""
-    from .instance.sessions import Sessions, SessionSettings
+    from .instance.sessions import Sessions
 
     cfg = config.instance
     try:
@@ -272,14 +255,6 @@ def build_sessions(
     scope_keys = read_scope_keys(cfg.scope_keys)
     if not scope_keys:
         log.warning("instance.scope_keys: none; no session can start")
-    settings = SessionSettings(
-        cfg.uri, checkpoint_tokens=cfg.checkpoint_tokens, release_tokens=cfg.release_tokens,
-        max_sessions=cfg.max_sessions, max_running=cfg.max_running,
-        max_prompt_tokens=cfg.max_prompt_tokens, max_output_tokens=cfg.max_output_tokens,
-        resume_deadline_s=cfg.resume_deadline_ms / 1000, store_to=cfg.store_blocks_to,
-        token_interval_s=cfg.token_interval_ms / 1000,
-        greedy_deterministic=cfg.greedy_deterministic,
-    )  # fmt: skip
     return Sessions(settings, engine, store, scope_keys, lifecycle, load,
                     prefetcher=prefetcher, controller=controller, holders=holders)  # fmt: skip
 
@@ -301,7 +276,7 @@ def build_index(
     config: Config, statuses: StatusSource | None = None
 ) -> tuple[Starlette, IndexState]:
     """The Index Service app and its state."""
-    from .index import IndexSettings, MemoryState
+    from .index import MemoryState
     from .index import create_app as create_index
 
     cfg = config.index
@@ -314,14 +289,8 @@ def build_index(
         state = RedisState(cfg.redis_url, cfg.redis_prefix)
     else:
         raise ConfigError(f"index.state: {cfg.state!r} is not 'memory' or 'redis'")
-    block_tokens = _block_tokens(cfg.descriptors)
-    settings = IndexSettings(
-        cfg.uri,
-        max_ttl_ms=cfg.max_ttl_ms,
-        max_lookup_keys=cfg.max_lookup_keys,
-        block_tokens=block_tokens,
-        allow_anonymous=config.server.insecure_http,
-    )
+    settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),
+                                   allow_anonymous=config.server.insecure_http)  # fmt: skip
     return create_index(settings, state, Policy.load(cfg.policy), statuses), state
 
 

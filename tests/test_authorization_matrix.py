@@ -18,20 +18,19 @@ import httpx
 import pytest
 
 from backends.host import HostTier
-from kvstore.controller.app import ControllerSettings
 from kvstore.controller.app import create_app as create_controller
 from kvstore.controller.state import MemoryControllerState
 from kvstore.holder import HolderSettings
 from kvstore.holder import create_app as create_holder
 from kvstore.index import IndexSettings, MemoryState
 from kvstore.index import create_app as create_index
-from kvstore.instance.app import InstanceSettings
 from kvstore.instance.app import create_app as create_instance
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.protocol.control import InstanceStatus, Sampler, SessionCheckpoint
 from kvstore.protocol.wire import role_id
 from kvstore.security import Policy, create_dev_certificates
+from kvstore.settings import ControllerSettings, InstanceSettings
 from kvstore.storage import LeaseLimits, TieredStore
 
 from .holder.conftest import AsPrincipal
@@ -279,8 +278,9 @@ async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
     # the PC only.
     from kvstore.instance.reference import ReferenceEngine
     from kvstore.instance.reporter import Load
-    from kvstore.instance.sessions import Sessions, SessionSettings
+    from kvstore.instance.sessions import Sessions
     from kvstore.instance.shards import Shards
+    from kvstore.settings import InstanceSettings
 
     from .instance.test_sessions import PROMPT, SCOPE, SCOPE_KEY
 
@@ -293,7 +293,7 @@ async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
     }})  # fmt: skip
     store = TieredStore([(HostTier(), 64 << 20)])
     prefetcher, lifecycle = Prefetcher(store, None), Lifecycle()
-    sessions = Sessions(SessionSettings(II1), ReferenceEngine(tmp_path, block_tokens=8), store,
+    sessions = Sessions(InstanceSettings(II1), ReferenceEngine(tmp_path, block_tokens=8), store,
                         {SCOPE: SCOPE_KEY}, lifecycle, Load(), prefetcher=prefetcher)  # fmt: skip
     app = create_instance(InstanceSettings(II1), prefetcher, policy, lifecycle, sessions,
                           Shards(store, prefetcher, policy, 8))  # fmt: skip

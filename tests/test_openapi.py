@@ -22,19 +22,18 @@ from schemathesis.checks import (
 )
 
 from backends.host import HostTier
-from kvstore.controller.app import ControllerSettings
 from kvstore.controller.app import create_app as create_controller
 from kvstore.controller.state import MemoryControllerState
 from kvstore.holder import HolderSettings
 from kvstore.holder import create_app as create_holder
 from kvstore.index import IndexSettings, MemoryState
 from kvstore.index import create_app as create_index
-from kvstore.instance.app import InstanceSettings
 from kvstore.instance.app import create_app as create_instance
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.openapi import ROLES, document, render
 from kvstore.security import Policy
+from kvstore.settings import ControllerSettings, InstanceSettings
 from kvstore.storage import TieredStore
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "openapi"

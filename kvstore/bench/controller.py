@@ -97,9 +97,10 @@ async def _rate(make_call: Any, seconds: float, in_flight: int) -> float:
 
 async def _run(quick: bool) -> list[Result]:
     from ..client import IndexClient
-    from ..controller.app import ControllerSettings, create_app
+    from ..controller.app import create_app
     from ..controller.state import MemoryControllerState
     from ..security import Policy
+    from ..settings import ControllerSettings
 
     pc = MemoryControllerState()
     statuses = [_status(n) for n in range(64)]

@@ -14,9 +14,9 @@ base URI must hash to ``{instance-id}`` (H6) and equal the record's
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import shlex
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..http import base_path, empty_response, json_response, principal, read_json, role_app
+from ..http import empty_response, json_response, principal, read_json, role_app
 from ..lifespan import Listening, Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
@@ -42,47 +42,13 @@ from ..protocol.records import LookupRequest
 from ..protocol.wire import role_id
 from ..seams import Instances, Lookups
 from ..security import Grant, Policy
+from ..settings import ControllerSettings
 from .coordinator import ReshardAborted, ReshardCoordinator
 from .dispatch import ControllerCounters, Dispatch
 from .migrate import Migrator
 from .placer import Placer
 from .starter import InstanceStarter
 from .state import ControllerState
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerSettings:
-    #: Public base URI of the PC (H7).
-    controller_uri: str
-    max_json_octets: int = 1 << 20
-    allow_anonymous: bool = False
-    #: block_tokens per compat_id (from descriptors), for recompute estimates.
-    block_tokens: Mapping[str, int] = field(default_factory=dict)
-    #: Mean service time of a queued request, for wait_us (PL1).
-    mean_service_ms: float = 0.0
-    #: Most block keys in one placement request.
-    max_place_keys: int = 8192
-    #: Largest checkpoint accepted (it is kept per session).
-    max_checkpoint_octets: int = 256 << 10
-    #: Send the chosen instance a prefetch directive (PL2, PF1).
-    prefetch: bool = False
-    prefetch_deadline_ms: int = 50
-    prefetch_lease_ms: int = 2000
-    #: How often failed instances' sessions are looked for (CK5).
-    migrate_interval_s: float = 0.5
-    #: A session idle this long is not resumed (finished without an end).
-    session_idle_s: float = 600.0
-    #: PL3: start an instance (this command) when none fits: none active, or
-    #: the cheapest costs more than ``start_above_ms`` (0: only when none).
-    start_command: tuple[str, ...] = ()
-    start_above_ms: float = 0.0
-    start_timeout_s: float = 60.0
-    start_cooldown_s: float = 30.0
-
-    @property
-    def base_path(self) -> str:
-        return base_path(self.controller_uri)
-
 
 log = logging.getLogger("kvstore.controller")
 
@@ -112,7 +78,7 @@ class Controller:
         self.coordinator = ReshardCoordinator(state, instances) if instances is not None else None
         self.starter = None
         if settings.start_command:
-            self.starter = InstanceStarter(settings.start_command,
+            self.starter = InstanceStarter(tuple(shlex.split(settings.start_command)),
                                            timeout_s=settings.start_timeout_s,
                                            cooldown_s=settings.start_cooldown_s)  # fmt: skip
         self.dispatch = Dispatch(

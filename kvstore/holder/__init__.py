@@ -1,5 +1,6 @@
 """The KVSP holder role: blocks and leases over HTTP, served from a TieredStore."""
 
-from .app import HolderSettings, create_app
+from ..settings import HolderSettings
+from .app import create_app
 
 __all__ = ["HolderSettings", "create_app"]

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -21,7 +20,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..http import (
-    base_path,
     empty_response,
     json_response,
     principal,
@@ -34,7 +32,6 @@ from ..metrics import Metrics
 from ..protocol import container as kc
 from ..protocol._json import UINT32_MAX, check_int
 from ..protocol.codecs import CODECS
-from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.problems import BadRequest, NotFound, PreconditionRequired
 from ..protocol.records import LeaseGrant, LeaseRequest
 from ..protocol.stream import LayerHasher
@@ -46,6 +43,7 @@ from ..protocol.wire import (
     repr_digest,
 )
 from ..security import Policy
+from ..settings import HolderSettings
 from ..storage import BlockRef, TieredStore
 from ..storage.leases import Lease
 
@@ -56,34 +54,6 @@ log = logging.getLogger("kvstore.holder")
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
-
-
-@dataclass(frozen=True, slots=True)
-class HolderSettings:
-    """What a holder needs to know about itself."""
-
-    #: Public base URI of this holder (H7), e.g. ``https://h1.example:8443/kvsp/``.
-    holder_uri: str
-    #: Largest block PUT body accepted (413 beyond it).
-    max_block_octets: int = 64 << 20
-    #: Largest JSON body accepted.
-    max_json_octets: int = 1 << 20
-    #: A block's body must arrive within this plus its size at the rate below
-    #: (slow-loris uploads are cut off with 408).
-    body_timeout_base_s: float = 10.0
-    body_min_octets_per_s: int = 1 << 20
-    #: TTL of the replica records it publishes; bounds Cache-Control max-age (BL5).
-    replica_ttl_ms: int = 600_000
-    #: Descriptors the holder knows, by compat_id: PUTs are checked against them (B2).
-    descriptors: Mapping[str, CompatibilityDescriptor] = field(default_factory=dict)
-    #: Most block keys in one lease request (SEC3).
-    max_lease_keys: int = 8192
-    #: Plain-HTTP development mode: requests without a certificate are "anonymous".
-    allow_anonymous: bool = False
-
-    @property
-    def base_path(self) -> str:
-        return base_path(self.holder_uri)
 
 
 def _ref(request: Request) -> BlockRef:
@@ -147,7 +117,7 @@ class Holder:
             body = kc.transcode(
                 kc.decode(await read.read_all()),
                 int(codec),
-                self.settings.descriptors[ref.compat_id],
+                self.settings.known_descriptors[ref.compat_id],
             )
             headers = _block_headers(repr_digest(body), self.settings)
             return Response(bytes(body), headers=headers, media_type=BLOCK_MEDIA_TYPE)
@@ -183,12 +153,12 @@ class Holder:
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)
-        descriptor = self.settings.descriptors.get(ref.compat_id)
+        descriptor = self.settings.known_descriptors.get(ref.compat_id)
         digests = hasher.digests if hasher.complete else None
         # P1: the store's "stored" event has the publisher queue its record.
         await self.store.put(ref, body, descriptor=descriptor, layer_digests=digests)
         settings = self.settings
-        record = self.store.replica_record(ref, settings.holder_uri, settings.replica_ttl_ms)
+        record = self.store.replica_record(ref, settings.uri, settings.replica_ttl_ms)
         location = settings.base_path + block_path(ref.compat_id, ref.scope_id, ref.block_key)
         return json_response(record.to_json(), 201, {"Location": location})
 
@@ -288,7 +258,7 @@ def _wants_transcode(codec: str, stored: int, ref: BlockRef, settings: HolderSet
     except ValueError:
         raise BadRequest(f"codec={codec!r} is not an integer") from None
     # A holder MAY transcode (BL3): only between codecs it has, with the geometry known.
-    return value != stored and value in CODECS and ref.compat_id in settings.descriptors
+    return value != stored and value in CODECS and ref.compat_id in settings.known_descriptors
 
 
 def _block_headers(digest: str, settings: HolderSettings) -> dict[str, str]:

@@ -31,7 +31,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..http import (
-    base_path,
     empty_response,
     json_response,
     principal,
@@ -45,6 +44,7 @@ from ..protocol.problems import BadRequest, Forbidden, NotFound
 from ..protocol.records import LookupRequest, ReplicaRecord, TargetEstimate
 from ..protocol.wire import JSON_MEDIA_TYPE, NO_STORE, role_id
 from ..security import Grant, Policy
+from ..settings import IndexSettings
 from .state import Hits, IndexState
 
 
@@ -81,26 +81,6 @@ class IndexCounters:
     published: int = 0
     withdrawn: int = 0
     reported: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class IndexSettings:
-    #: Public base URI of the IS (H7).
-    index_uri: str
-    #: Records live at most this long, whatever they ask for (P2).
-    max_ttl_ms: int = 600_000
-    #: Most block keys in one lookup (L4, SEC3).
-    max_lookup_keys: int = 8192
-    #: Most targets in one lookup.
-    max_targets: int = 64
-    #: block_tokens per compat_id, to estimate recompute time (PL1).
-    block_tokens: Mapping[str, int] = field(default_factory=dict)
-    max_json_octets: int = 1 << 20
-    allow_anonymous: bool = False
-
-    @property
-    def base_path(self) -> str:
-        return base_path(self.index_uri)
 
 
 def _may_act_for(grant: Grant, holder_id: str) -> bool:

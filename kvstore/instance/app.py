@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -23,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ..http import base_path, json_response, principal, read_json, role_app
+from ..http import json_response, principal, read_json, role_app
 from ..lifespan import Listening, Service, Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
@@ -39,6 +38,7 @@ from ..protocol.problems import (
 from ..protocol.records import PrefetchDirective
 from ..protocol.wire import NO_STORE
 from ..security import Policy
+from ..settings import InstanceSettings
 from .lifecycle import Lifecycle
 from .prefetch import Prefetcher
 
@@ -47,19 +47,6 @@ if TYPE_CHECKING:
     from .shards import Shards
 
 NDJSON = "application/x-ndjson"
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceSettings:
-    #: Public base URI of the instance (H7): what it reports as.
-    instance_uri: str
-    max_json_octets: int = 4 << 20
-    max_directive_blocks: int = 8192
-    allow_anonymous: bool = False
-
-    @property
-    def base_path(self) -> str:
-        return base_path(self.instance_uri)
 
 
 class Instance:

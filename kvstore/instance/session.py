@@ -1,6 +1,6 @@
-"""A session's own record (what it generated, its epoch and checkpoints),
-the settings every session runs under, and the counters of all of them;
-:mod:`.sessions` runs them."""
+"""A session's own record (what it generated, its epoch and checkpoints)
+and the counters of all of them; :mod:`.sessions` runs them under the
+instance's settings (:class:`kvstore.settings.InstanceSettings`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..config import GREEDY_DETERMINISTIC
 from ..protocol.control import GenerationLimits, Sampler, SessionCheckpoint
 from ..protocol.keys import BlockKeyChain
 from ..protocol.problems import LeaseQuota
@@ -96,35 +95,6 @@ class Session:
     @property
     def finished(self) -> bool:
         return self.state != "running"
-
-
-@dataclass(frozen=True, slots=True)
-class SessionSettings:
-    instance_uri: str
-    #: At most 64 (CK1); non-deterministic sessions use ``release_tokens``.
-    checkpoint_tokens: int = 32
-    release_tokens: int = 4
-    max_sessions: int = 64
-    max_running: int = 8
-    max_prompt_tokens: int = 4096
-    max_output_tokens: int = 2048
-    #: Finished sessions kept for followers that reconnect.
-    keep_finished: int = 256
-    #: Loading a prefix through the IS, and a resume's whole restore.
-    load_deadline_s: float = 2.0
-    resume_deadline_s: float = 4.0
-    #: Holders every completed block is also written to (CK1: so that the
-    #: KV of the session survives the instance).
-    store_to: tuple[str, ...] = ()
-    #: Least time between two tokens of a session (0: none): for demos and
-    #: tests that must catch a session in the middle.
-    token_interval_s: float = 0.0
-    #: Claim greedy decoding deterministic (R4 ``sampler.deterministic``):
-    #: only where every instance that may resume a session computes
-    #: bit-identical logits, batch-invariant kernels included (a resume
-    #: recomputes in one batch what was decoded token by token). Off, greedy
-    #: tokens wait for acknowledged checkpoints like sampled ones (CK3).
-    greedy_deterministic: bool = GREEDY_DETERMINISTIC
 
 
 @dataclass(slots=True)

@@ -60,6 +60,7 @@ from ..protocol.problems import (
     StaleEpoch,
 )
 from ..seams import Controller, Holders
+from ..settings import InstanceSettings
 from ..storage import BlockRef, TieredStore
 from .engine import Engine, Generation, block_container, load_blocks, sample
 from .lifecycle import Lifecycle
@@ -67,10 +68,9 @@ from .prefetch import Prefetcher
 from .reporter import Load
 from .requests import GenerateRequest, check_sampler
 from .runtime import BlockWriter, EngineRunner
-from .session import PLACEHOLDER, Session, SessionCounters, SessionSettings, TooManySessions
+from .session import PLACEHOLDER, Session, SessionCounters, TooManySessions
 
-__all__ = ["PLACEHOLDER", "Session", "SessionCounters", "SessionSettings", "Sessions",
-           "TooManySessions"]  # fmt: skip
+__all__ = ["PLACEHOLDER", "Session", "SessionCounters", "Sessions", "TooManySessions"]
 
 log = logging.getLogger("kvstore.instance")
 
@@ -80,7 +80,7 @@ class Sessions:
 
     def __init__(
         self,
-        settings: SessionSettings,
+        settings: InstanceSettings,
         engine: Engine,
         store: TieredStore,
         scope_keys: Mapping[str, bytes],
@@ -102,7 +102,7 @@ class Sessions:
         self.prefetcher, self.controller = prefetcher, controller
         self.clock = clock
         self.runner = EngineRunner(engine)
-        self.writer = BlockWriter(holders, settings.store_to if holders is not None else ())
+        self.writer = BlockWriter(holders, settings.store_blocks_to if holders is not None else ())
         self.descriptor = engine.descriptor
         self.compat_id = self.descriptor.compat_id_hex
         self.block_tokens = self.descriptor.block_tokens
@@ -266,7 +266,7 @@ class Sessions:
             return session
         self._resuming.add(session_id)
         try:
-            async with asyncio.timeout(self.settings.resume_deadline_s):
+            async with asyncio.timeout(self.settings.resume_deadline_ms / 1000):
                 loaded = await self._restore(session, minimum=prompt_blocks)
         finally:
             self._resuming.discard(session_id)
@@ -292,8 +292,9 @@ class Sessions:
         """Load the longest resident prefix of the session's blocks, prefill
         the rest; returns the number of blocks loaded."""
         wanted = session.keys
+        deadline_s = self.settings.load_deadline_ms / 1000
         held = await self.prefetcher.load(session.scope_id, session.compat_id, wanted,
-                                          deadline_s=self.settings.load_deadline_s)  # fmt: skip
+                                          deadline_s=deadline_s)  # fmt: skip
         if held < minimum:
             raise InvalidState(
                 f"only {held} of the {minimum} prompt blocks the checkpoint names could be loaded"
@@ -335,7 +336,8 @@ class Sessions:
                 if request_ref is not None:
                     # The PC sent a directive ahead of this request (PL2):
                     # its blocks are the prefix to load.
-                    await self.prefetcher.settled(request_ref, self.settings.load_deadline_s)
+                    deadline_s = self.settings.load_deadline_ms / 1000
+                    await self.prefetcher.settled(request_ref, deadline_s)
                 loaded = await self._restore(session)
                 await self._decode(session, loaded, admitted=True)
         except asyncio.CancelledError:
@@ -396,8 +398,8 @@ class Sessions:
             # while the PC does not answer, the session waits for it.
             if not deterministic and lagging and not await self._acknowledged(session):
                 return
-            if self.settings.token_interval_s and not last:
-                await asyncio.sleep(self.settings.token_interval_s)
+            if self.settings.token_interval_ms and not last:
+                await asyncio.sleep(self.settings.token_interval_ms / 1000)
             if last:
                 break
         if session.state != "running":

@@ -9,10 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvstore.controller.app import ControllerSettings, create_app
+from kvstore.controller.app import create_app
 from kvstore.controller.state import ControllerState, MemoryControllerState, SleepPolicy
 from kvstore.protocol.wire import role_id
 from kvstore.security import Policy, create_dev_certificates
+from kvstore.settings import ControllerSettings
 
 from ..holder.conftest import AsPrincipal
 from .test_state import checkpoint, status

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvstore.client import InstanceClient
-from kvstore.controller.app import ControllerSettings, create_app
+from kvstore.controller.app import create_app
 from kvstore.controller.coordinator import ReshardCoordinator
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.controller.reshard import plan_reshard
@@ -20,6 +20,7 @@ from kvstore.controller.state import ControllerState, MemoryControllerState
 from kvstore.protocol.control import Shard, ShardMap
 from kvstore.protocol.problems import PlanConflict
 from kvstore.security import Policy
+from kvstore.settings import ControllerSettings
 
 from ..holder.conftest import AsPrincipal
 from .conftest import Instances

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shlex
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from kvstore.client import InstanceClient
-from kvstore.controller.app import ControllerSettings, create_app
+from kvstore.controller.app import create_app
 from kvstore.controller.migrate import Migrator
 from kvstore.controller.placer import Placement, Placer, directive
 from kvstore.controller.redis_state import RedisControllerState
@@ -32,6 +33,7 @@ from kvstore.protocol.records import (
 )
 from kvstore.protocol.wire import role_id
 from kvstore.security import Policy
+from kvstore.settings import ControllerSettings
 
 from ..conftest import free_port
 from ..holder.conftest import AsPrincipal
@@ -319,7 +321,8 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
         f"open({str(runs)!r}, 'a').write('x'); print('{new}', flush=True)",
     )
     settings = ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}, prefetch=True,
-                                  start_command=command, start_cooldown_s=60)  # fmt: skip
+                                  start_command=shlex.join(command),
+                                  start_cooldown_s=60)  # fmt: skip
     body = {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": KEYS[:2], "tokens": 8}
     async with InstanceClient() as client:
         app = create_app(settings, pc, policy, FakeIndex([((shape(H1),), 2)]), client)
@@ -347,7 +350,9 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
         answer = (await place(app, certs, body)).json()
         assert answer["instance"] == old and "started" not in answer
         assert app.state.counters.instances_started == 0
-    failing = dataclasses.replace(settings, start_command=(sys.executable, "-c", "exit(3)"))
+    failing = dataclasses.replace(
+        settings, start_command=shlex.join((sys.executable, "-c", "exit(3)"))
+    )
     async with InstanceClient() as client:
         app = create_app(failing, MemoryControllerState(), policy, FakeIndex([]), client)
         assert (await place(app, certs, {**body, "block_keys": []})).status_code == 409

@@ -204,8 +204,9 @@ async def test_an_ended_session_is_not_resumed_into_being() -> None:
 
 async def test_prefetch_to_an_instance_gone_since_it_was_chosen() -> None:
     # A StopIteration (500) when the chosen instance expired meanwhile.
-    from kvstore.controller.app import ControllerSettings, create_app
+    from kvstore.controller.app import create_app
     from kvstore.security import Policy
+    from kvstore.settings import ControllerSettings
 
     class Vanishing(MemoryControllerState):
         calls = 0

@@ -17,11 +17,12 @@ from backends.host import HostTier
 from kvstore.client import HolderClient
 from kvstore.holder import HolderSettings
 from kvstore.holder import create_app as create_holder
-from kvstore.instance.app import InstanceSettings, create_app
+from kvstore.instance.app import create_app
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.protocol.records import PrefetchBlock, PrefetchDirective
 from kvstore.security import Policy
+from kvstore.settings import InstanceSettings
 from kvstore.storage import LeaseLimits, TieredStore
 
 from ..conftest import free_port

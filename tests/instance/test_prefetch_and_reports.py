@@ -125,8 +125,9 @@ async def test_pending_directives_beyond_the_quota_are_429() -> None:
     # with 429 (kvsp-lease-quota), and accepted again once they finished.
     import httpx
 
-    from kvstore.instance.app import InstanceSettings, create_app
+    from kvstore.instance.app import create_app
     from kvstore.security import Policy
+    from kvstore.settings import InstanceSettings
 
     store = TieredStore([(HostTier(), 1 << 24)])
     prefetcher = Prefetcher(store, FakeHolders(block(layers=3), release_s=0.5), max_pending=1)

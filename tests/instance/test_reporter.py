@@ -12,12 +12,13 @@ import uvicorn
 
 from backends.host import HostTier
 from kvstore.client import ControllerClient
-from kvstore.controller.app import ControllerSettings, create_app
+from kvstore.controller.app import create_app
 from kvstore.controller.state import MemoryControllerState, SleepPolicy
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.reporter import Load, StatusReporter
 from kvstore.protocol.control import Link
 from kvstore.security import Policy
+from kvstore.settings import ControllerSettings
 from kvstore.storage import TieredStore
 
 from ..conftest import free_port

@@ -16,15 +16,16 @@ import httpx
 import pytest
 
 from backends.host import HostTier
-from kvstore.instance.app import InstanceSettings, create_app
+from kvstore.instance.app import create_app
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reference import ReferenceEngine
 from kvstore.instance.reporter import Load
-from kvstore.instance.sessions import Sessions, SessionSettings
+from kvstore.instance.sessions import Sessions
 from kvstore.instance.shards import Shards
 from kvstore.protocol.control import ResumeRequest, Sampler, SessionCheckpoint
 from kvstore.security import Policy, create_dev_certificates
+from kvstore.settings import InstanceSettings
 from kvstore.storage import TieredStore
 
 from ..holder.conftest import AsPrincipal
@@ -51,7 +52,7 @@ async def clients(
     store = TieredStore([(HostTier(), 64 << 20)])
     prefetcher = Prefetcher(store, None)
     lifecycle = Lifecycle()
-    sessions = Sessions(SessionSettings("https://ii.test/ii/"), engine, store,
+    sessions = Sessions(InstanceSettings("https://ii.test/ii/"), engine, store,
                         {SCOPE: SCOPE_KEY}, lifecycle, Load(), prefetcher=prefetcher)  # fmt: skip
     shards = Shards(store, prefetcher, policy, 8)
     app = create_app(InstanceSettings("https://ii.test/ii/"), prefetcher, policy, lifecycle,

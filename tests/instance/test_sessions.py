@@ -20,7 +20,7 @@ from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reference import EOS, ReferenceEngine, encode_text
 from kvstore.instance.reporter import Load
 from kvstore.instance.requests import GenerateRequest
-from kvstore.instance.sessions import Session, Sessions, SessionSettings
+from kvstore.instance.sessions import Session, Sessions
 from kvstore.protocol.control import ResumeRequest, Sampler, SessionCheckpoint
 from kvstore.protocol.keys import block_keys, scope_id
 from kvstore.protocol.problems import (
@@ -30,6 +30,7 @@ from kvstore.protocol.problems import (
     InvalidState,
     StaleEpoch,
 )
+from kvstore.settings import InstanceSettings
 from kvstore.storage import BlockRef, TieredStore
 
 SCOPE_KEY = bytes(range(32))
@@ -89,7 +90,7 @@ def make(
 ) -> Sessions:
     store = TieredStore([(HostTier(), 64 << 20)]) if store is None else store
     return Sessions(
-        SessionSettings(instance, **settings), engine, store, {SCOPE: SCOPE_KEY}, Lifecycle(),
+        InstanceSettings(instance, **settings), engine, store, {SCOPE: SCOPE_KEY}, Lifecycle(),
         Load(), prefetcher=Prefetcher(store, None), controller=controller,
     )  # fmt: skip
 
@@ -197,7 +198,7 @@ async def test_a_non_deterministic_sampler_releases_only_acknowledged_tokens(
 async def test_a_newer_epoch_at_the_pc_stops_the_session(engine: ReferenceEngine) -> None:
     state = MemoryControllerState()
     pc = Controller(A, state)
-    sessions = make(engine, controller=pc, checkpoint_tokens=2, token_interval_s=0.01)
+    sessions = make(engine, controller=pc, checkpoint_tokens=2, token_interval_ms=10.0)
     session = sessions.begin(request(PROMPT, 200))
     while len(pc.checkpoints) < 2:
         await asyncio.sleep(0.01)
@@ -330,7 +331,7 @@ async def test_a_draining_instance_finishes_its_sessions_then_sleeps(
     # reports sleeping once none is left; Load follows the sessions.
     from kvstore.instance.reporter import StatusReporter
 
-    sessions = make(engine, token_interval_s=0.01)
+    sessions = make(engine, token_interval_ms=10.0)
     reporter = StatusReporter(A, None, sessions.lifecycle, sessions.load)
     session = sessions.begin(request(PROMPT, 30))
     assert sessions.load.running == 1
