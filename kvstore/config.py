@@ -321,6 +321,7 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
             out.append(f"{section}.state: {state!r} is not 'memory' or 'redis'")
     if "instance" in roles:
         out += _check_instance(config.instance)
+    out += _check_limits(config, roles)
     server = config.server
     if server.insecure_http:
         if not is_loopback(server.host):
@@ -353,6 +354,27 @@ def _check_storage(cfg: StorageConfig) -> list[str]:
     if cfg.write_through and not any(t.backend in PERSISTENT_BACKENDS for t in cfg.tiers[1:]):
         out.append("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
                    "below the first one")  # fmt: skip
+    return out
+
+
+#: Keys that must be at least 1 (a limit of 0 would refuse everything, a
+#: deadline of 0 would give up at once), by section.
+_AT_LEAST_ONE = {
+    "holder": ("max_block_octets", "max_json_octets", "max_lease_keys", "replica_ttl_ms"),
+    "index": ("max_json_octets", "max_targets", "max_lookup_keys", "max_ttl_ms"),
+    "controller": ("max_json_octets", "max_place_keys", "max_checkpoint_octets"),
+    "instance": ("max_json_octets", "max_directive_blocks", "load_deadline_ms",
+                 "resume_deadline_ms"),
+}  # fmt: skip
+
+
+def _check_limits(config: Config, roles: Sequence[str]) -> list[str]:
+    out = []
+    for role in roles:
+        section = ROLE_SECTIONS[role]
+        for key in _AT_LEAST_ONE[section]:
+            if getattr(getattr(config, section), key) < 1:
+                out.append(f"{section}.{key}: at least 1")
     return out
 
 

@@ -16,12 +16,13 @@ mode). Durations keep the unit of their key (``_ms``, ``_s``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from .protocol.compat import CompatibilityDescriptor
+if TYPE_CHECKING:
+    from .protocol.compat import CompatibilityDescriptor
 
 #: Metadata of a field that is not a key of the configuration file.
 RUNTIME: Mapping[str, Any] = MappingProxyType({"config": False})
@@ -52,6 +53,7 @@ class HolderSettings:
 
     #: Public base URI of this holder (H7), e.g. ``https://h1.example:8443/kvsp/``.
     uri: str = "https://127.0.0.1:8443/kvsp/"
+    _: KW_ONLY  # everything but the URI by name
     policy: str = ""
     #: Compatibility Descriptor files: PUTs of their compat_ids are checked (B2).
     descriptors: tuple[str, ...] = ()
@@ -77,6 +79,13 @@ class HolderSettings:
     #: Plain-HTTP development mode: requests without a certificate are "anonymous".
     allow_anonymous: bool = field(default=False, metadata=RUNTIME)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.descriptors, tuple | list) or not all(
+            isinstance(d, str) for d in self.descriptors
+        ):
+            # The descriptors themselves, by compat_id, are known_descriptors.
+            raise TypeError("HolderSettings.descriptors: descriptor file paths")
+
     @property
     def base_path(self) -> str:
         return base_path(self.uri)
@@ -88,6 +97,7 @@ class IndexSettings:
 
     #: Public base URI of the IS (H7).
     uri: str = "https://127.0.0.1:8443/is/"
+    _: KW_ONLY  # everything but the URI by name
     policy: str = ""
     #: ``memory`` (one process) or ``redis`` (several IS processes share it).
     state: str = "memory"
@@ -118,6 +128,7 @@ class ControllerSettings:
 
     #: Public base URI of the PC (H7).
     uri: str = "https://127.0.0.1:8443/pc/"
+    _: KW_ONLY  # everything but the URI by name
     policy: str = ""
     #: S3: an instance idle this long, running and queueing at most these, may sleep.
     sleep_idle_s: float = 60.0
@@ -145,7 +156,8 @@ class ControllerSettings:
     #: PL3: start an instance (this command, split like a shell's words, run
     #: without one) when none fits: none active, or the cheapest costs more
     #: than ``start_above_ms`` (0: only when none).
-    start_command: str = ""
+    #: (A library caller may give the argument list itself, a tuple.)
+    start_command: str | tuple[str, ...] = ""
     start_above_ms: float = 0.0
     start_timeout_s: float = 60.0
     start_cooldown_s: float = 30.0
@@ -169,6 +181,7 @@ class InstanceSettings:
 
     #: Public base URI of the instance (H7): what it reports as.
     uri: str = "https://127.0.0.1:8443/ii/"
+    _: KW_ONLY  # everything but the URI by name
     policy: str = ""
     controller_uri: str = ""
     index_uri: str = ""

@@ -78,7 +78,9 @@ class Controller:
         self.coordinator = ReshardCoordinator(state, instances) if instances is not None else None
         self.starter = None
         if settings.start_command:
-            self.starter = InstanceStarter(tuple(shlex.split(settings.start_command)),
+            command = settings.start_command
+            argv = tuple(shlex.split(command)) if isinstance(command, str) else tuple(command)
+            self.starter = InstanceStarter(argv,
                                            timeout_s=settings.start_timeout_s,
                                            cooldown_s=settings.start_cooldown_s)  # fmt: skip
         self.dispatch = Dispatch(
