@@ -111,21 +111,26 @@ async def running(
     reverse order and run ``then``, step by step."""
     started: list[Service] = []
 
-    async def start() -> None:
-        if after is not None:
-            await after.wait()
+    def start() -> None:
         for service in services:
             service.start()
             started.append(service)
 
-    task = asyncio.create_task(start(), name="kvstore-start")
+    async def start_when_listening(listening: Listening) -> None:
+        await listening.wait()
+        start()
+
+    task = None
+    if after is None:
+        start()
+    else:
+        task = asyncio.create_task(start_when_listening(after), name="kvstore-start")
     try:
-        if after is None:
-            await task
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await run_steps([s.stop for s in reversed(started)], "stopping background work")
         await run_steps(then)

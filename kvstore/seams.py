@@ -22,13 +22,16 @@ from .protocol.records import (
     PrefetchDirective,
     ReplicaRecord,
 )
-from .storage import StoreSnapshot
+from .storage import StoreSnapshot, TierSnapshot
 
 
 class Snapshots(Protocol):
-    """What ``/metrics`` and ``/readyz`` read of a store."""
+    """What ``/metrics`` (the whole snapshot) and ``/readyz`` and status
+    reports (the tiers only: cheap) read of a store."""
 
     def snapshot(self) -> StoreSnapshot: ...
+
+    def tier_snapshots(self) -> tuple[TierSnapshot, ...]: ...
 
 
 class PublisherCounts(Protocol):

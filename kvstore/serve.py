@@ -85,17 +85,26 @@ def index_client(config: Config, section: str) -> IndexClient | None:
     """An IndexClient for ``<section>.index_uri``, authenticating with the
     section's client certificate when the index is https; None when unset."""
     from .client import IndexClient
-    from .tls import client_context
 
     cfg = getattr(config, section)
     if not cfg.index_uri:
         return None
     context = None
     if cfg.index_uri.startswith("https:"):
-        if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
+        context = _client_context(config, cfg)
+        if context is None:
             raise ConfigError(f"{section}.client_certfile: required for an https index")
-        context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
     return IndexClient(cfg.index_uri, context)
+
+
+def _client_context(config: Config, cfg: Any) -> ssl.SSLContext | None:
+    """The client context of a role section's ``client_certfile`` /
+    ``client_keyfile`` (SEC1), with the server's CA; None when not set."""
+    from .tls import client_context
+
+    if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
+        return None
+    return client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
 
 
 def build_publisher(config: Config, store: TieredStore) -> IndexPublisher | None:
@@ -164,12 +173,8 @@ def build_controller(
 def instance_client(config: Config) -> InstanceClient:
     """The PC's client of instances, with its client certificate (SEC1)."""
     from .client import InstanceClient
-    from .tls import client_context
 
-    cfg = config.controller
-    context = None
-    if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
-        context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+    context = _client_context(config, config.controller)
     # Short: a hung instance must not hold up a placement's directive or a
     # migration round (each candidate that does not answer costs this long).
     return InstanceClient(context, timeout_s=5.0)
@@ -186,14 +191,11 @@ def build_instance(
     from .instance.lifecycle import Lifecycle
     from .instance.prefetch import Prefetcher
     from .instance.reporter import Load, StatusReporter
-    from .tls import client_context
 
     cfg = config.instance
     if not with_holder:
         log.warning("instance without the holder role: prefetched blocks are not published")
-    context = None
-    if cfg.client_certfile and cfg.client_keyfile and config.server.cafile:
-        context = client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+    context = _client_context(config, cfg)
     holders = HolderClient(context)
     index = IndexClient(cfg.index_uri, context) if cfg.index_uri else None
     prefetcher = Prefetcher(store, holders, index=index, max_pending=cfg.max_pending_directives)
@@ -301,7 +303,7 @@ def readiness(store: Snapshots | None, publisher: PublisherStatsSource | None
     if store is not None:
         checks["tiers"] = {
             f"{i}:{t.kind}": "degraded" if t.degraded else "ok"
-            for i, t in enumerate(store.snapshot().tiers)
+            for i, t in enumerate(store.tier_snapshots())
         }
     if publisher is not None:
         checks["index"] = "ok" if publisher.index_reachable else "unreachable"
@@ -522,7 +524,7 @@ async def _build(
         # The IS estimates from the PC's instance status (L2): the PC's
         # state in this process, or the Redis PC processes share.
         pc_state = controller_state(config)
-        closing.append(pc_state.close)
+        closing.append(pc_state.close)  # closed after the roles stopped, like the IS's
     if "pc" in roles:
         assert pc_state is not None
         apps.append(build_controller(config, pc_state, listening))
@@ -531,7 +533,7 @@ async def _build(
     if "index" in roles:
         index_app, index_state = build_index(config, pc_state)
         apps.append(index_app)
-        closing.insert(len(closing) - (pc_state is not None), index_state.close)
+        closing.append(index_state.close)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
     return compose(apps, store, publisher, closing, services=services, listening=listening,
                    shutdown=shutdown)  # fmt: skip

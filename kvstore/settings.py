@@ -42,13 +42,24 @@ def base_path(uri: str) -> str:
     return path if path.endswith("/") else path + "/"
 
 
+class _Role:
+    """What every role's settings have: a base URI and its path."""
+
+    __slots__ = ()
+    uri: str
+
+    @property
+    def base_path(self) -> str:
+        return base_path(self.uri)
+
+
 def is_key(f: Any) -> bool:
     """Whether a dataclass field is a key of the configuration file."""
     return bool(f.metadata.get("config", True))
 
 
 @dataclass(frozen=True, slots=True)
-class HolderSettings:
+class HolderSettings(_Role):
     """``[holder]``: what a holder needs to know about itself."""
 
     #: Public base URI of this holder (H7), e.g. ``https://h1.example:8443/kvsp/``.
@@ -86,13 +97,9 @@ class HolderSettings:
             # The descriptors themselves, by compat_id, are known_descriptors.
             raise TypeError("HolderSettings.descriptors: descriptor file paths")
 
-    @property
-    def base_path(self) -> str:
-        return base_path(self.uri)
-
 
 @dataclass(frozen=True, slots=True)
-class IndexSettings:
+class IndexSettings(_Role):
     """``[index]``: the Index Service."""
 
     #: Public base URI of the IS (H7).
@@ -117,13 +124,9 @@ class IndexSettings:
     block_tokens: Mapping[str, int] = field(default_factory=dict, metadata=RUNTIME)
     allow_anonymous: bool = field(default=False, metadata=RUNTIME)
 
-    @property
-    def base_path(self) -> str:
-        return base_path(self.uri)
-
 
 @dataclass(frozen=True, slots=True)
-class ControllerSettings:
+class ControllerSettings(_Role):
     """``[controller]``: the Placement Controller."""
 
     #: Public base URI of the PC (H7).
@@ -170,13 +173,9 @@ class ControllerSettings:
     block_tokens: Mapping[str, int] = field(default_factory=dict, metadata=RUNTIME)
     allow_anonymous: bool = field(default=False, metadata=RUNTIME)
 
-    @property
-    def base_path(self) -> str:
-        return base_path(self.uri)
-
 
 @dataclass(frozen=True, slots=True)
-class InstanceSettings:
+class InstanceSettings(_Role):
     """``[instance]``: the Inference Instance, its engine and its sessions."""
 
     #: Public base URI of the instance (H7): what it reports as.
@@ -226,7 +225,3 @@ class InstanceSettings:
     #: Loading a prompt's prefix through the IS.
     load_deadline_ms: int = 2000
     allow_anonymous: bool = field(default=False, metadata=RUNTIME)
-
-    @property
-    def base_path(self) -> str:
-        return base_path(self.uri)

@@ -83,12 +83,8 @@ class Controller:
             self.starter = InstanceStarter(argv,
                                            timeout_s=settings.start_timeout_s,
                                            cooldown_s=settings.start_cooldown_s)  # fmt: skip
-        self.dispatch = Dispatch(
-            self.placer, state, self.counters, self.eligible, instances=instances,
-            starter=self.starter, start_above_ms=settings.start_above_ms,
-            prefetch=settings.prefetch, prefetch_deadline_ms=settings.prefetch_deadline_ms,
-            prefetch_lease_ms=settings.prefetch_lease_ms,
-        )  # fmt: skip
+        self.dispatch = Dispatch(settings, self.placer, state, self.counters, self.eligible,
+                                 instances=instances, starter=self.starter)  # fmt: skip
         #: Moves the sessions of failed instances (CK5); runs with the app.
         self.migrator = None
         if instances is not None:

@@ -25,6 +25,7 @@ from ..protocol.control import Link
 from ..protocol.problems import KvspError
 from ..protocol.records import LookupRequest
 from ..seams import Instances
+from ..settings import ControllerSettings
 from .migrate import MigrationCounters
 from .placement import choose
 from .placer import Placement, Placer, directive
@@ -74,6 +75,7 @@ class Dispatch:
 
     def __init__(
         self,
+        settings: ControllerSettings,
         placer: Placer,
         state: ControllerState,
         counters: ControllerCounters,
@@ -81,22 +83,19 @@ class Dispatch:
         *,
         instances: Instances | None = None,
         starter: InstanceStarter | None = None,
-        start_above_ms: float = 0.0,
-        prefetch: bool = False,
-        prefetch_deadline_ms: int = 50,
-        prefetch_lease_ms: int = 2000,
     ) -> None:
-        self.placer, self.state, self.counters, self.eligible = placer, state, counters, eligible
-        self.instances, self.starter, self.start_above_ms = instances, starter, start_above_ms
-        self.prefetch = prefetch
-        self.prefetch_deadline_ms, self.prefetch_lease_ms = prefetch_deadline_ms, prefetch_lease_ms
+        """Policy from ``settings``: ``start_above_ms`` and the ``prefetch_*`` keys."""
+        self.settings, self.placer, self.state = settings, placer, state
+        self.counters, self.eligible = counters, eligible
+        self.instances, self.starter = instances, starter
 
     def fits(self, placement: Placement) -> bool:
         """PL3: some instance runs at an acceptable cost."""
         if not placement.candidates:
             return False
         best = placement.candidates[0]
-        return self.start_above_ms <= 0 or best.cost_us <= self.start_above_ms * 1000
+        above_ms = self.settings.start_above_ms
+        return above_ms <= 0 or best.cost_us <= above_ms * 1000
 
     async def place(
         self, query: LookupRequest, tokens: int, block_tokens: int, request_ref: str | None
@@ -117,7 +116,7 @@ class Dispatch:
             instance = choose(placement.candidates).instance  # 409 if none (S4)
         self.counters.placements += 1
         decision = Decision(placement, instance, started)
-        if self.instances is not None and self.prefetch and placement.matched:
+        if self.instances is not None and self.settings.prefetch and placement.matched:
             decision.prefetched = True
             if not started and instance not in {s.instance for s in await self.state.active()}:
                 # S4: it expired or began draining since it was chosen.
@@ -142,7 +141,8 @@ class Dispatch:
         starts loading at once."""
         found = directive(
             placement, instance, links, query.block_keys, query.scope_id, query.compat_id,
-            deadline_ms=self.prefetch_deadline_ms, lease_ms=self.prefetch_lease_ms,
+            deadline_ms=self.settings.prefetch_deadline_ms,
+            lease_ms=self.settings.prefetch_lease_ms,
             request_ref=request_ref,
         )  # fmt: skip
         if found is None:

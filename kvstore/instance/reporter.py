@@ -82,7 +82,7 @@ class StatusReporter(Background):
             requested = "sleeping"  # S3
         utilization = 0.0
         if self.store is not None:
-            fastest = self.store.snapshot().tiers[0]
+            fastest = self.store.tier_snapshots()[0]
             utilization = min(1.0, fastest.used / max(1, fastest.capacity))
         return InstanceStatus(
             instance=self.instance_uri, epoch=self.epoch, state=state,

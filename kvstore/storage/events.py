@@ -71,9 +71,6 @@ class StoreEvents:
 
         return unsubscribe
 
-    def __len__(self) -> int:
-        return len(self._listeners)
-
     def stored(self, ref: BlockRef) -> None:
         for listener in tuple(self._listeners):
             try:
@@ -123,8 +120,3 @@ class StoreSnapshot:
     integrity_failures: int
     lease_rejections: int
     leases: int
-
-    @property
-    def ready(self) -> bool:
-        """Every tier reachable."""
-        return not any(t.degraded for t in self.tiers)

@@ -235,10 +235,10 @@ class TieredStore:
 
         await measure_read_rates(self, probe_octets, rounds)
 
-    def snapshot(self) -> StoreSnapshot:
-        """The store now, for metrics and readiness (OPS1)."""
-        now, stats = self.clock(), self.stats
-        tiers = tuple(
+    def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
+        """Each tier now (readiness, status reports): no walk of the blocks."""
+        now = self.clock()
+        return tuple(
             TierSnapshot(
                 s.kind,
                 s.used,
@@ -250,8 +250,12 @@ class TieredStore:
             )
             for s in self.slots
         )
+
+    def snapshot(self) -> StoreSnapshot:
+        """The store now, for metrics (OPS1); counts the blocks by state."""
+        stats = self.stats
         return StoreSnapshot(
-            tiers=tiers,
+            tiers=self.tier_snapshots(),
             blocks={state.value: n for state, n in self.table.states().items()},
             hits=stats.hits, misses=stats.misses, evictions=stats.evictions,
             fault_evictions=stats.fault_evictions, expired=stats.expired,
