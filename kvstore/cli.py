@@ -211,7 +211,9 @@ def cmd_serve(args: argparse.Namespace) -> Any:
         else:
             config = load(args.config)
             roles = args.roles or "holder"
-        run(config, tuple(r.strip() for r in roles.split(",")))
+        status = run(config, tuple(r.strip() for r in roles.split(",")))
+        if status:
+            raise SystemExit(status)
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
     except KeyboardInterrupt:

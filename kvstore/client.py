@@ -165,6 +165,19 @@ class HolderClient(_Http):
         _, _, body = await self._request("PUT", url, expect=[201], data=data, headers=headers)
         return ReplicaRecord.from_json(json.loads(body))
 
+    async def shards(self, holder: str) -> list[str]:
+        """``GET {base}shards`` (ours, not KVSP): the base URIs of every
+        worker of the holder process behind ``holder`` (docs/workers.md);
+        :class:`NotFound` from a holder that has none (another implementation)."""
+        _, _, body = await self._request("GET", urljoin(_base(holder), "shards"), expect=[200])
+        try:
+            listed = json.loads(body).get("holders")
+        except (ValueError, AttributeError):
+            listed = None
+        if not isinstance(listed, list) or not all(isinstance(u, str) for u in listed):
+            raise KvspError(f"{holder}shards: no list of holder URIs")
+        return listed
+
     async def fetch_first(
         self,
         records: Sequence[ReplicaRecord],

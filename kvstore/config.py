@@ -17,6 +17,8 @@ their defaults::
     shutdown_grace_s = 7.0            # SIGTERM: the whole stop within about this
     header_timeout_s = 10.0           # a request's headers must arrive within this
     log_level = "info"                # kvstore's own log lines: debug|info|warning|error
+    workers = 1                       # holder processes, one per core ("auto": every
+                                      # core); worker i on port + i (docs/workers.md)
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -154,6 +156,9 @@ class ServerConfig:
     shutdown_grace_s: float = 7.0
     header_timeout_s: float = 10.0
     log_level: str = "info"
+    #: Holder processes, one per core (docs/workers.md); "auto" in the file:
+    #: the cores this process may use, counted when the file is read.
+    workers: int = 1
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -225,6 +230,10 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
             raise ConfigError(f"{where}.{key}: unknown key; known: {sorted(known)}")
         default = known[key].default
         expected = type(default) if default is not None else str
+        if (cls, key) == (ServerConfig, "workers") and value == "auto":
+            from .workers import available_cores
+
+            value = available_cores()
         if expected is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{where}.{key}: must be an array of strings")
@@ -323,6 +332,15 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
         out += _check_instance(config.instance)
     out += _check_limits(config, roles)
     server = config.server
+    if server.workers < 1:
+        out.append('server.workers: at least 1 (or "auto": one per core)')
+    elif server.workers > 1:
+        if tuple(roles) != ("holder",):
+            out.append(f"server.workers: {server.workers} workers serve the holder role alone "
+                       f"(roles given: {','.join(roles)}); run the index, pc and instance "
+                       "roles in processes of their own")  # fmt: skip
+        if server.port == 0:
+            out.append("server.port: workers listen on consecutive ports from it; not 0")
     if server.insecure_http:
         if not is_loopback(server.host):
             out.append("server.insecure_http: refused on a non-loopback address")
@@ -454,7 +472,8 @@ def apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> dict[
         target = out.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"{section}: must be a table")
-        target[key] = _env_value(name, raw, known[key])
+        auto = (section, key, raw.strip()) == ("server", "workers", "auto")
+        target[key] = "auto" if auto else _env_value(name, raw, known[key])
     return out
 
 

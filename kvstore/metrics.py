@@ -138,6 +138,8 @@ class Metrics:
                  publisher: PublisherStatsSource | None = None, counters: Any = None,
                  counters_prefix: str = "kvstore") -> None:  # fmt: skip
         self.registry = CollectorRegistry()
+        #: Labels every sample carries (set for a worker by ``kvstore serve``).
+        self.labels: dict[str, str] = {}
         labels = ["route", "method", "status"]
         self.requests = Counter(
             "kvstore_http_requests", "HTTP requests", labels, registry=self.registry
@@ -161,7 +163,23 @@ class Metrics:
             self.registry.register(CountersCollector(counters_prefix, counters))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.labels:
+            return generate_latest(self.registry)
+        return generate_latest(_Labelled(self.registry, self.labels))
+
+
+class _Labelled:
+    """A registry's metrics with ``labels`` added to every sample (a
+    worker's ``worker="<i>"``, docs/workers.md); applied at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry, self.labels = registry, labels
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**s.labels, **self.labels})
+                              for s in family.samples]  # fmt: skip
+            yield family
 
 
 class MetricsMiddleware:

@@ -105,10 +105,22 @@ def parse_metrics(text: str) -> Samples:
 
 
 async def gather(bases: list[str], context: ssl.SSLContext | None) -> list[RoleView]:
+    """A view of each base URI; for a holder run with ``[server] workers``,
+    of every worker its ``/readyz`` lists (docs/workers.md), after it."""
     connector = aiohttp.TCPConnector(ssl=context if context is not None else False)
     timeout = aiohttp.ClientTimeout(total=5)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-        return list(await asyncio.gather(*(_view(http, b) for b in bases)))
+        views = list(await asyncio.gather(*(_view(http, b) for b in bases)))
+        seen = {v.base for v in views}
+        out: list[RoleView] = []
+        for view in views:
+            out.append(view)
+            workers = view.ready.get("workers")
+            others = [u for u in (workers if isinstance(workers, dict) else ())
+                      if isinstance(u, str) and u not in seen]  # fmt: skip
+            seen.update(others)
+            out += await asyncio.gather(*(_view(http, u) for u in others))
+        return out
 
 
 async def _view(http: aiohttp.ClientSession, base: str) -> RoleView:
@@ -155,6 +167,9 @@ def render(views: list[RoleView]) -> Any:
             parts.append(f"[red]{title}: {view.error}[/red]")
             continue
         ready = s["ready"].get("status", "?")
+        seat = (s["ready"].get("workers") or {}).get(view.base)
+        if isinstance(seat, dict):  # one of the workers of a holder (docs/workers.md)
+            title += f"  worker {seat.get('worker')}, restarts {seat.get('restarts')}"
         parts.append(f"[bold]{title}[/bold]  ready: "
                      f"{'[green]' if ready == 'ok' else '[red]'}{ready}[/]")  # fmt: skip
         if "tiers" in s:

@@ -82,6 +82,8 @@ class Holders(Protocol):
         self, holder: str, compat_id: str, scope_id: str, block_key: str, data: BytesLike
     ) -> ReplicaRecord: ...
 
+    async def shards(self, holder: str) -> list[str]: ...
+
 
 class Instances(Protocol):
     """Inference instances as the PC drives them

@@ -47,10 +47,17 @@ class Grant:
     roles: frozenset[str] = frozenset({"client"})
     read_scopes: frozenset[str] = frozenset()
     write_scopes: frozenset[str] = frozenset()
-    #: For holders: the base URI they publish and serve as.
+    #: For holders: the base URI they publish and serve as (the first of ``holders``).
     holder: str | None = None
     #: For inference instances: the base URI they report status as.
     instance: str | None = None
+    #: For holders: every base URI they publish as: the policy's ``holder``
+    #: member may be an array, one URI per worker (docs/workers.md).
+    holders: tuple[str, ...] = ()
+
+    def acts_as_holder(self, uri_matches: Callable[[str], bool]) -> bool:
+        """Whether one of this grant's holder URIs is the one asked about."""
+        return any(uri_matches(u) for u in (self.holders or (self.holder,)) if u is not None)
 
     def can_read(self, scope_id: str) -> bool:
         return "*" in self.read_scopes or scope_id in self.read_scopes
@@ -172,8 +179,17 @@ def _grant(raw: Any, path: str, problems: list[tuple[str, str]]) -> Grant | None
     roles = _strings(raw, "roles", path, problems, "role names", _role)
     scopes = {name: _strings(raw, name, path, problems, 'scope ids or "*"', _scope)
               for name in ("read_scopes", "write_scopes")}  # fmt: skip
-    uris = {name: _check_uri(raw.get(name), _member(path, name), problems)
-            for name in ("holder", "instance")}  # fmt: skip
+    uris = {"instance": _check_uri(raw.get("instance"), _member(path, "instance"), problems)}
+    holders: list[str] = []
+    raw_holder = raw.get("holder")
+    for i, value in enumerate(raw_holder if isinstance(raw_holder, list) else [raw_holder]):
+        where = _member(path, "holder") + (f"[{i}]" if isinstance(raw_holder, list) else "")
+        uri = _check_uri(value, where, problems)
+        if uri is not None:
+            holders.append(uri)
+    if isinstance(raw_holder, list) and not raw_holder:
+        problems.append((_member(path, "holder"), "an empty array names no holder"))
+    uris["holder"] = holders[0] if holders else None
     if len(problems) != before:
         return None
     return Grant(
@@ -182,6 +198,7 @@ def _grant(raw: Any, path: str, problems: list[tuple[str, str]]) -> Grant | None
         write_scopes=scopes["write_scopes"],
         holder=uris["holder"],
         instance=uris["instance"],
+        holders=tuple(holders),
     )
 
 

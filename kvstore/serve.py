@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .instance.reporter import Load
     from .instance.sessions import Sessions
     from .settings import InstanceSettings
+    from .workers import Seat
 
 log = logging.getLogger("kvstore.serve")
 
@@ -320,6 +321,7 @@ def compose(
     services: Sequence[Service] = (),
     listening: Listening | None = None,
     shutdown: Shutdown | None = None,
+    seat: Seat | None = None,
 ) -> Starlette:
     """One app for one listener: each role's app mounted at its base path
     (longest first), ``/metrics`` of the first role, and ``/healthz`` (the
@@ -332,10 +334,13 @@ def compose(
     ``listening``; at the stop they go in reverse (users before what they
     use: the sweep first, the holder's spill and withdrawals after the
     instance), sharing what ``shutdown`` left when the stop reached them,
-    and then ``closing`` runs (the store and the states the roles shared)."""
+    and then ``closing`` runs (the store and the states the roles shared).
+    A worker's ``/readyz`` also lists every worker of its set (``seat``)."""
 
     async def health(request: Request) -> Response:
         ok, checks = (True, {}) if request.url.path == "/healthz" else readiness(store, publisher)
+        if seat is not None and request.url.path == "/readyz":
+            checks["workers"] = seat.states()  # this one's readiness is its own
         body = json.dumps({"status": "ok" if ok else "unavailable", **checks}).encode()
         return Response(body, 200 if ok else 503, headers={"Cache-Control": NO_STORE},
                         media_type="application/json")  # fmt: skip
@@ -463,13 +468,16 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
     return uv
 
 
-async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
+async def serve(
+    config: Config, roles: tuple[str, ...] = ("holder",), seat: Seat | None = None
+) -> None:
     """Run the configured roles on one listener until interrupted.
 
     Everything is built first (a bad configuration fails here, before the
     listener binds), the store recovers what its persistent tiers hold, then
     uvicorn serves :func:`compose` of the role apps: their lifespans start
-    their background parts and, at a signal, stop them (see ``Server``)."""
+    their background parts and, at a signal, stop them (see ``Server``).
+    ``seat``: this process is that worker of a supervised set (:mod:`.workers`)."""
     if not roles:
         raise ConfigError("roles: none given; available: holder, index, pc, instance")
     problems = check(config, roles)
@@ -478,7 +486,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
     listening, shutdown = Listening(False), Shutdown(config.server.shutdown_grace_s)
     closing: list[Step] = []
     try:
-        app = await _build(config, roles, listening, shutdown, closing)
+        app = await _build(config, roles, listening, shutdown, closing, seat)
         server = _server_class()(uvicorn_config(config, app), listening, shutdown)
     except BaseException:
         # Built this far: the tiers and states made are closed again.
@@ -492,7 +500,7 @@ async def serve(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
 
 async def _build(
     config: Config, roles: Sequence[str], listening: Listening, shutdown: Shutdown,
-    closing: list[Step],
+    closing: list[Step], seat: Seat | None = None,
 ) -> Starlette:  # fmt: skip
     """The composed app of ``roles``; what to close at the end goes to ``closing``."""
     store = publisher = pc_state = None
@@ -535,15 +543,30 @@ async def _build(
         apps.append(index_app)
         closing.append(index_state.close)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
+    if seat is not None:
+        from .workers import SeatService
+
+        services.append(SeatService(seat))  # up once it listens
+        for role_app in apps:
+            role_app.state.metrics.labels = {"worker": str(seat.index)}
     return compose(apps, store, publisher, closing, services=services, listening=listening,
-                   shutdown=shutdown)  # fmt: skip
+                   shutdown=shutdown, seat=seat)  # fmt: skip
 
 
-def run(config: Config, roles: tuple[str, ...] = ("holder",)) -> None:
+def run(config: Config, roles: tuple[str, ...] = ("holder",), seat: Seat | None = None) -> int:
+    """``kvstore serve``: the roles in this process, or with ``server.workers``
+    above 1 the supervisor of that many holder processes (:mod:`.workers`);
+    the exit status."""
     # Other libraries at WARNING; kvstore's own lines at server.log_level
     # (INFO: normal events, WARNING: what an operator should look at).
+    who = f"[worker {seat.index}] " if seat is not None else ""
     logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s {who}%(message)s"
     )
     logging.getLogger("kvstore").setLevel(config.server.log_level.upper())
-    asyncio.run(serve(config, roles))
+    if config.server.workers > 1:
+        from .workers import supervise
+
+        return supervise(config, roles)
+    asyncio.run(serve(config, roles, seat))
+    return 0

@@ -89,6 +89,9 @@ class HolderSettings(_Role):
     )
     #: Plain-HTTP development mode: requests without a certificate are "anonymous".
     allow_anonymous: bool = field(default=False, metadata=RUNTIME)
+    #: The base URIs of every worker of this holder process, this one among
+    #: them (``[server] workers``, docs/workers.md); empty: this holder alone.
+    shards: tuple[str, ...] = field(default=(), metadata=RUNTIME)
 
     def __post_init__(self) -> None:
         if not isinstance(self.descriptors, tuple | list) or not all(
@@ -199,7 +202,8 @@ class InstanceSettings(_Role):
     block_tokens: int = 16
     scope_keys: tuple[str, ...] = ()
     #: Holders every completed block is also written to (CK1: so that the
-    #: KV of the session survives the instance).
+    #: KV of the session survives the instance); each is a holder set, one of
+    #: whose workers takes a block (``GET shards``, docs/workers.md).
     store_blocks_to: tuple[str, ...] = ()
     #: At most 64 (CK1); non-deterministic sessions use ``release_tokens``.
     checkpoint_tokens: int = 32

@@ -46,9 +46,12 @@ class Holder:
         self.store = TieredStore([(HostTier(), 64 << 20)])
         self.server: uvicorn.Server | None = None
         self.task: asyncio.Task[None] | None = None
+        #: What it answers at GET shards (empty: itself alone).
+        self.shards: tuple[str, ...] = ()
 
     async def start(self) -> None:
-        app = create_app(HolderSettings(self.uri, allow_anonymous=True), self.store, OPEN)
+        settings = HolderSettings(self.uri, allow_anonymous=True, shards=self.shards)
+        app = create_app(settings, self.store, OPEN)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="error", lifespan="off"))  # fmt: skip
         self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]))
@@ -129,6 +132,31 @@ async def test_a_holder_down_sends_puts_to_the_next_and_gets_there_too(
     assert fresh.stats.errors >= 1 and await fresh.contains(on_a[0])
     await store.close()
     await fresh.close()
+
+
+async def test_one_configured_uri_finds_every_worker_of_its_holder() -> None:
+    # Two holders that answer GET shards as the workers of one process do
+    # (docs/workers.md); the engine is configured with the first only.
+    workers = [Holder(), Holder()]
+    for worker in workers:
+        worker.shards = tuple(w.uri for w in workers)
+        await worker.start()
+    try:
+        store = ChunkStore(settings(workers[:1]))
+        names = [f"chunk-{n}" for n in range(16)]
+        bodies = {n: block() for n in names}
+        assert all(await asyncio.gather(*(store.put(n, bodies[n]) for n in names)))
+        assert store.holders == tuple(w.uri for w in workers)
+        counts = [w.held() for w in workers]
+        assert sum(counts) == 16 and min(counts) >= 3, counts  # both workers hold a share
+        again = ChunkStore(settings(workers[:1]))
+        assert await again.get_many(names) == [bodies[n] for n in names]
+        assert again.stats.leases == 2  # one per worker
+        await store.close()
+        await again.close()
+    finally:
+        for worker in workers:
+            await worker.stop()
 
 
 async def test_every_holder_down_is_a_miss_not_an_error(holders: list[Holder]) -> None:

@@ -84,10 +84,21 @@ class Holder:
             Route("/leases", self.create_lease, methods=["POST"]),
             Route("/leases/{lease_id}", self.renew_lease, methods=["PUT"]),
             Route("/leases/{lease_id}", self.release_lease, methods=["DELETE"]),
+            Route("/shards", self.shards, methods=["GET"]),
         ]
 
     def who(self, request: Request) -> str | None:
         return principal(request, self.settings.allow_anonymous)
+
+    async def shards(self, request: Request) -> Response:
+        """``GET {base}shards`` (ours, not KVSP): the base URIs of every
+        worker of this holder process, so that a client configured with one
+        finds the others (:class:`kvstore.holderset.HolderSet`). Any
+        principal of the policy may ask; it reveals no block."""
+        self.policy.grant(self.who(request))
+        holders = list(self.settings.shards) or [self.settings.uri]
+        return json_response({"holders": holders, "self": self.settings.uri},
+                             headers={"Cache-Control": "private, max-age=60"})  # fmt: skip
 
     async def get_block(self, request: Request) -> Response:
         ref = _ref(request)

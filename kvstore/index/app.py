@@ -85,7 +85,7 @@ class IndexCounters:
 
 def _may_act_for(grant: Grant, holder_id: str) -> bool:
     return "admin" in grant.roles or (
-        "holder" in grant.roles and grant.holder is not None and role_id(grant.holder) == holder_id
+        "holder" in grant.roles and grant.acts_as_holder(lambda uri: role_id(uri) == holder_id)
     )
 
 

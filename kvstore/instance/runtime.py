@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..protocol.problems import KvspError, PreconditionFailed
+from ..holderset import HolderSet
+from ..protocol.problems import KvspError
 from ..seams import Holders
 from ..storage import BlockRef
 from .engine import Engine
@@ -35,10 +36,16 @@ class EngineRunner:
 
 class BlockWriter:
     """Writes completed blocks to the configured holders in the background,
-    a bounded queue ahead of them (the oldest is dropped when full)."""
+    a bounded queue ahead of them (the oldest is dropped when full).
+
+    Each target is a holder set (:class:`.HolderSet`): a holder run with
+    ``[server] workers`` lists its workers at ``GET shards`` (asked once,
+    at the first write), and each block goes to one worker of each target,
+    chosen by rendezvous hashing; a target of one holder is that holder."""
 
     def __init__(self, holders: Holders | None, targets: Sequence[str], limit: int = 256) -> None:
-        self.holders, self.targets, self.limit = holders, tuple(targets), limit
+        self.holders, self.limit = holders, limit
+        self.targets = tuple(HolderSet([t]) for t in targets)
         self.queue: asyncio.Queue[tuple[BlockRef, bytes]] = asyncio.Queue()
         self.written = self.failed = self.dropped = 0
         self._task: asyncio.Task[None] | None = None
@@ -62,17 +69,17 @@ class BlockWriter:
         checkpoint names them, so they must survive the instance)."""
         await asyncio.gather(*(self._put(target, ref, body) for target in self.targets))
 
-    async def _put(self, target: str, ref: BlockRef, body: bytes) -> None:
+    async def _put(self, target: HolderSet, ref: BlockRef, body: bytes) -> None:
         assert self.holders is not None  # targets are given with a client only
         try:
-            await self.holders.put_block(target, ref.compat_id, ref.scope_id, ref.block_key, body)
-            self.written += 1
-        except PreconditionFailed:
-            self.written += 1  # it has the block already
+            if not target.discovered:
+                await target.discover(self.holders)
+            await target.put_block(self.holders, ref.compat_id, ref.scope_id, ref.block_key, body)
+            self.written += 1  # stored, or it had the block already (BL7)
         except Exception as exc:  # the writer never dies of one holder's answer
             self.failed += 1
             detail = exc.detail if isinstance(exc, KvspError) else repr(exc)
-            log.warning("block %s to %s: %s", ref.block_key[:12], target, detail)
+            log.warning("block %s to %s: %s", ref.block_key[:12], target.seeds[0], detail)
 
     async def _run(self) -> None:
         while True:

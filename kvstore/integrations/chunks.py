@@ -16,10 +16,13 @@ token-keyed KVSP client computes for the same tokens, since the engine's
 key is not the KVSP chain (docs/integrations.md).
 
 Each name lives on one of the configured holders, chosen by rendezvous
-hashing (the same holder for a name from every client; with one holder
-down, its names go to the next). A holder that fails a request is skipped
-for ``down_backoff_s``, so a dead holder makes the engine miss at once
-rather than wait out a timeout on every chunk.
+hashing (:func:`kvstore.holderset.rank`: the same holder for a name from
+every client; with one holder down, its names go to the next). A holder
+run with ``[server] workers`` counts as all its workers: each configured
+URI is asked for its ``shards`` once, at the first call (docs/workers.md).
+A holder that fails a request is skipped for ``down_backoff_s``, so a dead
+holder makes the engine miss at once rather than wait out a timeout on
+every chunk.
 
 Failures become misses here, in one place (STYLE 8): :meth:`ChunkStore.get_many`
 answers None for a chunk no holder serves, :meth:`ChunkStore.put` False for
@@ -44,6 +47,7 @@ from typing import Any, TypeVar
 
 from ..client import HolderClient
 from ..config import ConfigError
+from ..holderset import HolderSet, rank
 from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor, parse_descriptor
 from ..protocol.keys import scope_id
@@ -233,6 +237,11 @@ class ChunkStore:
         self._client: HolderClient | None = None
         self._gate: asyncio.Semaphore | None = None
         self._down_until: dict[str, float] = {}
+        #: The configured holders, each one's workers in its place once
+        #: discovered (:meth:`_discover`).
+        self.holders: tuple[str, ...] = settings.holders
+        self._discovery: asyncio.Task[None] | None = None
+        self._discover_after = 0.0
         self._warned: dict[tuple[str, int], float] = {}
         self._background: set[asyncio.Future[None]] = set()
         self.stats = ChunkStats()
@@ -253,12 +262,32 @@ class ChunkStore:
             self._gate = asyncio.Semaphore(self.settings.concurrency)
         return self._gate
 
+    async def _discover(self) -> None:
+        """The workers of every configured holder (``GET shards``), asked at
+        the first call; asked again at most every 30 s while a holder did
+        not answer (one that is not a kvstore holder stands for itself)."""
+        running = self._discovery is not None and not self._discovery.done()
+        if not running and time.monotonic() < self._discover_after:
+            return  # done (or asked too recently); a call meanwhile waits for it
+        if not running:
+            self._discover_after = time.monotonic() + 30.0
+
+            async def discover() -> None:
+                found = HolderSet(self.settings.holders)
+                async with self._slot():
+                    self.holders = await found.discover(self._http())
+                if found.discovered:
+                    self._discover_after = float("inf")
+
+            self._discovery = asyncio.ensure_future(discover())
+        try:
+            await asyncio.shield(self._discovery)
+        except Exception as exc:  # a miss later, never the engine's exception
+            log.warning("kvstore: holder discovery failed (%r); using the configured URIs", exc)
+
     def holders_for(self, block_key: str) -> list[str]:
         """Rendezvous order of the holders for a block, those marked down last."""
-        ranked = sorted(
-            self.settings.holders,
-            key=lambda h: hashlib.sha256(h.encode() + block_key.encode()).digest(),
-        )
+        ranked = rank(self.holders, block_key)
         now = time.monotonic()
         return sorted(ranked, key=lambda h: self._down_until.get(h, 0.0) > now)  # stable
 
@@ -290,6 +319,7 @@ class ChunkStore:
         called only once a request slot is free) on its holder; False if
         none took it."""
         block_key = self.block_key(name)
+        await self._discover()
         async with self._slot():
             data: BytesLike | None = None
             for holder in self.holders_for(block_key):
@@ -313,6 +343,7 @@ class ChunkStore:
 
     async def contains(self, name: str) -> bool:
         block_key = self.block_key(name)
+        await self._discover()
         for holder in self.holders_for(block_key):
             if not self._up(holder):
                 continue
@@ -354,6 +385,7 @@ class ChunkStore:
         the time of the transfer (LE1: not evicted meanwhile). If the call
         is cancelled, what was converted is given to ``release``."""
         keys = [self.block_key(n) for n in names]
+        await self._discover()
         found: list[T | None] = [None] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
         todo = list(range(len(keys)))

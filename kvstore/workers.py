@@ -1,0 +1,289 @@
+"""Shard-per-core holders: ``[server] workers = N`` (docs/workers.md).
+
+One Python process serves one core's worth: TLS, HTTP parsing and digests
+share its one thread. With ``workers = N`` (``"auto"``: the cores the
+process may use) ``kvstore serve --roles holder`` runs N holder processes,
+shared-nothing, under one supervisor:
+
+* worker *i* is a KVSP holder of its own: it listens on ``server.port + i``
+  and its base URI is ``holder.uri`` with the URI's port plus *i*;
+* it has its share of every tier (capacity / N), its own LMDB environment
+  (``<path>/worker-<i>``), its own key prefix in Redis (``<prefix>w<i>:``)
+  and S3 (``<prefix>w<i>/``), its own leases and lease quotas, and it
+  publishes its own replica records at the IS under its own URI;
+* every worker answers ``GET {base}shards`` with all N base URIs, so a
+  client given one finds the others (:class:`kvstore.holderset.HolderSet`
+  spreads PUTs over them by rendezvous hashing);
+* ``/readyz`` of each worker says whether *it* is ready, and lists every
+  worker's state (starting, up, stopping, down) and restarts as the
+  supervisor sees them; its ``/metrics`` carry a ``worker`` label.
+
+The supervisor starts the workers, restarts one that dies (after 0.5 s,
+doubling to 30 s while it keeps dying; its LMDB blocks are recovered as at
+any start), and at SIGTERM or SIGINT sends every worker SIGTERM, waits for
+their stops (each spills and withdraws as a lone holder does) and exits 0
+when they all stopped cleanly. A worker that fails its very first start
+(a port in use, say) stops the whole set: that is a configuration to fix,
+not a crash to retry. The IS, PC and instance roles are not sharded: they
+run in processes of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from .config import Config, ConfigError, StorageConfig, TierConfig
+
+log = logging.getLogger("kvstore.workers")
+
+STARTING, UP, STOPPING, DOWN = 0, 1, 2, 3
+STATE_NAMES = ("starting", "up", "stopping", "down")
+#: The backends' own default key prefixes (a worker's prefix extends it),
+#: and what ends a worker's part of it.
+DEFAULT_PREFIX = {"redis": "kvstore:", "s3": "kvstore/"}
+_SEPARATOR = {"redis": ":", "s3": "/"}
+#: Restart delays: the first, the longest, and how long a worker must run
+#: before a crash counts as a new one (the delay starts again from the first).
+RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 0.5, 30.0, 60.0
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's
+    cpuset sets it), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_uri(uri: str, index: int) -> str:
+    """``uri`` with its port plus ``index`` (the URI's default port if it names none)."""
+    parts = urlsplit(uri)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return urlunsplit(parts._replace(netloc=f"{host}:{port + index}"))
+
+
+def worker_storage(storage: StorageConfig, index: int, count: int) -> StorageConfig:
+    """Worker ``index``'s share of ``storage``: capacity / count of each tier,
+    its own LMDB directory, its own Redis and S3 key prefix."""
+    tiers = []
+    for tier in storage.tiers:
+        options = dict(tier.options)
+        if tier.backend == "lmdb" and isinstance(options.get("path"), str):
+            options["path"] = str(Path(options["path"]) / f"worker-{index}")
+        elif tier.backend in DEFAULT_PREFIX:
+            prefix = options.get("prefix", DEFAULT_PREFIX[tier.backend])
+            options["prefix"] = f"{prefix}w{index}{_SEPARATOR[tier.backend]}"
+        tiers.append(TierConfig(tier.backend, max(1, tier.capacity // count), options))
+    return dataclasses.replace(storage, tiers=tuple(tiers))
+
+
+def worker_config(config: Config, index: int) -> Config:
+    """The configuration worker ``index`` of ``config.server.workers`` runs:
+    a lone holder (``workers = 1``) on its own port, URI and share of storage,
+    knowing every worker's URI (``holder.shards``, for ``GET shards``)."""
+    count = config.server.workers
+    uris = tuple(worker_uri(config.holder.uri, i) for i in range(count))
+    return dataclasses.replace(
+        config,
+        server=dataclasses.replace(config.server, port=config.server.port + index, workers=1),
+        holder=dataclasses.replace(config.holder, uri=uris[index], shards=uris),
+        storage=worker_storage(config.storage, index, count),
+    )
+
+
+class Board:
+    """What the supervisor and its workers share (memory mapped by both):
+    each worker's state and its restarts."""
+
+    def __init__(self, count: int, context: Any) -> None:
+        self.states = context.RawArray("b", count)
+        self.restarts = context.RawArray("i", count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Seat:
+    """A worker's place in its set, as the worker's own process sees it."""
+
+    index: int
+    uris: tuple[str, ...]
+    board: Board
+
+    def mark(self, state: int) -> None:
+        self.board.states[self.index] = state
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        """Every worker's state and restarts, by base URI (``/readyz``)."""
+        return {
+            uri: {"worker": i, "state": STATE_NAMES[self.board.states[i]],
+                  "restarts": self.board.restarts[i]}
+            for i, uri in enumerate(self.uris)
+        }  # fmt: skip
+
+
+class SeatService:
+    """The worker's own state on the board: up once it listens, stopping at the stop."""
+
+    def __init__(self, seat: Seat) -> None:
+        self.seat = seat
+
+    def start(self) -> None:
+        self.seat.mark(UP)
+
+    async def stop(self) -> None:
+        self.seat.mark(STOPPING)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux for SIGTERM when the supervisor dies (even by SIGKILL), so
+    that no worker outlives it holding its port."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _worker_main(config: Config, index: int, board: Board) -> None:
+    """A worker process: one lone holder, see :func:`worker_config`."""
+    _die_with_parent()
+    from .serve import run
+
+    uris = tuple(worker_uri(config.holder.uri, i) for i in range(config.server.workers))
+    run(worker_config(config, index), ("holder",), seat=Seat(index, uris, board))
+
+
+class Supervisor:
+    """Runs ``config.server.workers`` holder workers until a signal (see the module)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.count = config.server.workers
+        self.context = multiprocessing.get_context("spawn")
+        self.board = Board(self.count, self.context)
+        self.processes: list[Any] = [None] * self.count
+        self.started_at = [0.0] * self.count
+        self.delay = [RESTART_FIRST_S] * self.count
+        self.due = [0.0] * self.count
+        self.ever_up = [False] * self.count
+        self.stopping: int | None = None  # the signal that began the stop
+        self.failed = False
+
+    def _start(self, index: int) -> None:
+        self.board.states[index] = STARTING
+        process = self.context.Process(
+            target=_worker_main, args=(self.config, index, self.board),
+            name=f"kvstore-worker-{index}", daemon=False,
+        )  # fmt: skip
+        process.start()
+        self.processes[index] = process
+        self.started_at[index] = time.monotonic()
+        log.info("worker %d started: pid %d, %s", index, process.pid,
+                 worker_uri(self.config.holder.uri, index))  # fmt: skip
+
+    def _signal(self, sig: int, frame: Any) -> None:
+        if self.stopping is None:
+            self.stopping = sig
+            log.info("stopping %d workers (signal %d)", self.count, sig)
+        else:
+            log.warning("signal %d while stopping: passed on to the workers", sig)
+        for process in self.processes:
+            if process is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, sig)
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._signal) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _reap(self, index: int) -> None:
+        """Worker ``index`` has exited: restart it later, or give up the set."""
+        process = self.processes[index]
+        self.processes[index] = None
+        if self.board.states[index] in (UP, STOPPING):
+            self.ever_up[index] = True
+        self.board.states[index] = DOWN
+        ran = time.monotonic() - self.started_at[index]
+        if self.stopping is not None:
+            return
+        if not self.ever_up[index]:
+            log.error("worker %d exited with %s during its first start; stopping every worker "
+                      "(see its log lines above)", index, process.exitcode)  # fmt: skip
+            self.failed = True
+            self._signal(signal.SIGTERM, None)
+            return
+        if ran >= RESTART_RESET_S:
+            self.delay[index] = RESTART_FIRST_S
+        self.due[index] = time.monotonic() + self.delay[index]
+        log.warning("worker %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",
+                    index, process.pid, process.exitcode, ran, self.delay[index])  # fmt: skip
+        self.delay[index] = min(self.delay[index] * 2, RESTART_MAX_S)
+
+    def run(self) -> int:
+        """Supervise until a signal; the exit status (0: every worker stopped cleanly)."""
+        with self._signals():
+            for index in range(self.count):
+                self._start(index)
+            while self.stopping is None:
+                alive = [p.sentinel for p in self.processes if p is not None]
+                wait(alive, timeout=0.25)
+                now = time.monotonic()
+                for index, process in enumerate(self.processes):
+                    if process is None:
+                        if self.stopping is None and now >= self.due[index]:
+                            self.board.restarts[index] += 1
+                            self._start(index)
+                    elif not process.is_alive():
+                        self._reap(index)
+            return self._stop()
+
+    def _stop(self) -> int:
+        # Each worker's own stop is bounded by shutdown_grace_s; a little
+        # more for the process to start and end its interpreter.
+        deadline = time.monotonic() + self.config.server.shutdown_grace_s + 10.0
+        clean = not self.failed
+        for index, process in enumerate(self.processes):
+            if process is None:
+                continue
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                log.error("worker %d did not stop in time; killed", index)
+                process.kill()
+                process.join(5)
+                clean = False
+            elif process.exitcode != 0:
+                log.warning("worker %d stopped with exit status %s", index, process.exitcode)
+                clean = False
+            self.board.states[index] = DOWN
+        log.info("all %d workers stopped", self.count)
+        return 0 if clean else 1
+
+
+def supervise(config: Config, roles: tuple[str, ...] = ("holder",)) -> int:
+    """Run the holder workers of ``config`` (``server.workers`` > 1) until a
+    signal; the configuration is checked first, as ``serve`` does."""
+    from .config import check
+
+    problems = check(config, roles)
+    if problems:
+        raise ConfigError(problems[0])
+    return Supervisor(config).run()
