@@ -191,7 +191,7 @@ def test_the_workers_key_auto_the_environment_and_its_checks(tmp_path: Path) -> 
     assert check(zero, ("holder",)) == ['server.workers: at least 1 (or "auto": one per core)']
     ephemeral = dataclasses.replace(config, server=dataclasses.replace(config.server, port=0))
     assert "consecutive ports" in check(ephemeral, ("holder",))[0]
-    with pytest.raises(ConfigError, match="server.workers"):
+    with pytest.raises(ConfigError, match=r"server\.workers"):
         load(_file(tmp_path, 'workers = "many"'))
 
     second = worker_config(config, 2)
@@ -223,3 +223,23 @@ def test_a_workers_metrics_carry_its_label() -> None:
 
 def test_shards_default_to_the_holder_alone() -> None:
     assert HolderSettings("https://h/kvsp/").shards == ()
+
+
+async def test_an_instance_writes_each_block_to_one_worker_of_each_target() -> None:
+    # store_blocks_to names targets; a target run as workers lists them
+    # (asked once); each block goes to its rendezvous worker of each target.
+    from kvstore.instance.runtime import BlockWriter
+    from kvstore.storage import BlockRef
+
+    client = FakeHolders()
+    client.listing[A] = [A, B]
+    writer = BlockWriter(client, [A, C])  # type: ignore[arg-type]  # a fake's types
+    refs = [BlockRef("c" * 64, "s" * 32, k) for k in KEYS[:12]]
+    for r in refs:
+        await writer.write_now(r, b"x")
+    assert writer.written == 24 and writer.failed == 0
+    assert [c for c in client.calls if c[0] == "shards"] == [("shards", A), ("shards", C)]
+    for r in refs:
+        assert r.block_key in client.blocks[rank([A, B], r.block_key)[0]]
+        assert r.block_key in client.blocks[C]
+    assert client.blocks[A] and client.blocks[B]

@@ -266,10 +266,11 @@ class ChunkStore:
         """The workers of every configured holder (``GET shards``), asked at
         the first call; asked again at most every 30 s while a holder did
         not answer (one that is not a kvstore holder stands for itself)."""
-        running = self._discovery is not None and not self._discovery.done()
+        discovery = self._discovery
+        running = discovery is not None and not discovery.done()
         if not running and time.monotonic() < self._discover_after:
             return  # done (or asked too recently); a call meanwhile waits for it
-        if not running:
+        if discovery is None or not running:
             self._discover_after = time.monotonic() + 30.0
 
             async def discover() -> None:
@@ -279,9 +280,9 @@ class ChunkStore:
                 if found.discovered:
                     self._discover_after = float("inf")
 
-            self._discovery = asyncio.ensure_future(discover())
+            self._discovery = discovery = asyncio.ensure_future(discover())
         try:
-            await asyncio.shield(self._discovery)
+            await asyncio.shield(discovery)
         except Exception as exc:  # a miss later, never the engine's exception
             log.warning("kvstore: holder discovery failed (%r); using the configured URIs", exc)
 
