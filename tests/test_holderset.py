@@ -234,7 +234,7 @@ async def test_an_instance_writes_each_block_to_one_worker_of_each_target() -> N
     client = FakeHolders()
     client.listing[A] = [A, B]
     writer = BlockWriter(client, [A, C])  # type: ignore[arg-type]  # a fake's types
-    refs = [BlockRef("c" * 64, "s" * 32, k) for k in KEYS[:12]]
+    refs = [BlockRef("c" * 64, "5" * 32, k) for k in KEYS[:12]]
     for r in refs:
         await writer.write_now(r, b"x")
     assert writer.written == 24 and writer.failed == 0
