@@ -11,7 +11,11 @@ Bodies are 2 MiB blocks of 32 layers. Rows:
   holder must digest every layer once);
 * verified fetch (Repr-Digest + layer digests, BL6): against 2 x SHA-256,
   and against the same fetch unverified (what verification costs in wall
-  time at one client).
+  time at one client);
+* workers (``[server] workers``, docs/workers.md): aggregate GET over mTLS
+  at 16 clients of a holder run as 2 workers against the same holder as 1
+  worker, both driven by the same load generator in a process of its own
+  (:mod:`.loadgen`); the blocks are spread evenly over the workers.
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ def _port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ports(count: int) -> int:
+    """A free port whose next ``count - 1`` are free too (a holder's workers)."""
+    for _ in range(50):
+        first, held = _port(), []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no run of free ports")
 
 
 def _wait(port: int, process: subprocess.Popen[bytes], timeout: float = 30) -> None:
@@ -79,8 +101,9 @@ class Servers:
             str(certs / "ca.pem"), str(certs / "client-bench.pem"), str(certs / "client-bench.key")
         )
 
-    def holder(self, tier: str, tls: bool, http2: bool = False) -> str:
-        port = _port()
+    def holder(self, tier: str, tls: bool, http2: bool = False, workers: int = 1) -> str:
+        """A holder process (its first worker's base URI)."""
+        port = _ports(workers)
         scheme = "https" if tls else "http"
         server = (
             'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\ncafile = "certs/ca.pem"\n'
@@ -95,7 +118,7 @@ class Servers:
         )
         config = self.root / f"holder-{port}.toml"
         config.write_text(
-            f'[server]\nhost = "127.0.0.1"\nport = {port}\n{server}\n'
+            f'[server]\nhost = "127.0.0.1"\nport = {port}\nworkers = {workers}\n{server}\n'
             f'[holder]\nuri = "{scheme}://127.0.0.1:{port}/kvsp/"\npolicy = "policy.json"\n'
             f"max_block_octets = 16777216\n\n[storage]\npromote = false\n\n"
             f"[[storage.tiers]]\n{tier_cfg}"
@@ -106,8 +129,28 @@ class Servers:
             stderr=subprocess.DEVNULL,
         )
         self.processes.append(process)
-        _wait(port, process)
+        for worker in range(workers):
+            _wait(port + worker, process)
         return f"{scheme}://127.0.0.1:{port}/kvsp/"
+
+    def load(
+        self, urls: list[str], clients: int, seconds: float, tls: bool = True
+    ) -> tuple[float, float]:
+        """GB/s of GETs of ``urls`` by the load generator, a process of its
+        own, and the cores it kept busy itself meanwhile."""
+        certs = self.root / "certs"
+        command = [sys.executable, "-m", "kvstore.bench.loadgen", *urls, "--clients",
+                   str(clients), "--seconds", str(seconds)]  # fmt: skip
+        if tls:
+            command += ["--cafile", str(certs / "ca.pem"), "--certfile",
+                        str(certs / "client-bench.pem"), "--keyfile",
+                        str(certs / "client-bench.key")]  # fmt: skip
+        out = subprocess.run(command, capture_output=True, check=True, timeout=seconds + 60)
+        figures = json.loads(out.stdout.decode().strip().splitlines()[-1])
+        if figures["errors"] or not figures["requests"]:
+            raise RuntimeError(f"load generator: {figures}")
+        elapsed = float(figures["seconds"])
+        return float(figures["octets"]) / elapsed / 1e9, float(figures["cpu_seconds"]) / elapsed
 
     def bare(self, octets: int, tls: bool) -> str:
         port = _port()
@@ -267,6 +310,7 @@ async def _run(quick: bool) -> list[Result]:
                         session, holder, bare[tls], context, records, seconds, label
                     )
         results += await _http2_cost(servers, blocks, seconds)
+        results += await _workers_scaling(servers, blocks, seconds)
     finally:
         servers.close()
     return results
@@ -296,6 +340,42 @@ async def _http2_cost(
             rates[http2] = await _rate(size, get, 1, seconds)
     return [Result("GET whole, host, mTLS, HTTP/2 (httpx)", "GB/s", rates[True],
                    "same holder, HTTP/1.1 (httpx)", rates[False], None)]  # fmt: skip
+
+
+async def _workers_scaling(
+    servers: Servers, blocks: list[tuple[str, bytes]], seconds: float, clients: int = 16
+) -> list[Result]:
+    """Issue 19's goal: 2 workers >= 1.6 x 1 worker, aggregate GET over mTLS."""
+    from ..client import HolderClient
+    from ..holderset import rank
+    from ..workers import worker_uri
+
+    rates, busy = {}, {}
+    for workers in (1, 2):
+        first = servers.holder("host", True, workers=workers)
+        uris = [worker_uri(first, i) for i in range(workers)]
+        urls = []
+        async with HolderClient(servers.client_ssl()) as client:
+            for i, (_, data) in enumerate(blocks):
+                # Keys chosen so that each worker holds the same share.
+                key = os.urandom(32).hex()
+                while rank(uris, key)[0] != uris[i % workers]:
+                    key = os.urandom(32).hex()
+                await client.put_block(uris[i % workers], COMPAT, SCOPE, key, data)
+                urls.append(f"{uris[i % workers]}blocks/{COMPAT}/{SCOPE}/{key}")
+        rates[workers], busy[workers] = await asyncio.to_thread(
+            servers.load, urls, clients, seconds
+        )
+    from ..workers import available_cores
+
+    # The load generator's own share of the machine: where it takes one of
+    # two cores, two workers share the other (docs/workers.md).
+    return [
+        Result(f"GET whole, host, mTLS, c={clients}, 2 workers (load generator apart)",
+               "GB/s", rates[2], "1 worker, same load generator", rates[1], 1.6),
+        Result(f"load generator's own CPU at 1 worker (machine: {available_cores()} cores)",
+               "cores", busy[1]),
+    ]  # fmt: skip
 
 
 def _static_getter(session: Any, base: str) -> Callable[[int], Awaitable[None]]:
