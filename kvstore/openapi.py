@@ -178,6 +178,11 @@ COMPONENTS: dict[str, Any] = {
                        "loaded": {"type": "array", "items": HEX32}},
         "required": ["directive", "state", "loaded"],
     },
+    "Shards": {
+        "type": "object",
+        "properties": {"holders": {"type": "array", "items": URI, "minItems": 1}, "self": URI},
+        "required": ["holders", "self"],
+    },
     "Object": {"type": "object", "description": "a JSON object described in the docs"},
 }  # fmt: skip
 
@@ -249,6 +254,10 @@ def document(role: str) -> dict[str, Any]:
             "put": _op("Renew a lease", _ok("200", "LeaseGrant"), "Object"),
             "delete": _op("Release a lease", {"204": {"description": "released"}}),
         }
+        paths["/shards"] = {
+            "get": _op("The base URIs of every worker of this holder process "
+                       "(docs/workers.md)", _ok("200", "Shards"), ours=True),
+        }  # fmt: skip
     elif role == "index":
         paths["/replicas/{holder_id}/{block_key}"] = {
             "parameters": _path(("holder_id", {"type": "string"}), ("block_key", HEX32)),
