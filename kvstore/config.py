@@ -19,6 +19,10 @@ their defaults::
     log_level = "info"                # kvstore's own log lines: debug|info|warning|error
     workers = 1                       # holder processes, one per core ("auto": every
                                       # core); worker i on port + i (docs/workers.md)
+    unix_socket = ""                  # also plain HTTP on this socket, for a proxy that
+    trusted_proxy = ""                # terminates TLS: "unix" or a loopback address
+                                      # whose client-identity header is believed
+                                      # (docs/proxy.md)
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -159,6 +163,12 @@ class ServerConfig:
     #: Holder processes, one per core (docs/workers.md); "auto" in the file:
     #: the cores this process may use, counted when the file is read.
     workers: int = 1
+    #: A second listener, plain HTTP on this socket file (mode 0660), for a
+    #: TLS-terminating proxy on the same host (docs/proxy.md).
+    unix_socket: str = ""
+    #: The peer whose client-identity header is believed: "unix" (the
+    #: unix_socket's connections) or a loopback address; empty: none.
+    trusted_proxy: str = ""
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -215,6 +225,7 @@ _PATH_KEYS = {
     "client_certfile",
     "client_keyfile",
     "engine_dir",
+    "unix_socket",
 }
 #: Arrays of URIs, not of paths.
 _URI_LISTS = {"store_blocks_to"}
@@ -341,6 +352,10 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
                        "roles in processes of their own")  # fmt: skip
         if server.port == 0:
             out.append("server.port: workers listen on consecutive ports from it; not 0")
+        if server.unix_socket:
+            out.append("server.unix_socket: not with workers (no socket per worker "
+                       "yet); put the proxy in front of the workers' ports")  # fmt: skip
+    out += _check_proxy(server)
     if server.insecure_http:
         if not is_loopback(server.host):
             out.append("server.insecure_http: refused on a non-loopback address")
@@ -349,6 +364,23 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
     else:
         missing = [key for key in ("certfile", "keyfile", "cafile") if not getattr(server, key)]
         out += [f"server.{key}: required unless insecure_http = true" for key in missing]
+    return out
+
+
+def _check_proxy(server: ServerConfig) -> list[str]:
+    """``unix_socket`` and ``trusted_proxy`` (docs/proxy.md)."""
+    out: list[str] = []
+    trusted = server.trusted_proxy
+    if server.unix_socket and trusted != "unix":
+        out.append('server.unix_socket: serves a proxy; set trusted_proxy = "unix"')
+    if trusted == "unix" and not server.unix_socket:
+        out.append('server.trusted_proxy: "unix" needs server.unix_socket')
+    if trusted and trusted != "unix" and (trusted == "localhost" or not is_loopback(trusted)):
+        out.append(f"server.trusted_proxy: {trusted!r}: \"unix\" or a loopback IP address only "
+                   "(a header from another host could be forged on the way)")  # fmt: skip
+    if trusted and server.insecure_http:
+        out.append("server.trusted_proxy: not with insecure_http (a request without the "
+                   "proxy's header would be anonymous)")  # fmt: skip
     return out
 
 

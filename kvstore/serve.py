@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
+import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -384,17 +386,44 @@ def _server_class() -> Any:
         * :class:`.Listening` is set once the listener is bound.
         """
 
-        def __init__(self, config: Any, listening: Listening, shutdown: Shutdown) -> None:
+        def __init__(self, config: Any, listening: Listening, shutdown: Shutdown,
+                     unix_socket: str = "") -> None:  # fmt: skip
             super().__init__(config)
             self.listening, self.shutdown_budget = listening, shutdown
+            self.unix_socket = unix_socket
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
+            if self.started and self.unix_socket:
+                await self._listen_on_unix_socket()
             if self.started:
                 self.listening.set()
 
+        async def _listen_on_unix_socket(self) -> None:
+            """``server.unix_socket``: plain HTTP for the trusted proxy beside
+            the TLS listener, in the same server (its connections are drained
+            and closed with the others at the stop)."""
+            config = self.config
+
+            def create_protocol(_loop: Any = None) -> asyncio.Protocol:
+                protocol: Any = config.http_protocol_class
+                return protocol(  # type: ignore[no-any-return]
+                    config=config, server_state=self.server_state,
+                    app_state=self.lifespan.state, _loop=_loop,
+                )  # fmt: skip
+
+            sock = bind_unix_socket(self.unix_socket)
+            server = await asyncio.get_running_loop().create_server(
+                create_protocol, sock=sock, backlog=config.backlog
+            )
+            self.servers.append(server)
+            log.info("serving on unix:%s for the trusted proxy", self.unix_socket)
+
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)
+            if self.unix_socket:
+                with contextlib.suppress(FileNotFoundError):
+                    Path(self.unix_socket).unlink()
             if self.force_exit:
                 # A second SIGINT cut the wait for in-flight requests short;
                 # uvicorn then skips the lifespan, but kvstore's stop (spill,
@@ -427,6 +456,33 @@ def _server_class() -> Any:
                     signal.signal(sig, handler)
 
     return Server
+
+
+def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
+    """A listening unix socket at ``path`` of ``mode`` from the start (never
+    briefly open to every local user: its peers' forwarded identities are
+    believed). A stale socket file of a stopped server is replaced; any
+    other file there is an error."""
+    import stat
+
+    target = Path(path)
+    if target.exists() or target.is_symlink():
+        if not stat.S_ISSOCK(target.lstat().st_mode):
+            raise ConfigError(f"server.unix_socket: {path} exists and is not a socket")
+        target.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    previous = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"server.unix_socket: {path}: {exc.strerror}") from exc
+    finally:
+        os.umask(previous)
+    os.chmod(path, mode)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
@@ -486,8 +542,13 @@ async def serve(
     listening, shutdown = Listening(False), Shutdown(config.server.shutdown_grace_s)
     closing: list[Step] = []
     try:
-        app = await _build(config, roles, listening, shutdown, closing, seat)
-        server = _server_class()(uvicorn_config(config, app), listening, shutdown)
+        app: ASGIApp = await _build(config, roles, listening, shutdown, closing, seat)
+        if config.server.trusted_proxy:
+            from .proxy import ForwardedIdentity
+
+            app = ForwardedIdentity(app, config.server.trusted_proxy)
+        server = _server_class()(uvicorn_config(config, app), listening, shutdown,
+                                 config.server.unix_socket)  # fmt: skip
     except BaseException:
         # Built this far: the tiers and states made are closed again.
         await run_steps(closing, "closing after a failed start")

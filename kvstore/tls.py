@@ -16,6 +16,10 @@ scope extension for uvicorn, and the principal of a connection (H1, SEC1).
      "client_cert_error": None, "tls_version": 0x0304, "cipher_suite": None,
      "kvstore.principal": <the principal>}
 
+  and every scope, TLS or not, carries ``"kvstore.peer"``: ``"unix"`` or
+  the peer's IP address, from the transport itself (:mod:`kvstore.proxy`
+  believes a forwarded identity only from the trusted proxy's peer).
+
   The principal (the first URI subjectAltName, else the common name) is
   fixed per connection, so it is computed there, from the certificate
   OpenSSL already decoded, not per request. ``tests/integration/test_tls.py``
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -126,20 +131,39 @@ def _rfc4514(peercert: Any) -> str | None:
     return ",".join(reversed(parts)) or None
 
 
+#: Our extension: the transport's own peer, ``"unix"`` for a unix-socket
+#: connection, else its IP address (uvicorn's ``scope["client"]`` may be
+#: rewritten from X-Forwarded-For; this is not): :mod:`kvstore.proxy`.
+PEER = "kvstore.peer"
+
+
+def transport_peer(transport: asyncio.BaseTransport) -> str | None:
+    """``"unix"``, the peer's IP address, or None when the transport does not say."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and getattr(sock, "family", None) == socket.AF_UNIX:
+        return "unix"
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, list | tuple) and peer:
+        return str(peer[0])
+    return None
+
+
 class _WithTLS:
-    """Per-connection wrapper that adds the ``tls`` extension to each scope."""
+    """Per-connection wrapper that adds the ``tls`` extension (None for a
+    plain connection) and the transport's peer to each scope."""
 
-    __slots__ = ("app", "tls")
+    __slots__ = ("app", "extensions")
 
-    def __init__(self, app: ASGIApp, tls: dict[str, Any]) -> None:
+    def __init__(self, app: ASGIApp, tls: dict[str, Any] | None, peer: str | None = None) -> None:
         self.app = app
-        self.tls = tls
+        self.extensions: dict[str, Any] = {PEER: peer}
+        if tls is not None:
+            self.extensions["tls"] = tls
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
-            extensions = dict(scope.get("extensions") or {})
-            extensions["tls"] = self.tls
-            scope = {**scope, "extensions": extensions}
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}),
+                                             **self.extensions}}  # fmt: skip
         await self.app(scope, receive, send)
 
 
@@ -159,9 +183,7 @@ class _TLSScope(_AnyProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        tls = tls_extension(transport)
-        if tls is not None:
-            self.app = _WithTLS(self.app, tls)
+        self.app = _WithTLS(self.app, tls_extension(transport), transport_peer(transport))
 
 
 class TLSH11Protocol(_TLSScope, H11Protocol):
@@ -287,11 +309,13 @@ def principal_from_scope(scope: Scope) -> str | None:
     it; a scope filled by another server (only the PEM chain) is parsed, with
     a cache."""
     tls = (scope.get("extensions") or {}).get("tls")
-    if not tls or not tls.get("client_cert_chain"):
+    if not tls:
         return None
-    if PRINCIPAL in tls:
+    if PRINCIPAL in tls:  # ours: this connection's, or a trusted proxy's (kvstore.proxy)
         found: str | None = tls[PRINCIPAL]
         return found
+    if not tls.get("client_cert_chain"):
+        return None
     return principal_of_pem(tls["client_cert_chain"][0])
 
 

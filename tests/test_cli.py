@@ -216,7 +216,8 @@ def test_bench_holder_quick_runs_against_real_servers() -> None:
     names = [r["name"] for r in results]
     assert any(n.startswith("GET whole, host, mTLS") for n in names)
     assert any(n.startswith("PUT") for n in names)
-    assert all(r["value"] > 0 and r["baseline"] > 0 for r in results)
+    assert any("2 workers" in n for n in names)
+    assert all(r["value"] > 0 and (r["baseline"] is None or r["baseline"] > 0) for r in results)
 
 
 def test_bench_index_quick(redis_server: Any) -> None:

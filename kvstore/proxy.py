@@ -1,0 +1,162 @@
+"""Client identity from a TLS-terminating proxy (docs/proxy.md).
+
+The standard deployment of a service behind nginx, Envoy or an Istio
+sidecar: the proxy does the mutual TLS, and passes the client's verified
+certificate on in a request header. kvstore believes that header only from
+the peer ``[server] trusted_proxy`` names:
+
+* ``"unix"``: connections to ``[server] unix_socket`` (plain HTTP on a
+  socket file of mode 0660; the proxy on the same host connects there);
+* a loopback address (``"127.0.0.1"``): TCP connections from it.
+
+The headers read:
+
+* nginx: ``X-Client-Cert: $ssl_client_escaped_cert`` (the URL-escaped PEM
+  of the client certificate nginx verified);
+* Envoy / Istio: ``X-Forwarded-Client-Cert`` (XFCC), its last element
+  (the one the nearest proxy added; ``forward_client_cert_details:
+  SANITIZE_SET`` leaves only that one): the ``Cert`` field, else ``URI``,
+  else the CN of ``Subject``.
+
+The principal is the certificate's first URI subjectAltName, else its
+common name, as for a direct TLS client (SEC1). A request that carries
+either header from any other peer is refused (403): a direct client
+cannot claim another's identity. Without a ``trusted_proxy`` the headers
+are ignored. The trusted peer's requests without a header have only that
+connection's own identity: none on the unix socket (401).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import unquote
+
+from .protocol.problems import BadRequest, Forbidden, KvspError
+from .tls import PEER, PRINCIPAL, principal_of_pem
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+
+NGINX_HEADER = b"x-client-cert"
+XFCC_HEADER = b"x-forwarded-client-cert"
+#: Longest identity header read (a certificate chain is a few KiB escaped).
+MAX_HEADER_OCTETS = 32 << 10
+
+_CN = re.compile(r"(?:^|,)\s*CN=((?:[^,\\]|\\.)*)")
+
+
+def _split(text: str, separator: str) -> list[str]:
+    """``text`` split at ``separator`` outside double quotes (XFCC's grammar)."""
+    parts, current, quoted, escaped = [], [], False, False
+    for char in text:
+        if escaped:
+            current.append(char)
+            escaped = False
+        elif char == "\\" and quoted:
+            current.append(char)
+            escaped = True
+        elif char == '"':
+            quoted = not quoted
+            current.append(char)
+        elif char == separator and not quoted:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if quoted:
+        raise ValueError("an unclosed quote")
+    parts.append("".join(current))
+    return parts
+
+
+def _unquote_value(value: str) -> str:
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = re.sub(r"\\(.)", r"\1", value[1:-1])
+    return value
+
+
+def principal_of_xfcc(header: str) -> str | None:
+    """The principal of the last element of an ``X-Forwarded-Client-Cert`` value."""
+    element = _split(header, ",")[-1]
+    fields: dict[str, str] = {}
+    for pair in _split(element, ";"):
+        key, sep, value = pair.partition("=")
+        if sep:
+            fields.setdefault(key.strip().lower(), _unquote_value(value))
+    if fields.get("cert"):
+        return principal_of_pem(unquote(fields["cert"]))
+    if fields.get("uri"):
+        return fields["uri"]
+    found = _CN.search(fields.get("subject", ""))
+    return re.sub(r"\\(.)", r"\1", found.group(1)) if found else None
+
+
+def principal_of_escaped_pem(header: str) -> str | None:
+    """The principal of nginx's ``$ssl_client_escaped_cert``."""
+    return principal_of_pem(unquote(header))
+
+
+def forwarded_principal(headers: list[tuple[bytes, bytes]]) -> tuple[bool, str | None]:
+    """``(carried, principal)``: whether an identity header is there, and
+    the principal it names; :class:`BadRequest` when it is malformed."""
+    nginx = xfcc = None
+    for name, value in headers:
+        if name == NGINX_HEADER:
+            nginx = value
+        elif name == XFCC_HEADER:
+            xfcc = value
+    if nginx is None and xfcc is None:
+        return False, None
+    raw = nginx if nginx is not None else xfcc
+    assert raw is not None
+    if len(raw) > MAX_HEADER_OCTETS:
+        raise BadRequest("the forwarded client certificate is too long")
+    try:
+        text = raw.decode("latin-1")
+        found = principal_of_escaped_pem(text) if nginx is not None else principal_of_xfcc(text)
+    except ValueError as exc:
+        raise BadRequest(f"the forwarded client certificate is malformed: {exc}") from None
+    if not found:
+        raise BadRequest("the forwarded client certificate names no principal")
+    return True, found
+
+
+class ForwardedIdentity:
+    """ASGI middleware: the principal of requests from ``trusted`` (see the module)."""
+
+    def __init__(self, app: ASGIApp, trusted: str) -> None:
+        self.app, self.trusted = app, trusted
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        extensions = scope.get("extensions") or {}
+        try:
+            carried, principal = forwarded_principal(scope.get("headers") or [])
+            if carried and extensions.get(PEER) != self.trusted:
+                raise Forbidden("a forwarded client identity is believed only from the "
+                                "trusted proxy")  # fmt: skip
+        except KvspError as exc:
+            await _problem(send, exc)
+            return
+        if carried:
+            tls: dict[str, Any] = {
+                "client_cert_chain": [], "client_cert_name": None, "tls_version": None,
+                "cipher_suite": None, "server_cert": None, "client_cert_error": None,
+                PRINCIPAL: principal, "kvstore.forwarded": True,
+            }  # fmt: skip
+            scope = {**scope, "extensions": {**extensions, "tls": tls}}
+        await self.app(scope, receive, send)
+
+
+async def _problem(send: Any, error: KvspError) -> None:
+    body = json.dumps(error.to_problem()).encode()
+    await send({"type": "http.response.start", "status": error.status, "headers": [
+        (b"content-type", b"application/problem+json"), (b"cache-control", b"no-store"),
+        (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})

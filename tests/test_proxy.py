@@ -1,0 +1,113 @@
+"""kvstore.proxy without a proxy: the identity headers of nginx and Envoy
+parsed, believed only from the trusted peer, refused from any other, and
+the ``unix_socket`` / ``trusted_proxy`` keys checked (docs/proxy.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from kvstore.config import Config, ServerConfig, check
+from kvstore.protocol.problems import BadRequest
+from kvstore.proxy import ForwardedIdentity, forwarded_principal, principal_of_xfcc
+from kvstore.security import create_dev_certificates
+from kvstore.tls import PEER, principal_from_scope
+
+
+@pytest.fixture(scope="module")
+def pems(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("certs")
+    create_dev_certificates(root, ["alice", "bob"])
+    return {n: (root / f"client-{n}.pem").read_text() for n in ("alice", "bob")}
+
+
+def test_envoy_xfcc_forms(pems: dict[str, str]) -> None:
+    cert = quote(pems["alice"])
+    assert principal_of_xfcc(f'By=spiffe://proxy;Hash=ab12;Cert="{cert}";URI=urn:x') == (
+        "urn:kvstore:alice"  # the certificate wins over the other fields
+    )
+    assert principal_of_xfcc("Hash=ab;URI=spiffe://cluster.local/ns/a/sa/b") == (
+        "spiffe://cluster.local/ns/a/sa/b"
+    )
+    assert principal_of_xfcc('Hash=ab;Subject="O=Ex\\, Inc.,CN=front end 1"') == "front end 1"
+    # Several hops: the last element is the nearest proxy's, the one believed.
+    assert principal_of_xfcc('URI=urn:first;Subject="CN=a,O=b",URI=urn:last') == "urn:last"
+    assert principal_of_xfcc("Hash=ab") is None
+    with pytest.raises(ValueError):
+        principal_of_xfcc('URI="urn:unclosed')
+
+
+def test_nginx_escaped_pem_and_bad_headers(pems: dict[str, str]) -> None:
+    headers = [(b"x-client-cert", quote(pems["bob"]).encode())]
+    assert forwarded_principal(headers) == (True, "urn:kvstore:bob")
+    assert forwarded_principal([(b"x-other", b"1")]) == (False, None)
+    for bad in (b"not a certificate", b"x" * (33 << 10), b""):
+        with pytest.raises(BadRequest):
+            forwarded_principal([(b"x-client-cert", bad)])
+    with pytest.raises(BadRequest, match="names no principal"):
+        forwarded_principal([(b"x-forwarded-client-cert", b"Hash=ab")])
+
+
+async def _call(app: Any, peer: str | None, headers: list[tuple[bytes, bytes]],
+                tls: dict[str, Any] | None = None) -> tuple[int, Any]:  # fmt: skip
+    extensions: dict[str, Any] = {PEER: peer}
+    if tls is not None:
+        extensions["tls"] = tls
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": headers,
+             "extensions": extensions}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+async def _echo(scope: Any, receive: Any, send: Any) -> None:
+    body = json.dumps({"principal": principal_from_scope(scope)}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_believed_from_the_trusted_peer_only(pems: dict[str, str]) -> None:
+    alice = [(b"x-client-cert", quote(pems["alice"]).encode())]
+    direct_tls = {"client_cert_chain": [pems["bob"]], "kvstore.principal": "urn:kvstore:bob"}
+    unix = ForwardedIdentity(_echo, "unix")
+    assert await _call(unix, "unix", alice) == (200, {"principal": "urn:kvstore:alice"})
+    assert await _call(unix, "unix", []) == (200, {"principal": None})  # no header: nobody
+    status, problem = await _call(unix, "127.0.0.1", alice, direct_tls)
+    assert status == 403 and "trusted proxy" in problem["detail"]
+    assert await _call(unix, "127.0.0.1", [], direct_tls) == (200, {"principal": "urn:kvstore:bob"})
+    loopback = ForwardedIdentity(_echo, "127.0.0.1")
+    assert await _call(loopback, "127.0.0.1", alice) == (200, {"principal": "urn:kvstore:alice"})
+    assert (await _call(loopback, "127.0.0.2", alice))[0] == 403
+    status, problem = await _call(loopback, "127.0.0.1", [(b"x-client-cert", b"%%")])
+    assert status == 400 and problem["status"] == 400
+
+
+def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
+    def problems(**server: Any) -> list[str]:
+        base = ServerConfig(certfile="c", keyfile="k", cafile="a")
+        config = Config(server=dataclasses.replace(base, **server))
+        return [p for p in check(config, ("holder",)) if p.startswith("server.")]
+
+    sock = str(tmp_path / "s.sock")
+    assert problems(unix_socket=sock, trusted_proxy="unix") == []
+    assert problems(trusted_proxy="127.0.0.1") == problems(trusted_proxy="::1") == []
+    assert "trusted_proxy" in problems(unix_socket=sock)[0]
+    assert "needs server.unix_socket" in problems(trusted_proxy="unix")[0]
+    for far in ("10.0.0.7", "localhost", "proxy.example"):
+        assert "loopback IP address only" in problems(trusted_proxy=far)[0], far
+    assert any("insecure_http" in p for p in problems(trusted_proxy="127.0.0.1",
+                                                      insecure_http=True))  # fmt: skip
+    assert any("not with workers" in p for p in problems(unix_socket=sock, trusted_proxy="unix",
+                                                         workers=2))  # fmt: skip
