@@ -101,15 +101,20 @@ class Servers:
             str(certs / "ca.pem"), str(certs / "client-bench.pem"), str(certs / "client-bench.key")
         )
 
-    def holder(self, tier: str, tls: bool, http2: bool = False, workers: int = 1) -> str:
-        """A holder process (its first worker's base URI)."""
+    def holder(
+        self, tier: str, tls: bool, http2: bool = False, workers: int = 1,
+        unix_socket: Path | None = None,
+    ) -> str:  # fmt: skip
+        """A holder process (its first worker's base URI); with ``unix_socket``
+        also there, for a trusted proxy (docs/proxy.md)."""
         port = _ports(workers)
         scheme = "https" if tls else "http"
+        files = 'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\n'
         server = (
-            'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\ncafile = "certs/ca.pem"\n'
-            if tls
-            else "insecure_http = true\n"
-        ) + ("http2 = true\n" if http2 else "")
+            (files + 'cafile = "certs/ca.pem"\n' if tls else "insecure_http = true\n")
+            + ("http2 = true\n" if http2 else "")
+            + (f'unix_socket = "{unix_socket}"\ntrusted_proxy = "unix"\n' if unix_socket else "")
+        )
         tier_cfg = (
             'backend = "host"\ncapacity = 4294967296\n'
             if tier == "host"
@@ -163,8 +168,10 @@ class Servers:
         _wait(port, process)
         return f"{'https' if tls else 'http'}://127.0.0.1:{port}/kvsp/"
 
-    def nginx(self, octets: int, tls: bool) -> str | None:
-        """nginx serving the same octets as a static file (None when not installed)."""
+    def nginx(self, octets: int, tls: bool, upstream: Path | None = None) -> str | None:
+        """nginx serving the same octets as a static file (None when not
+        installed); with ``upstream``, proxying to that unix socket instead,
+        the client certificate passed on as docs/proxy.md configures it."""
         import shutil
 
         binary = shutil.which("nginx") or (
@@ -191,7 +198,16 @@ class Servers:
             "http { access_log off; sendfile on; keepalive_requests 100000;\n"
             f"  server {{ listen 127.0.0.1:{port}{' ssl' if tls else ''}; {ssl_lines}\n"
             f"    root {prefix}/www;\n"
-            "    location /kvsp/ { default_type application/kvsp-block; } } }\n"
+            + (
+                "    location /kvsp/ { default_type application/kvsp-block; } } }\n"
+                if upstream is None
+                else "    location /kvsp/ { proxy_pass http://kvstore; proxy_http_version 1.1;\n"
+                '      proxy_set_header Connection ""; proxy_buffering on;\n'
+                "      proxy_buffer_size 1m; proxy_buffers 8 1m; proxy_busy_buffers_size 2m;\n"
+                "      proxy_set_header X-Client-Cert $ssl_client_escaped_cert;\n"
+                "      proxy_request_buffering off; client_max_body_size 64m; } }\n"
+                f"  upstream kvstore {{ server unix:{upstream}; keepalive 32; }} }}\n"
+            )
         )
         process = subprocess.Popen(
             [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
@@ -299,8 +315,10 @@ async def _run(quick: bool) -> list[Result]:
                             clients,
                             seconds,
                         )
+                        # Issue 19: over mTLS within 0.8 of nginx's mTLS.
                         results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
-                                              "nginx static file", static, None))  # fmt: skip
+                                              "nginx static file", static,
+                                              0.8 if tls else None))  # fmt: skip
                 ours = await _rate(half, getter(holder, {"layers": "0-15"}), 1, seconds)
                 base = await _rate(half, getter(bare_half[tls]), 1, seconds)
                 results.append(Result(f"GET layers 0-15, {label}, c=1", "GB/s", ours,
@@ -310,6 +328,8 @@ async def _run(quick: bool) -> list[Result]:
                         session, holder, bare[tls], context, records, seconds, label
                     )
         results += await _http2_cost(servers, blocks, seconds)
+        if nginx[True] is not None:
+            results += await _behind_nginx(servers, blocks, seconds, nginx[True])
         results += await _workers_scaling(servers, blocks, seconds)
     finally:
         servers.close()
@@ -340,6 +360,41 @@ async def _http2_cost(
             rates[http2] = await _rate(size, get, 1, seconds)
     return [Result("GET whole, host, mTLS, HTTP/2 (httpx)", "GB/s", rates[True],
                    "same holder, HTTP/1.1 (httpx)", rates[False], None)]  # fmt: skip
+
+
+async def _behind_nginx(
+    servers: Servers, blocks: list[tuple[str, bytes]], seconds: float, static: str
+) -> list[Result]:
+    """The holder behind nginx doing the mutual TLS, on a unix socket
+    (docs/proxy.md), against nginx serving the same octets itself."""
+    import aiohttp
+
+    sock = servers.root / f"kvstore-{os.getpid()}.sock"
+    servers.holder("host", True, unix_socket=sock)
+    proxied = servers.nginx(len(blocks[0][1]), True, upstream=sock)
+    if proxied is None:
+        return []
+    results = []
+    connector = aiohttp.TCPConnector(ssl=servers.client_ssl(), limit=64)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for key, data in blocks:
+            url = f"{proxied}blocks/{COMPAT}/{SCOPE}/{key}"
+            async with session.put(url, data=data, headers={"If-None-Match": "*"}) as response:
+                assert response.status == 201, await response.text()
+
+        async def get(i: int) -> None:
+            url = f"{proxied}blocks/{COMPAT}/{SCOPE}/{blocks[i % len(blocks)][0]}"
+            async with session.get(url) as response:
+                assert response.status == 200
+                await response.read()
+
+        for clients in (1, 8):
+            ours = await _rate(len(blocks[0][1]), get, clients, seconds)
+            direct = await _rate(len(blocks[0][1]), _static_getter(session, static), clients,
+                                 seconds)  # fmt: skip
+            results.append(Result(f"GET whole, behind nginx (mTLS there), c={clients}", "GB/s",
+                                  ours, "nginx static file, mTLS", direct, 0.8))  # fmt: skip
+    return results
 
 
 async def _workers_scaling(
