@@ -22,7 +22,7 @@ their defaults::
     unix_socket = ""                  # also plain HTTP on this socket, for a proxy that
     trusted_proxy = ""                # terminates TLS: "unix" or a loopback address
                                       # whose client-identity header is believed
-                                      # (docs/proxy.md)
+    trusted_proxy_header = "x-client-cert"  # or "x-forwarded-client-cert" (docs/proxy.md)
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -169,6 +169,9 @@ class ServerConfig:
     #: The peer whose client-identity header is believed: "unix" (the
     #: unix_socket's connections) or a loopback address; empty: none.
     trusted_proxy: str = ""
+    #: The header it sets: "x-client-cert" (nginx) or "x-forwarded-client-cert"
+    #: (Envoy, Istio); the other one is refused.
+    trusted_proxy_header: str = "x-client-cert"
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -352,6 +355,8 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
                        "roles in processes of their own")  # fmt: skip
         if server.port == 0:
             out.append("server.port: workers listen on consecutive ports from it; not 0")
+        if server.port + server.workers - 1 > 65535:
+            out.append(f"server.port: {server.workers} workers from {server.port} pass 65535")
         if server.unix_socket:
             out.append("server.unix_socket: not with workers (no socket per worker "
                        "yet); put the proxy in front of the workers' ports")  # fmt: skip
@@ -378,6 +383,9 @@ def _check_proxy(server: ServerConfig) -> list[str]:
     if trusted and trusted != "unix" and (trusted == "localhost" or not is_loopback(trusted)):
         out.append(f"server.trusted_proxy: {trusted!r}: \"unix\" or a loopback IP address only "
                    "(a header from another host could be forged on the way)")  # fmt: skip
+    if server.trusted_proxy_header not in ("x-client-cert", "x-forwarded-client-cert"):
+        out.append(f"server.trusted_proxy_header: {server.trusted_proxy_header!r}; one of "
+                   "x-client-cert (nginx), x-forwarded-client-cert (Envoy, Istio)")  # fmt: skip
     if trusted and server.insecure_http:
         out.append("server.trusted_proxy: not with insecure_http (a request without the "
                    "proxy's header would be anonymous)")  # fmt: skip

@@ -9,14 +9,20 @@ the peer ``[server] trusted_proxy`` names:
   socket file of mode 0660; the proxy on the same host connects there);
 * a loopback address (``"127.0.0.1"``): TCP connections from it.
 
-The headers read:
+The header read is the one ``[server] trusted_proxy_header`` names:
 
-* nginx: ``X-Client-Cert: $ssl_client_escaped_cert`` (the URL-escaped PEM
-  of the client certificate nginx verified);
-* Envoy / Istio: ``X-Forwarded-Client-Cert`` (XFCC), its last element
-  (the one the nearest proxy added; ``forward_client_cert_details:
+* ``x-client-cert`` (nginx): ``X-Client-Cert: $ssl_client_escaped_cert``
+  (the URL-escaped PEM of the client certificate nginx verified);
+* ``x-forwarded-client-cert`` (Envoy, Istio): XFCC, its last element (the
+  one the nearest proxy added; ``forward_client_cert_details:
   SANITIZE_SET`` leaves only that one): the ``Cert`` field, else ``URI``,
   else the CN of ``Subject``.
+
+The other header is refused (400) even from the trusted proxy: a proxy
+sets its own header but passes a client's value of the other one on, and
+believing either would let a client name itself. The forwarded certificate
+is not checked against a CA here: the proxy verified it, and only the
+proxy's peer is believed.
 
 The principal is the certificate's first URI subjectAltName, else its
 common name, as for a direct TLS client (SEC1). A request that carries
@@ -100,58 +106,67 @@ def principal_of_escaped_pem(header: str) -> str | None:
     return principal_of_pem(unquote(header))
 
 
-def forwarded_principal(headers: list[tuple[bytes, bytes]]) -> tuple[bool, str | None]:
-    """``(carried, principal)``: whether an identity header is there, and
-    the principal it names; :class:`BadRequest` when it is malformed."""
-    nginx = xfcc = None
-    for name, value in headers:
-        if name == NGINX_HEADER:
-            nginx = value
-        elif name == XFCC_HEADER:
-            xfcc = value
-    if nginx is None and xfcc is None:
-        return False, None
-    raw = nginx if nginx is not None else xfcc
-    assert raw is not None
+HEADERS = {"x-client-cert": NGINX_HEADER, "x-forwarded-client-cert": XFCC_HEADER}
+
+
+def identity_headers(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """The identity headers a request carries, by (lower-case) name."""
+    return {name: value for name, value in headers if name in (NGINX_HEADER, XFCC_HEADER)}
+
+
+def forwarded_principal(carried: dict[bytes, bytes], header: bytes = NGINX_HEADER) -> str:
+    """The principal ``header`` of the trusted proxy names; :class:`BadRequest`
+    when it is malformed, names nobody, or the other identity header comes
+    too (the proxy was to set one and remove the other: a client's own
+    value of the other one passed on would be a forgery)."""
+    if set(carried) != {header}:
+        raise BadRequest(f"only the {header.decode()} identity header is believed here; "
+                         "the proxy must remove the other")  # fmt: skip
+    raw = carried[header]
     if len(raw) > MAX_HEADER_OCTETS:
         raise BadRequest("the forwarded client certificate is too long")
     try:
         text = raw.decode("latin-1")
-        found = principal_of_escaped_pem(text) if nginx is not None else principal_of_xfcc(text)
-    except ValueError as exc:
+        found = principal_of_escaped_pem(text) if header == NGINX_HEADER else (
+            principal_of_xfcc(text))  # fmt: skip
+    except Exception as exc:  # cryptography raises more than ValueError on odd certificates
         raise BadRequest(f"the forwarded client certificate is malformed: {exc}") from None
     if not found:
         raise BadRequest("the forwarded client certificate names no principal")
-    return True, found
+    return found
 
 
 class ForwardedIdentity:
-    """ASGI middleware: the principal of requests from ``trusted`` (see the module)."""
+    """ASGI middleware: the principal of requests from ``trusted``, read from
+    ``header`` (see the module)."""
 
-    def __init__(self, app: ASGIApp, trusted: str) -> None:
-        self.app, self.trusted = app, trusted
+    def __init__(self, app: ASGIApp, trusted: str, header: str = "x-client-cert") -> None:
+        self.app, self.trusted, self.header = app, trusted, HEADERS[header]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         extensions = scope.get("extensions") or {}
+        carried = identity_headers(scope.get("headers") or [])
+        if not carried:
+            await self.app(scope, receive, send)
+            return
         try:
-            carried, principal = forwarded_principal(scope.get("headers") or [])
-            if carried and extensions.get(PEER) != self.trusted:
+            # The peer first: nothing another peer sends is parsed.
+            if extensions.get(PEER) != self.trusted:
                 raise Forbidden("a forwarded client identity is believed only from the "
                                 "trusted proxy")  # fmt: skip
+            principal = forwarded_principal(carried, self.header)
         except KvspError as exc:
             await _problem(send, exc)
             return
-        if carried:
-            tls: dict[str, Any] = {
-                "client_cert_chain": [], "client_cert_name": None, "tls_version": None,
-                "cipher_suite": None, "server_cert": None, "client_cert_error": None,
-                PRINCIPAL: principal, "kvstore.forwarded": True,
-            }  # fmt: skip
-            scope = {**scope, "extensions": {**extensions, "tls": tls}}
-        await self.app(scope, receive, send)
+        tls: dict[str, Any] = {
+            "client_cert_chain": [], "client_cert_name": None, "tls_version": None,
+            "cipher_suite": None, "server_cert": None, "client_cert_error": None,
+            PRINCIPAL: principal, "kvstore.forwarded": True,
+        }  # fmt: skip
+        await self.app({**scope, "extensions": {**extensions, "tls": tls}}, receive, send)
 
 
 async def _problem(send: Any, error: KvspError) -> None:

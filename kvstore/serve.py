@@ -386,23 +386,26 @@ def _server_class() -> Any:
         * :class:`.Listening` is set once the listener is bound.
         """
 
-        def __init__(self, config: Any, listening: Listening, shutdown: Shutdown,
-                     unix_socket: str = "") -> None:  # fmt: skip
+        def __init__(
+            self, config: Any, listening: Listening, shutdown: Shutdown,
+            unix_socket: socket.socket | None = None, unix_path: str = "",
+        ) -> None:  # fmt: skip
             super().__init__(config)
             self.listening, self.shutdown_budget = listening, shutdown
-            self.unix_socket = unix_socket
+            self.unix_socket, self.unix_path = unix_socket, unix_path
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
-            if self.started and self.unix_socket:
-                await self._listen_on_unix_socket()
+            if self.started and self.unix_socket is not None:
+                await self._listen_on_unix_socket(self.unix_socket)
             if self.started:
                 self.listening.set()
 
-        async def _listen_on_unix_socket(self) -> None:
-            """``server.unix_socket``: plain HTTP for the trusted proxy beside
-            the TLS listener, in the same server (its connections are drained
-            and closed with the others at the stop)."""
+        async def _listen_on_unix_socket(self, sock: socket.socket) -> None:
+            """``server.unix_socket`` (bound before the roles started, so a
+            bad path fails the start cleanly): plain HTTP for the trusted
+            proxy beside the TLS listener, in the same server (its
+            connections are drained and closed with the others at the stop)."""
             config = self.config
 
             def create_protocol(_loop: Any = None) -> asyncio.Protocol:
@@ -412,18 +415,17 @@ def _server_class() -> Any:
                     app_state=self.lifespan.state, _loop=_loop,
                 )  # fmt: skip
 
-            sock = bind_unix_socket(self.unix_socket)
             server = await asyncio.get_running_loop().create_server(
                 create_protocol, sock=sock, backlog=config.backlog
             )
             self.servers.append(server)
-            log.info("serving on unix:%s for the trusted proxy", self.unix_socket)
+            log.info("serving on unix:%s for the trusted proxy", self.unix_path)
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)
-            if self.unix_socket:
+            if self.unix_path:
                 with contextlib.suppress(FileNotFoundError):
-                    Path(self.unix_socket).unlink()
+                    Path(self.unix_path).unlink()
             if self.force_exit:
                 # A second SIGINT cut the wait for in-flight requests short;
                 # uvicorn then skips the lifespan, but kvstore's stop (spill,
@@ -459,30 +461,55 @@ def _server_class() -> Any:
 
 
 def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
-    """A listening unix socket at ``path`` of ``mode`` from the start (never
-    briefly open to every local user: its peers' forwarded identities are
-    believed). A stale socket file of a stopped server is replaced; any
-    other file there is an error."""
+    """A listening unix socket at ``path``, of ``mode`` before anyone can
+    connect (its peers' forwarded identities are believed): bound in a
+    private directory beside ``path``, then renamed into place. A stale
+    socket file of a stopped server is replaced; a socket another server
+    still answers on, or any other file, is an error."""
     import stat
+    import tempfile
 
     target = Path(path)
     if target.exists() or target.is_symlink():
         if not stat.S_ISSOCK(target.lstat().st_mode):
             raise ConfigError(f"server.unix_socket: {path} exists and is not a socket")
-        target.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    previous = os.umask(0o777 & ~mode)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            pass  # stale: nobody listens there
+        else:
+            raise ConfigError(f"server.unix_socket: another server listens on {path}")
+        finally:
+            probe.close()
     try:
-        sock.bind(path)
+        private = Path(tempfile.mkdtemp(prefix=".kvstore-", dir=target.parent))  # mode 0700
+    except OSError as exc:
+        raise ConfigError(f"server.unix_socket: {target.parent}: {exc.strerror}") from exc
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(private / "s"))
+        os.chmod(private / "s", mode)
+        os.replace(private / "s", target)  # the socket, now at its path, of its mode
     except OSError as exc:
         sock.close()
         raise ConfigError(f"server.unix_socket: {path}: {exc.strerror}") from exc
     finally:
-        os.umask(previous)
-    os.chmod(path, mode)
+        with contextlib.suppress(OSError):
+            (private / "s").unlink()
+        with contextlib.suppress(OSError):
+            private.rmdir()
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+async def _close_socket(sock: socket.socket, path: str) -> None:
+    """The unix listener, at the end (or after a start that failed): closed,
+    its file removed."""
+    sock.close()
+    with contextlib.suppress(OSError):
+        Path(path).unlink(missing_ok=True)
 
 
 def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
@@ -546,9 +573,13 @@ async def serve(
         if config.server.trusted_proxy:
             from .proxy import ForwardedIdentity
 
-            app = ForwardedIdentity(app, config.server.trusted_proxy)
-        server = _server_class()(uvicorn_config(config, app), listening, shutdown,
-                                 config.server.unix_socket)  # fmt: skip
+            app = ForwardedIdentity(app, config.server.trusted_proxy,
+                                    config.server.trusted_proxy_header)  # fmt: skip
+        path = config.server.unix_socket
+        unix = bind_unix_socket(path) if path else None
+        if unix is not None:
+            closing.append(lambda: _close_socket(unix, path))  # also if the start fails
+        server = _server_class()(uvicorn_config(config, app), listening, shutdown, unix, path)
     except BaseException:
         # Built this far: the tiers and states made are closed again.
         await run_steps(closing, "closing after a failed start")

@@ -43,14 +43,20 @@ def test_envoy_xfcc_forms(pems: dict[str, str]) -> None:
 
 
 def test_nginx_escaped_pem_and_bad_headers(pems: dict[str, str]) -> None:
-    headers = [(b"x-client-cert", quote(pems["bob"]).encode())]
-    assert forwarded_principal(headers) == (True, "urn:kvstore:bob")
-    assert forwarded_principal([(b"x-other", b"1")]) == (False, None)
+    nginx, xfcc = b"x-client-cert", b"x-forwarded-client-cert"
+    assert forwarded_principal({nginx: quote(pems["bob"]).encode()}) == "urn:kvstore:bob"
+    assert forwarded_principal({xfcc: b"URI=urn:x"}, xfcc) == "urn:x"
     for bad in (b"not a certificate", b"x" * (33 << 10), b""):
         with pytest.raises(BadRequest):
-            forwarded_principal([(b"x-client-cert", bad)])
+            forwarded_principal({nginx: bad})
     with pytest.raises(BadRequest, match="names no principal"):
-        forwarded_principal([(b"x-forwarded-client-cert", b"Hash=ab")])
+        forwarded_principal({xfcc: b"Hash=ab"}, xfcc)
+    # The proxy sets one header; a client's value of the other, passed on
+    # by it, is refused rather than believed.
+    with pytest.raises(BadRequest, match="must remove the other"):
+        forwarded_principal({nginx: quote(pems["bob"]).encode(), xfcc: b"URI=urn:admin"})
+    with pytest.raises(BadRequest, match="must remove the other"):
+        forwarded_principal({nginx: quote(pems["bob"]).encode()}, xfcc)
 
 
 async def _call(app: Any, peer: str | None, headers: list[tuple[bytes, bytes]],
@@ -92,6 +98,12 @@ async def test_believed_from_the_trusted_peer_only(pems: dict[str, str]) -> None
     assert (await _call(loopback, "127.0.0.2", alice))[0] == 403
     status, problem = await _call(loopback, "127.0.0.1", [(b"x-client-cert", b"%%")])
     assert status == 400 and problem["status"] == 400
+    # From any other peer nothing is parsed: a malformed header is a 403 too.
+    assert (await _call(loopback, "127.0.0.9", [(b"x-client-cert", b"%%")]))[0] == 403
+    envoy = ForwardedIdentity(_echo, "unix", "x-forwarded-client-cert")
+    xfcc = [(b"x-forwarded-client-cert", b"Hash=1;URI=spiffe://a/b")]
+    assert await _call(envoy, "unix", xfcc) == (200, {"principal": "spiffe://a/b"})
+    assert (await _call(envoy, "unix", [*xfcc, *alice]))[0] == 400
 
 
 def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
@@ -111,3 +123,33 @@ def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
                                                       insecure_http=True))  # fmt: skip
     assert any("not with workers" in p for p in problems(unix_socket=sock, trusted_proxy="unix",
                                                          workers=2))  # fmt: skip
+    assert "trusted_proxy_header" in problems(trusted_proxy_header="x-ssl-cert")[0]
+    assert "pass 65535" in problems(port=65535, workers=2)[0]
+
+
+def test_the_unix_socket_is_bound_private_and_never_taken_from_a_live_server(
+    tmp_path: Path,
+) -> None:
+    import socket
+    import stat
+
+    from kvstore.config import ConfigError
+    from kvstore.serve import bind_unix_socket
+
+    path = str(tmp_path / "kv.sock")
+    first = bind_unix_socket(path)
+    assert stat.S_IMODE(Path(path).stat().st_mode) == 0o660
+    assert [p.name for p in tmp_path.iterdir()] == ["kv.sock"]  # no private directory left
+    with pytest.raises(ConfigError, match="another server listens"):
+        bind_unix_socket(path)
+    first.close()  # a stopped server's stale file is replaced
+    second = bind_unix_socket(path)
+    probe = socket.socket(socket.AF_UNIX)
+    probe.connect(path)
+    probe.close()
+    second.close()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a socket"):
+        bind_unix_socket(str(tmp_path / "file"))
+    with pytest.raises(ConfigError):
+        bind_unix_socket(str(tmp_path / "missing" / "kv.sock"))

@@ -205,6 +205,7 @@ class Servers:
                 '      proxy_set_header Connection ""; proxy_buffering on;\n'
                 "      proxy_buffer_size 1m; proxy_buffers 8 1m; proxy_busy_buffers_size 2m;\n"
                 "      proxy_set_header X-Client-Cert $ssl_client_escaped_cert;\n"
+                '      proxy_set_header X-Forwarded-Client-Cert "";\n'
                 "      proxy_request_buffering off; client_max_body_size 64m; } }\n"
                 f"  upstream kvstore {{ server unix:{upstream}; keepalive 32; }} }}\n"
             )
@@ -328,8 +329,8 @@ async def _run(quick: bool) -> list[Result]:
                         session, holder, bare[tls], context, records, seconds, label
                     )
         results += await _http2_cost(servers, blocks, seconds)
-        if nginx[True] is not None:
-            results += await _behind_nginx(servers, blocks, seconds, nginx[True])
+        if (nginx_mtls := nginx[True]) is not None:
+            results += await _behind_nginx(servers, blocks, seconds, nginx_mtls)
         results += await _workers_scaling(servers, blocks, seconds)
     finally:
         servers.close()
