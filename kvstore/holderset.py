@@ -82,6 +82,9 @@ class HolderSet:
     are the set. Not thread-safe; meant for one event loop, like the client
     it is used with."""
 
+    #: After a discovery a seed did not answer, how long until the next.
+    rediscover_s = 30.0
+
     def __init__(
         self, seeds: Sequence[str], *, down_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -94,6 +97,12 @@ class HolderSet:
         self.down_s = down_s
         self._clock = clock
         self._down_until: dict[str, float] = {}
+        self._discover_after = 0.0
+
+    def needs_discovery(self) -> bool:
+        """Whether :meth:`discover` should run now: not yet done, and not
+        tried within the last ``rediscover_s`` (a seed that did not answer)."""
+        return not self.discovered and self._clock() >= self._discover_after
 
     def __repr__(self) -> str:
         return f"HolderSet({list(self.holders)!r})"
@@ -108,15 +117,16 @@ class HolderSet:
         for seed in self.seeds:
             try:
                 listed = [base(u) for u in await client.shards(seed)]
-            except NotFound:
-                listed = [seed]
             except KvspError as exc:
-                log.warning("holder %s: no shard list (%s); using it alone for now", seed,
-                            exc.detail)  # fmt: skip
-                listed, complete = [seed], False
+                listed = [seed]  # a lone holder (404), another implementation (any 4xx)
+                if fails_holder(exc):  # unreachable, 5xx: asked again later
+                    log.warning("holder %s: no shard list (%s); using it alone for now",
+                                seed, exc.detail)  # fmt: skip
+                    complete = False
             found.update(dict.fromkeys(listed or [seed]))
         self.holders = tuple(found)
         self.discovered = complete
+        self._discover_after = self._clock() + self.rediscover_s
         return self.holders
 
     def up(self, holder: str) -> bool:
@@ -145,8 +155,9 @@ class HolderSet:
     ) -> tuple[str, ReplicaRecord | None]:  # fmt: skip
         """Store a block at the first holder of its order that takes it:
         ``(holder, record)``; the record is None when that holder had it
-        already (BL7's 412). A refusal (4xx) is raised: another holder of
-        the same deployment would refuse it the same way."""
+        already (BL7's 412). A holder with no room (507) passes it to the
+        next, unmarked; a refusal (4xx) is raised: another holder of the
+        same deployment would refuse it the same way."""
         last: BaseException | None = None
         for holder in self.order(block_key):
             try:
@@ -155,6 +166,9 @@ class HolderSet:
             except PreconditionFailed:
                 return holder, None
             except KvspError as exc:
+                if exc.status == 507:
+                    last = exc
+                    continue
                 if not fails_holder(exc):
                     raise
                 self.failed(holder, exc)

@@ -148,18 +148,25 @@ class SeatService:
         self.seat.mark(STOPPING)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(supervisor: int) -> None:
     """Ask Linux for SIGTERM when the supervisor dies (even by SIGKILL), so
-    that no worker outlives it holding its port."""
+    that no worker outlives it holding its port; if it died already, before
+    the request was made, end now."""
     with contextlib.suppress(Exception):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != supervisor:
+        raise SystemExit(0)
 
 
-def _worker_main(config: Config, index: int, board: Board) -> None:
-    """A worker process: one lone holder, see :func:`worker_config`."""
-    _die_with_parent()
+def _worker_main(config: Config, index: int, board: Board, supervisor: int) -> None:
+    """A worker process: one lone holder, see :func:`worker_config`. In a
+    process group of its own: a terminal's Ctrl-C reaches the supervisor
+    only, which passes the stop on (a second SIGINT would cut uvicorn's
+    wait for in-flight requests short)."""
+    os.setpgrp()
+    _die_with_parent(supervisor)
     from .serve import run
 
     uris = tuple(worker_uri(config.holder.uri, i) for i in range(config.server.workers))
@@ -181,11 +188,12 @@ class Supervisor:
         self.ever_up = [False] * self.count
         self.stopping: int | None = None  # the signal that began the stop
         self.failed = False
+        self.signalled: set[int] = set()
 
     def _start(self, index: int) -> None:
         self.board.states[index] = STARTING
         process = self.context.Process(
-            target=_worker_main, args=(self.config, index, self.board),
+            target=_worker_main, args=(self.config, index, self.board, os.getpid()),
             name=f"kvstore-worker-{index}", daemon=False,
         )  # fmt: skip
         process.start()
@@ -195,15 +203,27 @@ class Supervisor:
                  worker_uri(self.config.holder.uri, index))  # fmt: skip
 
     def _signal(self, sig: int, frame: Any) -> None:
+        """The first SIGTERM or SIGINT stops every worker with SIGTERM (their
+        graceful stop); a later one is passed on as it came (a second SIGINT:
+        uvicorn cuts its wait for in-flight requests short)."""
         if self.stopping is None:
             self.stopping = sig
             log.info("stopping %d workers (signal %d)", self.count, sig)
+            self._send(signal.SIGTERM)
         else:
             log.warning("signal %d while stopping: passed on to the workers", sig)
+            self._send(sig)
+
+    def _send(self, sig: int, once: bool = False) -> None:
+        """``sig`` to every live worker (``once``: to those not sent one yet)."""
         for process in self.processes:
-            if process is not None and process.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, sig)
+            if process is None or not process.is_alive():
+                continue
+            if once and process.pid in self.signalled:
+                continue
+            self.signalled.add(process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
@@ -261,6 +281,8 @@ class Supervisor:
         # more for the process to start and end its interpreter.
         deadline = time.monotonic() + self.config.server.shutdown_grace_s + 10.0
         clean = not self.failed
+        # A worker started while the signal came was not in the list yet.
+        self._send(signal.SIGTERM, once=True)
         for index, process in enumerate(self.processes):
             if process is None:
                 continue
@@ -270,6 +292,8 @@ class Supervisor:
                 process.kill()
                 process.join(5)
                 clean = False
+            elif process.exitcode == -signal.SIGTERM:
+                pass  # stopped before it had its handlers: it was still starting
             elif process.exitcode != 0:
                 log.warning("worker %d stopped with exit status %s", index, process.exitcode)
                 clean = False

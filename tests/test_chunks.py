@@ -7,6 +7,7 @@ and names kept apart by scope, descriptor and namespace."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -157,6 +158,22 @@ async def test_one_configured_uri_finds_every_worker_of_its_holder() -> None:
     finally:
         for worker in workers:
             await worker.stop()
+
+
+async def test_a_lone_holder_has_no_shards_and_keeps_its_configured_uri(
+    holders: list[Holder],
+) -> None:
+    from kvstore.client import HolderClient
+    from kvstore.protocol.problems import NotFound
+
+    async with HolderClient() as client:
+        with pytest.raises(NotFound):
+            await client.shards(holders[0].uri)
+    alias = holders[0].uri.replace("127.0.0.1", "localhost")  # not its holder.uri
+    store = ChunkStore(dataclasses.replace(settings(holders), holders=(alias,)))
+    assert await store.put("x", block())
+    assert store.holders == (alias,)
+    await store.close()
 
 
 async def test_every_holder_down_is_a_miss_not_an_error(holders: list[Holder]) -> None:

@@ -243,3 +243,34 @@ async def test_an_instance_writes_each_block_to_one_worker_of_each_target() -> N
         assert r.block_key in client.blocks[rank([A, B], r.block_key)[0]]
         assert r.block_key in client.blocks[C]
     assert client.blocks[A] and client.blocks[B]
+
+
+async def test_a_full_holder_passes_a_block_on_and_discovery_backs_off() -> None:
+    from kvstore.protocol.problems import InsufficientStorage
+
+    class Full(FakeHolders):
+        async def put_block(self, holder: str, *args: object) -> ReplicaRecord:
+            if holder == A:
+                self.calls.append(("put", holder))
+                raise InsufficientStorage("no room")
+            return await super().put_block(holder, *args)  # type: ignore[arg-type]
+
+    client = Full()
+    holders = HolderSet([A, B])
+    key = next(k for k in KEYS if rank([A, B], k)[0] == A)
+    assert (await holders.put_block(client, "c", "s", key, b"x"))[0] == B
+    assert holders.up(A)  # full, not failed: its other blocks still go there
+
+    clock = Clock()
+    client = FakeHolders()
+    client.listing[A] = KvspError("unreachable")
+    client.listing[B] = BadRequest("no such resource here")  # another implementation
+    holders = HolderSet([A, B], clock=clock)
+    assert holders.needs_discovery()
+    await holders.discover(client)
+    assert not holders.discovered and not holders.needs_discovery()  # not at every block
+    clock.now += HolderSet.rediscover_s
+    assert holders.needs_discovery()
+    client.listing[A] = [A]
+    await holders.discover(client)
+    assert holders.discovered and holders.holders == (A, B)  # a 4xx: B stands for itself

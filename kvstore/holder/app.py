@@ -93,11 +93,15 @@ class Holder:
     async def shards(self, request: Request) -> Response:
         """``GET {base}shards`` (ours, not KVSP): the base URIs of every
         worker of this holder process, so that a client configured with one
-        finds the others (:class:`kvstore.holderset.HolderSet`). Any
-        principal of the policy may ask; it reveals no block."""
+        finds the others (:class:`kvstore.holderset.HolderSet`); 404 from a
+        holder run alone. Any principal of the policy may ask; it reveals no
+        block."""
         self.policy.grant(self.who(request))
-        holders = list(self.settings.shards) or [self.settings.uri]
-        return json_response({"holders": holders, "self": self.settings.uri},
+        if not self.settings.shards:
+            # A lone holder: the URI a client was given stands for itself
+            # (answering with holder.uri would swap a client's alias for it).
+            raise NotFound("this holder runs alone (server.workers = 1): no shards")
+        return json_response({"holders": list(self.settings.shards), "self": self.settings.uri},
                              headers={"Cache-Control": "private, max-age=60"})  # fmt: skip
 
     async def get_block(self, request: Request) -> Response:

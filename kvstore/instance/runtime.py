@@ -72,7 +72,7 @@ class BlockWriter:
     async def _put(self, target: HolderSet, ref: BlockRef, body: bytes) -> None:
         assert self.holders is not None  # targets are given with a client only
         try:
-            if not target.discovered:
+            if target.needs_discovery():
                 await target.discover(self.holders)
             await target.put_block(self.holders, ref.compat_id, ref.scope_id, ref.block_key, body)
             self.written += 1  # stored, or it had the block already (BL7)
