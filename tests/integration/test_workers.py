@@ -253,6 +253,17 @@ async def test_a_killed_worker_comes_back_with_its_blocks(deployment: Deployment
     assert f"worker 1 (pid {victim}) exited with -9" in deployment.log()
 
 
+async def test_status_shows_every_worker_from_one_uri(deployment: Deployment) -> None:
+    from kvstore.ops import gather
+
+    views = await gather([deployment.workers[0]], deployment.context)
+    assert [v.base for v in views] == list(deployment.workers)
+    for i, view in enumerate(views):
+        assert not view.error and view.roles == ["holder"]
+        assert all(dict(k).get("worker") == str(i)
+                   for k in view.samples["kvstore_tier_capacity_bytes"])  # fmt: skip
+
+
 def test_sigterm_stops_every_worker_with_exit_status_0(deployment: Deployment) -> None:
     pids = [deployment.pid(0), deployment.pid(1)]
     deployment.supervisor.send_signal(signal.SIGTERM)
