@@ -150,6 +150,41 @@ class HolderClient(_Http):
         await verify_block(body, headers["repr-digest"], record)
         return body
 
+    async def get_blocks(
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_keys: Sequence[str],
+        *,
+        records: Sequence[ReplicaRecord | None] | None = None,
+        concurrency: int = 4,
+    ) -> list[bytes]:
+        """Several blocks of one holder at once, each verified (BL6) as
+        :meth:`get_block` does: at most ``concurrency`` requests in flight,
+        on as many pooled connections, so one block's digests are taken
+        (off the event loop) while the next ones arrive. The containers in
+        the order of ``block_keys``; the first error is raised and the
+        other requests are cancelled."""
+        if records is not None and len(records) != len(block_keys):
+            raise ValueError("records: one per block key (None where there is none)")
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(i: int) -> bytes:
+            async with gate:
+                record = records[i] if records is not None else None
+                return await self.get_block(holder, compat_id, scope_id, block_keys[i],
+                                            record=record)  # fmt: skip
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(block_keys))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     async def has_block(self, holder: str, compat_id: str, scope_id: str, block_key: str) -> bool:
         """``HEAD`` of a block: True if the holder serves it, False on a 404."""
         url = urljoin(_base(holder), block_path(compat_id, scope_id, block_key))

@@ -11,7 +11,8 @@ Bodies are 2 MiB blocks of 32 layers. Rows:
   holder must digest every layer once);
 * verified fetch (Repr-Digest + layer digests, BL6): against 2 x SHA-256,
   and against the same fetch unverified (what verification costs in wall
-  time at one client);
+  time at one client), one block at a time and four at once
+  (``HolderClient.get_blocks``);
 * workers (``[server] workers``, docs/workers.md): aggregate GET over mTLS
   at 16 clients of a holder run as 2 workers against the same holder as 1
   worker, both driven by the same load generator in a process of its own
@@ -491,6 +492,18 @@ async def _put_and_verify(
 
     fetched = await _rate(size, verified, 1, seconds)
     plain = await _rate(size, unverified, 1, seconds)
+
+    async def verified_4(i: int) -> None:
+        # One caller, four blocks at once (HolderClient.get_blocks).
+        batch = [parsed[(i * 4 + j) % len(parsed)] for j in range(4)]
+        await client.get_blocks(holder, COMPAT, SCOPE, [r.block_key for r in batch],
+                                records=batch, concurrency=4)  # fmt: skip
+
+    async def unverified_4(i: int) -> None:
+        await asyncio.gather(*(unverified(i * 4 + j) for j in range(4)))
+
+    fetched_4 = await _rate(4 * size, verified_4, 1, seconds)
+    plain_4 = await _rate(4 * size, unverified_4, 1, seconds)
     await client.close()
     return [
         Result(f"PUT, {label}, c=1", "GB/s", ours, "bare uvicorn PUT", base, 0.7),
@@ -499,6 +512,8 @@ async def _put_and_verify(
                sha / 2, 0.8),
         Result(f"verified fetch (BL6), {label}, c=1", "GB/s", fetched,
                "unverified fetch, same client", plain, 0.8),
+        Result(f"verified fetch (BL6), {label}, 4 blocks at once", "GB/s", fetched_4,
+               "unverified, 4 at once, same client", plain_4, 0.8),
     ]  # fmt: skip
 
 
