@@ -95,14 +95,32 @@ class Placement:
         while self.finishing:
             await asyncio.gather(*self.finishing, return_exceptions=True)
 
-    async def _finish(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` in a tracked task and wait for it; a cancel of the
-        caller does not cancel it (an old place left behind would be an
-        orphan that a restart adopts: a deleted block coming back)."""
+    async def _finish(self, work: Coroutine[Any, Any, None], hold: bool = True) -> None:
+        """Run ``work`` in a tracked task and wait for it. A cancel of the
+        caller does not cancel the work: an old place left behind would be
+        an orphan that a restart adopts, a deleted block coming back.
+
+        ``hold`` (a move's clean-up, an undone write): the caller waits for
+        the work even when it is cancelled meanwhile (the cancel is raised
+        once the work is done), since it holds the block's claim (or its
+        WRITING state) until then; else another move could write the place
+        this work deletes, and lose it. The work is tier calls, each bounded
+        by its tier's deadline. A removal does not hold: its LEAVING entry
+        keeps a new incarnation out until its deletes are done."""
         task = asyncio.ensure_future(work)
         self.finishing.add(task)
         task.add_done_callback(self.finishing.discard)
-        await asyncio.shield(task)
+        cancelled = False
+        while True:
+            try:
+                await asyncio.shield(task)
+                break
+            except asyncio.CancelledError:
+                if task.done() or not hold:
+                    raise  # the work itself was cancelled, or no claim to keep
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _undo(self, index: int, *keys: str) -> None:
         """A write was cancelled under way: it may have landed, or still land
@@ -454,7 +472,7 @@ class Placement:
             # The withdrawal and the removal run in one task of their own: a
             # cancelled caller (a client gone, a PUT given up) never cuts the
             # withdrawal short nor leaves a LEAVING block behind (P3).
-            await self._finish(self._leave(info, reason))
+            await self._finish(self._leave(info, reason), hold=False)
             return True
         finally:
             info.claim.give()
@@ -484,7 +502,7 @@ class Placement:
 
     async def discard(self, info: BlockInfo) -> None:
         """Remove the segments of a PUT that failed (never acknowledged)."""
-        await self._finish(self._remove(info, self.table.failed))
+        await self._finish(self._remove(info, self.table.failed), hold=False)
 
     async def _remove(self, info: BlockInfo, settle: Callable[[BlockInfo], object]) -> None:
         """Delete a block's data from its tiers, then ``settle`` it in the table
