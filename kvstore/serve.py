@@ -422,10 +422,7 @@ def _server_class() -> Any:
             log.info("serving on unix:%s for the trusted proxy", self.unix_path)
 
         async def shutdown(self, sockets: Any = None) -> None:
-            await super().shutdown(sockets)
-            if self.unix_path:
-                with contextlib.suppress(FileNotFoundError):
-                    Path(self.unix_path).unlink()
+            await super().shutdown(sockets)  # the socket file goes with the closing steps
             if self.force_exit:
                 # A second SIGINT cut the wait for in-flight requests short;
                 # uvicorn then skips the lifespan, but kvstore's stop (spill,

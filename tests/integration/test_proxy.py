@@ -111,6 +111,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
         nginx.terminate()
         nginx.wait(10)
         holder.stop()
+    assert not sock.exists()  # removed at the stop
 
 
 async def test_authorized_by_the_identity_nginx_forwards(proxied: Proxied) -> None:
