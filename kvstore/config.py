@@ -357,9 +357,6 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
             out.append("server.port: workers listen on consecutive ports from it; not 0")
         if server.port + server.workers - 1 > 65535:
             out.append(f"server.port: {server.workers} workers from {server.port} pass 65535")
-        if server.unix_socket:
-            out.append("server.unix_socket: not with workers (no socket per worker "
-                       "yet); put the proxy in front of the workers' ports")  # fmt: skip
     out += _check_proxy(server)
     if server.insecure_http:
         if not is_loopback(server.host):

@@ -6,6 +6,7 @@ process may use) ``kvstore serve --roles holder`` runs N holder processes,
 shared-nothing, under one supervisor:
 
 * worker *i* is a KVSP holder of its own: it listens on ``server.port + i``
+  (and ``kvstore-<i>.sock`` for ``server.unix_socket = "kvstore.sock"``)
   and its base URI is ``holder.uri`` with the URI's port plus *i*;
 * it has its share of every tier (capacity / N), its own LMDB environment
   (``<path>/worker-<i>``), its own key prefix in Redis (``<prefix>w<i>:``)
@@ -77,6 +78,15 @@ def worker_uri(uri: str, index: int) -> str:
     return urlunsplit(parts._replace(netloc=f"{host}:{port + index}"))
 
 
+def worker_socket(path: str, index: int) -> str:
+    """Worker ``index``'s unix socket: ``kvstore.sock`` -> ``kvstore-<i>.sock``
+    beside it (empty stays empty)."""
+    if not path:
+        return ""
+    given = Path(path)
+    return str(given.with_name(f"{given.stem}-{index}{given.suffix}"))
+
+
 def worker_storage(storage: StorageConfig, index: int, count: int) -> StorageConfig:
     """Worker ``index``'s share of ``storage``: capacity / count of each tier,
     its own LMDB directory, its own Redis and S3 key prefix."""
@@ -100,7 +110,12 @@ def worker_config(config: Config, index: int) -> Config:
     uris = tuple(worker_uri(config.holder.uri, i) for i in range(count))
     return dataclasses.replace(
         config,
-        server=dataclasses.replace(config.server, port=config.server.port + index, workers=1),
+        server=dataclasses.replace(
+            config.server,
+            port=config.server.port + index,
+            workers=1,
+            unix_socket=worker_socket(config.server.unix_socket, index),
+        ),
         holder=dataclasses.replace(config.holder, uri=uris[index], shards=uris),
         storage=worker_storage(config.storage, index, count),
     )

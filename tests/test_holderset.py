@@ -200,6 +200,10 @@ def test_the_workers_key_auto_the_environment_and_its_checks(tmp_path: Path) -> 
     assert second.holder.shards == tuple(f"http://127.0.0.1:{p}/kvsp/" for p in (9443, 9444, 9445))
     assert second.storage.tiers[0].capacity == 333
     assert check(second, ("holder",)) == []
+    assert second.server.unix_socket == ""
+    proxied = dataclasses.replace(config, server=dataclasses.replace(
+        config.server, unix_socket="/run/kv/kvstore.sock", trusted_proxy="unix"))  # fmt: skip
+    assert worker_config(proxied, 2).server.unix_socket == "/run/kv/kvstore-2.sock"
 
 
 def test_a_policy_may_name_every_worker_uri_of_one_holder() -> None:

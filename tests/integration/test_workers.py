@@ -96,6 +96,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     config = (
         SERVER.format(port=port)
         + "workers = 2\nshutdown_grace_s = 5.0\n"
+        + 'unix_socket = "kv.sock"\ntrusted_proxy = "unix"\n'  # one socket per worker
         + f"""
 [holder]
 uri = "{workers[0]}"
@@ -264,6 +265,22 @@ async def test_status_shows_every_worker_from_one_uri(deployment: Deployment) ->
                    for k in view.samples["kvstore_tier_capacity_bytes"])  # fmt: skip
 
 
+async def test_each_worker_has_its_own_socket_for_a_proxy(deployment: Deployment) -> None:
+    # server.unix_socket = "kv.sock": worker i listens on kv-<i>.sock too,
+    # believing the proxy's forwarded identity (docs/proxy.md).
+    from urllib.parse import quote
+
+    pem = (deployment.root / "certs" / "client-alice.pem").read_text()
+    for i, uri in enumerate(deployment.workers):
+        connector = aiohttp.UnixConnector(path=str(deployment.root / f"kv-{i}.sock"))
+        async with (
+            aiohttp.ClientSession(connector=connector) as http,
+            http.get("http://worker/kvsp/shards", headers={"X-Client-Cert": quote(pem)}) as answer,
+        ):
+            assert answer.status == 200
+            assert (await answer.json(content_type=None))["self"] == uri
+
+
 def test_sigterm_stops_every_worker_with_exit_status_0(deployment: Deployment) -> None:
     pids = [deployment.pid(0), deployment.pid(1)]
     deployment.supervisor.send_signal(signal.SIGTERM)
@@ -276,3 +293,4 @@ def test_sigterm_stops_every_worker_with_exit_status_0(deployment: Deployment) -
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
     assert "all 2 workers stopped" in deployment.log()
+    assert not list(deployment.root.glob("kv-*.sock"))  # removed at their stops
