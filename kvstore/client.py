@@ -11,7 +11,7 @@ Every block fetched is verified before it is returned:
   the record's layer digests, and the replica digest when all layers came.
 
 The two hashes run in worker threads at the same time (hashlib releases the
-GIL), so both cores work. A mismatch raises :class:`DigestMismatch`; the
+GIL), so both cores work (:mod:`kvstore.verify`). A mismatch raises :class:`DigestMismatch`; the
 fall-back helper :meth:`HolderClient.fetch_first` treats it, and a 404, as a
 miss and moves on to the next replica (P4, BL8).
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import ssl
@@ -33,7 +32,6 @@ from urllib.parse import urljoin
 
 import aiohttp
 
-from .protocol import container as kc
 from .protocol._bytes import BytesLike
 from .protocol.control import (
     InstanceStatus,
@@ -63,10 +61,10 @@ from .protocol.wire import (
     JSON_MEDIA_TYPE,
     block_path,
     format_layers,
-    parse_repr_digest,
     replica_path,
     role_id,
 )
+from .verify import verify_block
 
 log = logging.getLogger("kvstore.client")
 
@@ -591,30 +589,3 @@ def _error(status: int, headers: dict[str, str], body: bytes) -> KvspError:
         except ValueError:
             problem = None
     return error_from_problem(status, problem)
-
-
-def _check_repr(body: bytes, field: str) -> None:
-    if hashlib.sha256(body).digest() != parse_repr_digest(field):
-        raise DigestMismatch("Repr-Digest does not match the octets received")
-
-
-def _check_layers(body: bytes, record: ReplicaRecord) -> None:
-    try:
-        container = kc.decode(body)
-    except KvspError as exc:
-        raise DigestMismatch(f"received container does not decode: {exc.detail}") from exc
-    if container.codec != record.codec or record.layer_digests is None:
-        return  # transcoded: protected by Repr-Digest only (BL6)
-    digests = [bytes.fromhex(d) for d in record.layer_digests]
-    container.verify(digests, bytes.fromhex(record.digest.removeprefix("sha-256:")))
-
-
-async def verify_block(body: bytes, repr_field: str, record: ReplicaRecord | None) -> None:
-    """BL6: Repr-Digest, and the record's layer/replica digests, hashed in parallel."""
-    checks = [asyncio.to_thread(_check_repr, body, repr_field)]
-    if record is not None:
-        checks.append(asyncio.to_thread(_check_layers, body, record))
-    results = await asyncio.gather(*checks, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result

@@ -38,7 +38,6 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -240,16 +239,6 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, sig)
 
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
-        signals = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self._signal) for sig in signals}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
     def _reap(self, index: int) -> None:
         """Worker ``index`` has exited: restart it later, or give up the set."""
         process = self.processes[index]
@@ -275,7 +264,9 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until a signal; the exit status (0: every worker stopped cleanly)."""
-        with self._signals():
+        from .listener import stop_signals
+
+        with stop_signals(self._signal):
             for index in range(self.count):
                 self._start(index)
             while self.stopping is None:

@@ -133,7 +133,7 @@ def test_the_unix_socket_is_bound_private_and_never_taken_from_a_live_server(
     import stat
 
     from kvstore.config import ConfigError
-    from kvstore.serve import bind_unix_socket
+    from kvstore.listener import bind_unix_socket
 
     path = str(tmp_path / "kv.sock")
     first = bind_unix_socket(path)

@@ -22,10 +22,10 @@ from starlette.routing import Route
 
 from kvstore.config import Config, ServerConfig
 from kvstore.http import principal
+from kvstore.listener import uvicorn_config
 from kvstore.protocol.control import InstanceStatus, ResumeRequest, Sampler, SessionCheckpoint
 from kvstore.protocol.wire import role_id
 from kvstore.security import create_dev_certificates
-from kvstore.serve import uvicorn_config
 from kvstore.tls import client_context
 
 from ..conftest import free_port

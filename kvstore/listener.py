@@ -1,0 +1,211 @@
+"""The listener of ``kvstore serve``: uvicorn with kvstore's TLS context and
+protocol classes (:mod:`.tls`), its signal handling and its stop, and the
+unix socket a trusted proxy connects to (docs/proxy.md). What it serves is
+built by :mod:`.serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import Config, ConfigError
+from .lifespan import Listening, Shutdown
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.types import ASGIApp
+
+log = logging.getLogger("kvstore.serve")
+
+
+@contextlib.contextmanager
+def stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` meanwhile, then to what they went
+    to before (nothing changes outside the main thread, where signals cannot
+    be caught). The server's and the workers' supervisor's."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+
+
+def server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with kvstore's stop in one place:
+
+        * the first SIGTERM / SIGINT begins the stop: the listener closes,
+          in-flight requests get ``server.shutdown_grace_s``, then the roles'
+          lifespans stop in what is left of it (:class:`.Shutdown`). A second
+          signal meanwhile is logged; the stop goes on (uvicorn's: a second
+          SIGINT cuts the wait for in-flight requests short);
+        * the process then ends with ``serve`` (exit 0), where uvicorn would
+          raise the signal again;
+        * :class:`.Listening` is set once the listener is bound.
+        """
+
+        def __init__(
+            self, config: Any, listening: Listening, shutdown: Shutdown,
+            unix_socket: socket.socket | None = None, unix_path: str = "",
+        ) -> None:  # fmt: skip
+            super().__init__(config)
+            self.listening, self.shutdown_budget = listening, shutdown
+            self.unix_socket, self.unix_path = unix_socket, unix_path
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.unix_socket is not None:
+                await self._listen_on_unix_socket(self.unix_socket)
+            if self.started:
+                self.listening.set()
+
+        async def _listen_on_unix_socket(self, sock: socket.socket) -> None:
+            """``server.unix_socket`` (bound before the roles started, so a
+            bad path fails the start cleanly): plain HTTP for the trusted
+            proxy beside the TLS listener, in the same server (its
+            connections are drained and closed with the others at the stop)."""
+            config = self.config
+
+            def create_protocol(_loop: Any = None) -> asyncio.Protocol:
+                protocol: Any = config.http_protocol_class
+                return protocol(  # type: ignore[no-any-return]
+                    config=config, server_state=self.server_state,
+                    app_state=self.lifespan.state, _loop=_loop,
+                )  # fmt: skip
+
+            server = await asyncio.get_running_loop().create_server(
+                create_protocol, sock=sock, backlog=config.backlog
+            )
+            self.servers.append(server)
+            log.info("serving on unix:%s for the trusted proxy", self.unix_path)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)  # the socket file goes with the closing steps
+            if self.force_exit:
+                # A second SIGINT cut the wait for in-flight requests short;
+                # uvicorn then skips the lifespan, but kvstore's stop (spill,
+                # withdrawals, closing the tiers) still runs.
+                await self.lifespan.shutdown()
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                log.warning("signal %d while stopping: finishing the stop first", sig)
+            else:
+                self.shutdown_budget.begin()
+                log.info("stopping (signal %d): in-flight requests get %.0f s", sig,
+                         self.config.timeout_graceful_shutdown or 0)  # fmt: skip
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with stop_signals(self.handle_exit):
+                yield
+
+    return Server
+
+
+def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
+    """A listening unix socket at ``path``, of ``mode`` before anyone can
+    connect (its peers' forwarded identities are believed): bound in a
+    private directory beside ``path``, then renamed into place. A stale
+    socket file of a stopped server is replaced; a socket another server
+    still answers on, or any other file, is an error."""
+    import stat
+    import tempfile
+
+    target = Path(path)
+    if target.exists() or target.is_symlink():
+        if not stat.S_ISSOCK(target.lstat().st_mode):
+            raise ConfigError(f"server.unix_socket: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            pass  # stale: nobody listens there
+        else:
+            raise ConfigError(f"server.unix_socket: another server listens on {path}")
+        finally:
+            probe.close()
+    try:
+        private = Path(tempfile.mkdtemp(prefix=".kvstore-", dir=target.parent))  # mode 0700
+    except OSError as exc:
+        raise ConfigError(f"server.unix_socket: {target.parent}: {exc.strerror}") from exc
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(private / "s"))
+        os.chmod(private / "s", mode)
+        os.replace(private / "s", target)  # the socket, now at its path, of its mode
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"server.unix_socket: {path}: {exc.strerror}") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            (private / "s").unlink()
+        with contextlib.suppress(OSError):
+            private.rmdir()
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def close_socket(sock: socket.socket, path: str) -> None:
+    """The unix listener, at the end (or after a start that failed): closed,
+    its file removed."""
+    sock.close()
+    with contextlib.suppress(OSError):
+        Path(path).unlink(missing_ok=True)
+
+
+def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
+    import uvicorn
+
+    from .tls import http1_protocol, server_context
+
+    server = config.server
+    options: dict[str, Any] = {
+        "host": server.host,
+        "port": server.port,
+        "http": http1_protocol(server.header_timeout_s),
+        # SIGTERM: stop accepting, let in-flight requests finish this long.
+        "timeout_graceful_shutdown": server.shutdown_grace_s,
+    }
+    if server.insecure_http:
+        where = f"{server.host}:{server.port}"
+        log.warning("PLAIN HTTP on %s: no TLS, no client identity (development only)", where)
+    else:
+        certfile, keyfile, cafile = server.certfile, server.keyfile, server.cafile
+
+        # H1: TLS 1.3, both sides authenticate; the context kvstore's own
+        # clients and tests also use (tls.server_context).
+        def context(uv: Any, default: Any) -> ssl.SSLContext:
+            alpn = getattr(uv.http_protocol_class, "alpn_protocols", None)  # h2 by ALPN
+            return server_context(certfile, keyfile, cafile, alpn=alpn)
+
+        options["ssl_context_factory"] = context
+    if server.http2:
+        try:
+            from .tls import http2_protocol
+
+            options["http"] = http2_protocol()  # H1 SHOULD: h2 or http/1.1 by ALPN
+        except ImportError as exc:
+            raise ConfigError(f"server.http2: needs the http2 extra ({exc})") from exc
+    # The lifespan runs the roles' background parts and their stop (STYLE 14).
+    uv = uvicorn.Config(app, log_level="warning", lifespan="on", **options)
+    uv.load()
+    return uv
