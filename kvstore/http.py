@@ -25,6 +25,7 @@ from starlette.types import Lifespan
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics, MetricsMiddleware
+from .protocol._bytes import BytesLike
 from .protocol.problems import (
     PROBLEM_MEDIA_TYPE,
     BadRequest,
@@ -126,9 +127,15 @@ async def read_body(
     *,
     base_s: float = BODY_BASE_S,
     min_rate: float = BODY_MIN_RATE,
-) -> bytes:
+    into: Callable[[int], memoryview | None] | None = None,
+) -> BytesLike:
     """The request body, refusing more than ``limit`` octets as they arrive (413)
     and bodies slower than ``base_s`` + size / ``min_rate`` (408).
+
+    ``into``: for a body whose Content-Length is given, a writable buffer of
+    that many octets to receive it (for example an extent of the host tier's
+    arena, which then keeps it without a further copy); None from it, or no
+    Content-Length, and the body is joined into new memory instead.
 
     A body that ends early (the client went away) raises
     :class:`starlette.requests.ClientDisconnect`; callers store nothing then.
@@ -139,7 +146,7 @@ async def read_body(
         expected = min(limit, int(declared))
     try:
         async with asyncio.timeout(base_s + expected / min_rate):
-            return await _read_body(request, limit, on_chunk)
+            return await _read_body(request, limit, on_chunk, into)
     except TimeoutError:
         raise RequestTimeout(
             f"the body did not arrive within {base_s + expected / min_rate:.1f} s"
@@ -147,9 +154,13 @@ async def read_body(
 
 
 async def _read_body(
-    request: Request, limit: int, on_chunk: Callable[[bytes], object] | None
-) -> bytes:
+    request: Request,
+    limit: int,
+    on_chunk: Callable[[bytes], object] | None,
+    into: Callable[[int], memoryview | None] | None,
+) -> BytesLike:
     declared = request.headers.get("content-length")
+    buffer: memoryview | None = None
     if declared is not None:
         try:
             size = int(declared)
@@ -157,8 +168,12 @@ async def _read_body(
             raise BadRequest("Content-Length is not a number") from None
         if size > limit:
             raise PayloadTooLarge(f"body of {size} octets exceeds the limit of {limit}")
-    # Chunks are kept as they arrive and joined once (a single chunk is not
-    # copied at all): 2 MiB bodies arrive in dozens of pieces.
+        if into is not None and size > 0:
+            buffer = into(size)
+    # Without a buffer, chunks are kept as they arrive and joined once (a
+    # single chunk is not copied at all): 2 MiB bodies arrive in dozens of
+    # pieces. With one, each chunk is copied to its place in it: the join's
+    # cost was faulting in new memory, not the copy (docs/holder.md).
     chunks: list[bytes] = []
     size = 0
     receive = request.receive  # straight from the server: no generator per message
@@ -167,17 +182,25 @@ async def _read_body(
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
+        end = size + len(chunk)
+        if end > limit:
             raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
         if chunk:
-            chunks.append(chunk)
+            if buffer is None:
+                chunks.append(chunk)
+            elif end <= len(buffer):
+                buffer[size:end] = chunk
+            else:  # more than declared: the server cuts such a body off first
+                raise BadRequest("the body is longer than its Content-Length")
             if on_chunk is not None:
                 on_chunk(chunk)  # e.g. digest while the rest is still arriving
+        size = end
         if not message.get("more_body", False):
             break
     if declared is not None and size != int(declared):
         raise ClientDisconnect()
+    if buffer is not None:
+        return buffer
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

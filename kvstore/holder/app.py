@@ -164,7 +164,8 @@ class Holder:
         try:
             body = await read_body(request, self.settings.max_block_octets, hasher.feed,
                                    base_s=self.settings.body_timeout_base_s,
-                                   min_rate=self.settings.body_min_octets_per_s)  # fmt: skip
+                                   min_rate=self.settings.body_min_octets_per_s,
+                                   into=self.store.buffer)  # fmt: skip
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)

@@ -131,6 +131,8 @@ class TieredStore:
             raise ValueError("demote_above is a fraction of a tier's capacity, in (0, 1)")
         self.demote_above = demote_above
         self.slots = [TierSlot(tier, capacity, policy()) for tier, capacity in tiers]
+        for tier, capacity in tiers:
+            tier.provision(capacity)
         self.leases = LeaseTable(lease_limits or LeaseLimits(), clock)
         self.promote = promote
         self.fast_layers = fast_layers
@@ -266,6 +268,15 @@ class TieredStore:
         )  # fmt: skip
 
     # --- writes --------------------------------------------------------
+
+    def buffer(self, size: int) -> memoryview | None:
+        """Memory to receive a block of ``size`` octets into, which a tier
+        keeps without a copy if the block is placed there (the host tier's
+        arena), or None. Released by dropping it."""
+        for slot in self.slots:
+            if (found := slot.tier.buffer(size)) is not None:
+                return found
+        return None
 
     async def put(
         self,

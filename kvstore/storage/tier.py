@@ -59,6 +59,16 @@ class Tier(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release connections and handles."""
 
+    def provision(self, capacity: int) -> None:  # noqa: B027 - optional hook
+        """Told once, before use, the octets the store may keep here (a
+        memory tier may reserve them up front)."""
+
+    def buffer(self, size: int) -> memoryview | None:
+        """Writable memory for ``size`` octets that :meth:`put` keeps without
+        a copy when given the whole of it, or None (the default: the tier
+        keeps or sends what it is given)."""
+        return None
+
     # Batch forms, built from the single-item ones; backends with a native
     # batch operation (Redis pipelines) override them.
 
