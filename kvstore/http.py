@@ -205,9 +205,9 @@ async def _read_body(
 
 
 async def read_json(request: Request, limit: int = 1 << 20) -> Any:
-    body = await read_body(request, limit)
+    body = await read_body(request, limit)  # no ``into``: bytes
     try:
-        return json.loads(body)
+        return json.loads(bytes(body))
     except (ValueError, RecursionError) as exc:
         # ValueError covers malformed JSON, bad UTF-8 and integers beyond
         # Python's digit limit; RecursionError, absurd nesting.

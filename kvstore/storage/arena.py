@@ -94,12 +94,12 @@ class Arena:
         """True when ``view`` is the whole of an extent of this arena (as
         :meth:`alloc` returned it), so a tier may keep it without a copy."""
         obj = getattr(view, "obj", None)
-        return (
-            obj is not None
-            and self._extents.get(id(obj)) is obj
-            and view.nbytes == ctypes.sizeof(obj)
-            and view.c_contiguous
-        )
+        if obj is None:
+            return False
+        extent = self._extents.get(id(obj))
+        if extent is None or extent is not obj:
+            return False
+        return view.nbytes == ctypes.sizeof(extent) and view.c_contiguous
 
     @property
     def free(self) -> int:
