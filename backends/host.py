@@ -40,6 +40,8 @@ class HostTier(Tier):
         self.read_mbit_per_s = read_mbit_per_s
         self._use_arena, self._prefault = arena, prefault
         self.arena: Arena | None = None
+        #: Blocks kept in ordinary memory for want of an extent (metrics).
+        self.fallbacks = 0
 
     def provision(self, capacity: int) -> None:
         if not self._use_arena or self.arena is not None or capacity <= 0:
@@ -49,6 +51,10 @@ class HostTier(Tier):
             self.arena = Arena(size, prefault=self._prefault)
         except (OSError, OverflowError, ValueError) as exc:
             log.warning("host tier: no arena of %d octets (%s); using ordinary memory", size, exc)
+
+    def arena_figures(self) -> tuple[int, int, int] | None:
+        arena = self.arena
+        return None if arena is None else (arena.size, arena.used, self.fallbacks)
 
     def buffer(self, size: int) -> memoryview | None:
         return None if self.arena is None else self.arena.alloc(size)
@@ -68,6 +74,7 @@ class HostTier(Tier):
             return
         extent = arena.alloc(view.nbytes)
         if extent is None:
+            self.fallbacks += 1
             self._data[key] = value if isinstance(value, bytes) else bytes(value)
             return
         extent[:] = view.cast("B") if view.format != "B" or view.ndim != 1 else view

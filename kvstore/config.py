@@ -23,6 +23,8 @@ their defaults::
     trusted_proxy = ""                # terminates TLS: "unix" or a loopback address
                                       # whose client-identity header is believed
     trusted_proxy_header = "x-client-cert"  # or "x-forwarded-client-cert" (docs/proxy.md)
+    proxy_port = 0                    # also plain HTTP on this loopback port, for a
+                                      # proxy that connects over TCP (Istio); 0: none
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -172,6 +174,11 @@ class ServerConfig:
     #: The header it sets: "x-client-cert" (nginx) or "x-forwarded-client-cert"
     #: (Envoy, Istio); the other one is refused.
     trusted_proxy_header: str = "x-client-cert"
+    #: A second listener, plain HTTP on loopback (127.0.0.1, or ::1 for an
+    #: IPv6 trusted_proxy) at this port, for a proxy that reaches the
+    #: application over TCP, as an Istio sidecar does; worker i on
+    #: proxy_port + i. Only trusted_proxy's requests carry an identity there.
+    proxy_port: int = 0
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -383,6 +390,17 @@ def _check_proxy(server: ServerConfig) -> list[str]:
     if server.trusted_proxy_header not in ("x-client-cert", "x-forwarded-client-cert"):
         out.append(f"server.trusted_proxy_header: {server.trusted_proxy_header!r}; one of "
                    "x-client-cert (nginx), x-forwarded-client-cert (Envoy, Istio)")  # fmt: skip
+    if server.proxy_port:
+        if not trusted or trusted == "unix":
+            out.append("server.proxy_port: serves a proxy over TCP; set trusted_proxy to "
+                       "its loopback address (127.0.0.6 for an Istio sidecar)")  # fmt: skip
+        count = max(1, server.workers)
+        ours = set(range(server.proxy_port, server.proxy_port + count))
+        if not 0 < server.proxy_port <= 65536 - count:
+            out.append(f"server.proxy_port: {server.proxy_port}: a port, 1-65535, "
+                       "with room for every worker's")  # fmt: skip
+        elif ours & set(range(server.port, server.port + count)):
+            out.append("server.proxy_port: overlaps the TLS listener's ports")
     if trusted and server.insecure_http:
         out.append("server.trusted_proxy: not with insecure_http (a request without the "
                    "proxy's header would be anonymous)")  # fmt: skip

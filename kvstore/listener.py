@@ -1,7 +1,7 @@
 """The listener of ``kvstore serve``: uvicorn with kvstore's TLS context and
 protocol classes (:mod:`.tls`), its signal handling and its stop, and the
-unix socket a trusted proxy connects to (docs/proxy.md). What it serves is
-built by :mod:`.serve`."""
+plain listeners a trusted proxy connects to, a unix socket or a loopback
+TCP port (docs/proxy.md). What it serves is built by :mod:`.serve`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,24 +62,25 @@ def server_class() -> Any:
 
         def __init__(
             self, config: Any, listening: Listening, shutdown: Shutdown,
-            unix_socket: socket.socket | None = None, unix_path: str = "",
+            proxy_sockets: Sequence[tuple[socket.socket, str]] = (),
         ) -> None:  # fmt: skip
             super().__init__(config)
             self.listening, self.shutdown_budget = listening, shutdown
-            self.unix_socket, self.unix_path = unix_socket, unix_path
+            self.proxy_sockets = proxy_sockets
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
-            if self.started and self.unix_socket is not None:
-                await self._listen_on_unix_socket(self.unix_socket)
             if self.started:
+                for sock, where in self.proxy_sockets:
+                    await self._listen_for_the_proxy(sock, where)
                 self.listening.set()
 
-        async def _listen_on_unix_socket(self, sock: socket.socket) -> None:
-            """``server.unix_socket`` (bound before the roles started, so a
-            bad path fails the start cleanly): plain HTTP for the trusted
-            proxy beside the TLS listener, in the same server (its
-            connections are drained and closed with the others at the stop)."""
+        async def _listen_for_the_proxy(self, sock: socket.socket, where: str) -> None:
+            """``server.unix_socket`` or ``server.proxy_port`` (bound before
+            the roles started, so a bad path or a taken port fails the start
+            cleanly): plain HTTP for the trusted proxy beside the TLS
+            listener, in the same server (its connections are drained and
+            closed with the others at the stop)."""
             config = self.config
 
             def create_protocol(_loop: Any = None) -> asyncio.Protocol:
@@ -93,7 +94,7 @@ def server_class() -> Any:
                 create_protocol, sock=sock, backlog=config.backlog
             )
             self.servers.append(server)
-            log.info("serving on unix:%s for the trusted proxy", self.unix_path)
+            log.info("serving plain HTTP on %s for the trusted proxy", where)
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)  # the socket file goes with the closing steps
@@ -164,12 +165,34 @@ def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
     return sock
 
 
-async def close_socket(sock: socket.socket, path: str) -> None:
-    """The unix listener, at the end (or after a start that failed): closed,
-    its file removed."""
+async def close_socket(sock: socket.socket, path: str = "") -> None:
+    """A proxy listener, at the end (or after a start that failed): closed,
+    and a unix socket's file (``path``) removed."""
     sock.close()
-    with contextlib.suppress(OSError):
-        Path(path).unlink(missing_ok=True)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).unlink(missing_ok=True)
+
+
+def bind_proxy_port(trusted: str, port: int) -> tuple[socket.socket, str]:
+    """The listening TCP socket of ``server.proxy_port``, on the loopback
+    address of ``trusted``'s family (the proxy is on this host), and where
+    it is for the log."""
+    import ipaddress
+
+    family, host = socket.AF_INET, "127.0.0.1"
+    if ipaddress.ip_address(trusted).version == 6:
+        family, host = socket.AF_INET6, "::1"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"server.proxy_port: {host} port {port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock, f"{'[::1]' if family == socket.AF_INET6 else host}:{port}"
 
 
 def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:

@@ -16,6 +16,8 @@ kvstore_tier_reserved_bytes                 octets taken by writes under way per
 kvstore_tier_capacity_bytes                 configured capacity per tier
 kvstore_tier_degraded                       1 while a tier is marked degraded
 kvstore_tier_failures_total                 failed calls per tier
+kvstore_tier_arena_bytes                    a host tier's arena: octets mapped, in extents
+kvstore_tier_arena_fallbacks_total          blocks kept outside the arena (none fitted)
 kvstore_store_hits_total / _misses_total    block reads found / not found
 kvstore_store_evictions_total               blocks evicted, by reason kind
 kvstore_store_moves_total                   demotions, promotions (and dropped ones),
@@ -70,6 +72,12 @@ class _StoreCollector(Collector):
         failures = CounterMetricFamily(
             "kvstore_tier_failures", "Failed tier calls", labels=["tier"]
         )
+        arena = GaugeMetricFamily(
+            "kvstore_tier_arena_bytes", "Host tier arena octets", labels=["tier", "state"]
+        )
+        fallbacks = CounterMetricFamily(
+            "kvstore_tier_arena_fallbacks", "Blocks kept outside the arena", labels=["tier"]
+        )
         for index, tier_snap in enumerate(snap.tiers):
             tier = f"{tier_snap.kind}#{index}"
             used.add_metric([tier], tier_snap.used)
@@ -77,7 +85,12 @@ class _StoreCollector(Collector):
             reserved.add_metric([tier], tier_snap.reserved)
             degraded.add_metric([tier], 1 if tier_snap.degraded else 0)
             failures.add_metric([tier], tier_snap.failures)
-        yield from (used, capacity, reserved, degraded, failures)
+            if tier_snap.arena is not None:
+                mapped, in_extents, outside = tier_snap.arena
+                arena.add_metric([tier, "mapped"], mapped)
+                arena.add_metric([tier, "in_extents"], in_extents)
+                fallbacks.add_metric([tier], outside)
+        yield from (used, capacity, reserved, degraded, failures, arena, fallbacks)
         states = GaugeMetricFamily("kvstore_store_blocks", "Blocks by state", labels=["state"])
         for state, count in snap.blocks.items():
             states.add_metric([state], count)

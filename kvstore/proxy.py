@@ -7,7 +7,9 @@ the peer ``[server] trusted_proxy`` names:
 
 * ``"unix"``: connections to ``[server] unix_socket`` (plain HTTP on a
   socket file of mode 0660; the proxy on the same host connects there);
-* a loopback address (``"127.0.0.1"``): TCP connections from it.
+* a loopback address (``"127.0.0.1"``; an Istio sidecar's ``"127.0.0.6"``):
+  TCP connections from it, to the TLS listener or to the plain one on
+  ``[server] proxy_port`` (loopback only).
 
 The header read is the one ``[server] trusted_proxy_header`` names:
 
@@ -29,7 +31,7 @@ common name, as for a direct TLS client (SEC1). A request that carries
 either header from any other peer is refused (403): a direct client
 cannot claim another's identity. Without a ``trusted_proxy`` the headers
 are ignored. The trusted peer's requests without a header have only that
-connection's own identity: none on the unix socket (401).
+connection's own identity: none on the unix socket or the proxy port (401).
 """
 
 from __future__ import annotations

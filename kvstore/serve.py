@@ -21,7 +21,13 @@ from .config import Config, ConfigError, check
 from .holder import create_app
 from .http import EXCEPTION_HANDLERS
 from .lifespan import Listening, Service, Shutdown, Step, run_steps, running
-from .listener import bind_unix_socket, close_socket, server_class, uvicorn_config
+from .listener import (
+    bind_proxy_port,
+    bind_unix_socket,
+    close_socket,
+    server_class,
+    uvicorn_config,
+)
 from .protocol.compat import parse_descriptor
 from .protocol.wire import NO_STORE
 from .seams import PublisherStatsSource, Snapshots
@@ -392,11 +398,17 @@ async def serve(
 
             app = ForwardedIdentity(app, config.server.trusted_proxy,
                                     config.server.trusted_proxy_header)  # fmt: skip
+        proxy_sockets = []
         path = config.server.unix_socket
-        unix = bind_unix_socket(path) if path else None
-        if unix is not None:
+        if path:
+            unix = bind_unix_socket(path)
             closing.append(lambda: close_socket(unix, path))  # also if the start fails
-        server = server_class()(uvicorn_config(config, app), listening, shutdown, unix, path)
+            proxy_sockets.append((unix, f"unix:{path}"))
+        if config.server.proxy_port:
+            tcp, where = bind_proxy_port(config.server.trusted_proxy, config.server.proxy_port)
+            closing.append(lambda: close_socket(tcp))
+            proxy_sockets.append((tcp, where))
+        server = server_class()(uvicorn_config(config, app), listening, shutdown, proxy_sockets)
     except BaseException:
         # Built this far: the tiers and states made are closed again.
         await run_steps(closing, "closing after a failed start")

@@ -204,6 +204,10 @@ def test_the_workers_key_auto_the_environment_and_its_checks(tmp_path: Path) -> 
     proxied = dataclasses.replace(config, server=dataclasses.replace(
         config.server, unix_socket="/run/kv/kvstore.sock", trusted_proxy="unix"))  # fmt: skip
     assert worker_config(proxied, 2).server.unix_socket == "/run/kv/kvstore-2.sock"
+    assert second.server.proxy_port == 0
+    sidecar = dataclasses.replace(config, server=dataclasses.replace(
+        config.server, proxy_port=9500, trusted_proxy="127.0.0.6"))  # fmt: skip
+    assert [worker_config(sidecar, i).server.proxy_port for i in range(3)] == [9500, 9501, 9502]
 
 
 def test_a_policy_may_name_every_worker_uri_of_one_holder() -> None:

@@ -124,6 +124,14 @@ def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
     assert problems(unix_socket=sock, trusted_proxy="unix", workers=2) == []  # one each
     assert "trusted_proxy_header" in problems(trusted_proxy_header="x-ssl-cert")[0]
     assert "pass 65535" in problems(port=65535, workers=2)[0]
+    # A plain TCP listener for a proxy that connects over TCP (Istio).
+    assert problems(proxy_port=9000, trusted_proxy="127.0.0.6") == []
+    assert problems(proxy_port=9000, trusted_proxy="::1", workers=4) == []
+    assert "set trusted_proxy" in problems(proxy_port=9000)[0]
+    assert "set trusted_proxy" in problems(proxy_port=9000, unix_socket=sock,
+                                           trusted_proxy="unix")[0]  # fmt: skip
+    assert "overlaps" in problems(proxy_port=8444, trusted_proxy="127.0.0.6", workers=2)[0]
+    assert "a port" in problems(proxy_port=65535, trusted_proxy="127.0.0.6", workers=2)[0]
 
 
 def test_the_unix_socket_is_bound_private_and_never_taken_from_a_live_server(

@@ -105,11 +105,14 @@ class Servers:
 
     def holder(
         self, tier: str, tls: bool, http2: bool = False, workers: int = 1,
-        unix_socket: Path | None = None, prefault: bool = False,
+        unix_socket: Path | None = None, prefault: bool = True,
     ) -> str:  # fmt: skip
         """A holder process (its first worker's base URI); with ``unix_socket``
-        also there, for a trusted proxy (docs/proxy.md); ``prefault``: its
-        host tier's memory touched at start (backends/host.py)."""
+        also there, for a trusted proxy (docs/proxy.md). A host tier of 1 GiB
+        is ``prefault``-ed (backends/host.py), as a dedicated cache server's
+        should be: a PUT then measures the server, not the kernel's first
+        touch of fresh pages. (An older holder, without the option, needs
+        ``prefault=False``.)"""
         port = _ports(workers)
         scheme = "https" if tls else "http"
         files = 'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\n'
@@ -119,7 +122,7 @@ class Servers:
             + (f'unix_socket = "{unix_socket}"\ntrusted_proxy = "unix"\n' if unix_socket else "")
         )
         tier_cfg = (
-            'backend = "host"\ncapacity = 4294967296\n' + ("prefault = true\n" if prefault else "")
+            'backend = "host"\ncapacity = 1073741824\n' + ("prefault = true\n" if prefault else "")
             if tier == "host"
             else f'backend = "lmdb"\ncapacity = 4294967296\npath = "lmdb-{port}"\n'
             "map_size = 4294967296\nsync = false\n"

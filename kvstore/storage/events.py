@@ -99,6 +99,9 @@ class TierSnapshot:
     degraded: bool
     failures: int
     last_error: str | None
+    #: A memory tier's arena (mapped octets, octets in extents, blocks kept
+    #: outside it for want of an extent); None without one.
+    arena: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

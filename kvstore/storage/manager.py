@@ -249,6 +249,7 @@ class TieredStore:
                 s.degraded_until > now,
                 s.failures,
                 s.last_error,
+                s.tier.arena_figures(),
             )
             for s in self.slots
         )

@@ -63,6 +63,11 @@ class Tier(ABC):
         """Told once, before use, the octets the store may keep here (a
         memory tier may reserve them up front)."""
 
+    def arena_figures(self) -> tuple[int, int, int] | None:
+        """(octets mapped, octets in extents, blocks kept outside the arena)
+        for a tier that keeps blocks in an arena (metrics); None otherwise."""
+        return None
+
     def buffer(self, size: int) -> memoryview | None:
         """Writable memory for ``size`` octets that :meth:`put` keeps without
         a copy when given the whole of it, or None (the default: the tier

@@ -237,6 +237,11 @@ async def test_metrics(client_as: ClientFactory) -> None:
     assert 'kvstore_http_requests_total{method="GET",route="get_block",status="404"} 1.0' in text
     assert f'kvstore_http_received_bytes_total{{route="put_block"}} {float(len(data))}' in text
     assert f'kvstore_tier_used_bytes{{tier="host#0"}} {float(len(data))}' in text
+    # The host tier's arena: its mapping and the block's extent (64-aligned).
+    assert 'kvstore_tier_arena_bytes{state="mapped",tier="host#0"}' in text
+    extent = float(-(-len(data) // 64) * 64)
+    assert f'kvstore_tier_arena_bytes{{state="in_extents",tier="host#0"}} {extent}' in text
+    assert 'kvstore_tier_arena_fallbacks_total{tier="host#0"} 0.0' in text
     assert 'kvstore_tier_reserved_bytes{tier="host#0"} 0.0' in text
     assert 'kvstore_store_blocks{state="resident"} 1.0' in text
     assert 'kvstore_store_blocks{state="leaving"} 0.0' in text

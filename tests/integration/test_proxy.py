@@ -155,3 +155,59 @@ async def test_a_forwarded_identity_from_anyone_else_is_refused(proxied: Proxied
                 assert response.status == 403
                 problem = await response.json(content_type=None)
                 assert problem["type"].endswith("scope-denied")
+
+
+async def test_a_proxy_over_loopback_tcp_as_an_istio_sidecar(tmp_path: Path) -> None:
+    # server.proxy_port: plain HTTP on loopback for a proxy that connects
+    # over TCP. The test plays the sidecar from 127.0.0.2 (Istio's is
+    # 127.0.0.6), sending XFCC with the client workload's URI; any other
+    # local peer gets no identity there and may not forward one.
+    create_dev_certificates(tmp_path / "certs", ["alice"])
+    port, proxy_port = free_port(), free_port()
+    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
+        "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
+        "spiffe://cluster.local/ns/llm/sa/engine": {"read_scopes": [SCOPE]},
+    }}))  # fmt: skip
+    holder = Process(tmp_path, "holder", SERVER.format(port=port)
+                     + f'trusted_proxy = "127.0.0.2"\nproxy_port = {proxy_port}\n'
+                     + 'trusted_proxy_header = "x-forwarded-client-cert"\n'
+                     + f'[holder]\nuri = "https://127.0.0.1:{port}/kvsp/"\n'
+                     + 'policy = "policy.json"\n'
+                     + '[[storage.tiers]]\nbackend = "host"\ncapacity = 67108864\n',
+                     "holder")  # fmt: skip
+    holder.start(port)
+    try:
+        wait_for_port(proxy_port)
+        url = f"http://127.0.0.1:{proxy_port}/kvsp/blocks/{COMPAT}/{SCOPE}/{ref(1).block_key}"
+        body = block()
+        sidecar = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+        async with aiohttp.ClientSession(connector=sidecar) as http:
+            put = {"If-None-Match": "*", "X-Forwarded-Client-Cert":
+                   'By=spiffe://cluster.local/ns/kv/sa/kvstore;URI=urn:kvstore:alice'}  # fmt: skip
+            async with http.put(url, data=body, headers=put) as response:
+                assert response.status == 201, await response.text()
+            engine = {"X-Forwarded-Client-Cert": "URI=spiffe://cluster.local/ns/llm/sa/engine"}
+            async with http.get(url, headers=engine) as response:
+                assert response.status == 200 and await response.read() == body
+            async with http.put(
+                url.replace(ref(1).block_key, ref(2).block_key),
+                data=body,
+                headers={**engine, "If-None-Match": "*"},
+            ) as response:
+                assert response.status == 403  # the engine may read, not write
+            async with http.get(url) as response:
+                assert response.status == 401  # no header: no identity
+            async with http.get(url, headers={"X-Client-Cert": "x", **engine}) as response:
+                assert response.status == 400  # the other header too: refused
+        direct = aiohttp.TCPConnector(local_addr=("127.0.0.1", 0))
+        async with aiohttp.ClientSession(connector=direct) as http:
+            async with http.get(url, headers=engine) as response:
+                assert response.status == 403  # a forged identity from another peer
+                assert "trusted proxy" in (await response.json(content_type=None))["detail"]
+            async with http.get(url) as response:
+                assert response.status == 401
+        # Only on loopback: the proxy port is not bound on any other address.
+        assert (tmp_path / "holder.log").read_text().count(f"127.0.0.1:{proxy_port}") == 1
+    finally:
+        holder.stop()
+    assert holder.process is not None and holder.process.returncode == 0
