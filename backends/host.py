@@ -14,6 +14,7 @@ by GETs of blocks since evicted) is kept in ordinary memory instead.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from kvstore.protocol._bytes import BytesLike
@@ -26,6 +27,13 @@ log = logging.getLogger("kvstore.storage")
 #: before they are placed, and extents of evicted blocks a GET still streams.
 HEADROOM_FRACTION = 8
 HEADROOM_MIN = 32 << 20
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # not known: not a reason to refuse
 
 
 class HostTier(Tier):
@@ -47,8 +55,15 @@ class HostTier(Tier):
         if not self._use_arena or self.arena is not None or capacity <= 0:
             return
         size = capacity + max(capacity // HEADROOM_FRACTION, HEADROOM_MIN)
+        prefault = self._prefault
+        if prefault and size > 0.9 * _physical_memory():
+            # Touching all of it would page out everything else, or bring
+            # the OOM killer: pages fault in as they are used instead.
+            log.warning("host tier: not prefaulting an arena of %d octets, more than 0.9 of "
+                        "this machine's memory; lower the tier's capacity", size)  # fmt: skip
+            prefault = False
         try:
-            self.arena = Arena(size, prefault=self._prefault)
+            self.arena = Arena(size, prefault=prefault)
         except (OSError, OverflowError, ValueError) as exc:
             log.warning("host tier: no arena of %d octets (%s); using ordinary memory", size, exc)
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import sys
 import threading
 import weakref
 
 #: Extent alignment: a cache line, so a small block wastes little.
 ALIGN = 64
+#: Linux's value; Python's mmap module names it only from 3.13.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
 class Arena:
@@ -47,7 +50,7 @@ class Arena:
             flags |= populate
         elif not prefault:
             # Pages come on first touch: no commitment for the untouched rest.
-            flags |= getattr(mmap, "MAP_NORESERVE", 0)
+            flags |= _MAP_NORESERVE
         self._map = mmap.mmap(-1, size, flags=flags)
         if prefault and not populate:
             view = memoryview(self._map)

@@ -121,6 +121,11 @@ async def test_the_host_tier_keeps_blocks_in_its_arena_and_falls_back() -> None:
     await tier.delete("a/1")
     gc.collect()
     assert arena.used == 0
+    # Prefaulting more than the machine's memory is not attempted: the
+    # arena is mapped, its pages left to fault in as they are used.
+    huge = HostTier(prefault=True)
+    huge.provision(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    assert huge.arena is not None and huge.arena.size > 0
     plain = HostTier(arena=False)
     plain.provision(1 << 20)
     assert plain.arena is None and plain.buffer(10) is None
