@@ -15,7 +15,9 @@ back to the free list only when the last view of it (a slice streamed by a
 GET, a hashing thread's view) is gone. So a block deleted or evicted while a
 GET still streams it is never overwritten under that GET (there is no
 explicit free to get wrong). The callback can run in any thread that drops
-the last view: the free list has a lock of its own.
+the last view, and at any moment (a garbage collection inside :meth:`alloc`
+itself): it only appends to a queue, taken into the free list under the
+arena's lock by the next call that needs it.
 
 Extents are aligned to :data:`ALIGN` octets and found best fit; neighbours
 coalesce when freed. When nothing fits, :meth:`alloc` returns None and the
@@ -25,6 +27,7 @@ caller keeps its octets in ordinary memory instead (slower, never wrong).
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import mmap
 import sys
@@ -67,7 +70,9 @@ class Arena:
         self._extents: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = (
             weakref.WeakValueDictionary()
         )
-        self.used = 0
+        #: Extents given back and not yet in the free list (deque.append is atomic).
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
+        self._used = 0
 
     # --- public ---------------------------------------------------------
 
@@ -79,6 +84,7 @@ class Arena:
             return None
         want = -(-n // ALIGN) * ALIGN
         with self._lock:
+            self._take_returned()
             i = bisect.bisect_left(self._sizes, want)
             if i == len(self._sizes):
                 return None
@@ -87,7 +93,7 @@ class Arena:
             self._unlink(start, have)
             if have > want:
                 self._link(start + want, have - want)
-            self.used += want
+            self._used += want
         extent = (ctypes.c_char * n).from_buffer(self._map, start)
         weakref.finalize(extent, self._give_back, start, want)
         self._extents[id(extent)] = extent
@@ -105,6 +111,13 @@ class Arena:
         return view.nbytes == ctypes.sizeof(extent) and view.c_contiguous
 
     @property
+    def used(self) -> int:
+        """Octets in extents (a view of them may still be held)."""
+        with self._lock:
+            self._take_returned()
+            return self._used
+
+    @property
     def free(self) -> int:
         """Octets not in any extent (some may be too fragmented to use)."""
         return self.size - self.used
@@ -112,13 +125,20 @@ class Arena:
     @property
     def largest_free(self) -> int:
         with self._lock:
+            self._take_returned()
             return self._sizes[-1] if self._sizes else 0
 
     # --- free list ------------------------------------------------------
 
     def _give_back(self, start: int, size: int) -> None:
-        with self._lock:
-            self.used -= size
+        # No lock here: this may run inside alloc() on the same thread.
+        self._returned.append((start, size))
+
+    def _take_returned(self) -> None:
+        """Merge the extents given back into the free list (lock held)."""
+        while self._returned:
+            start, size = self._returned.popleft()
+            self._used -= size
             before = self._free_end.get(start)
             if before is not None:  # coalesce with the free extent ending here
                 self._unlink(before, start - before)

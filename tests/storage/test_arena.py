@@ -83,6 +83,17 @@ def test_views_freed_in_other_threads_keep_the_free_list_whole() -> None:
     assert arena.used == 0 and arena.largest_free == arena.size
 
 
+def test_an_extent_given_back_while_the_arena_is_busy_waits_for_it() -> None:
+    # A finalizer may run at any moment, even in a garbage collection inside
+    # alloc() on the thread that holds the arena's lock: it must not take
+    # the lock (it would never get it) nor touch the free list mid-change.
+    arena = Arena(1 << 20)
+    view = arena.alloc(4096)
+    with arena._lock:
+        del view  # its finalizer runs here, on this thread, lock held
+    assert arena.used == 0 and arena.largest_free == arena.size
+
+
 def test_a_prefaulted_arena_and_a_bad_size() -> None:
     arena = Arena(1 << 20, prefault=True)
     view = arena.alloc(1 << 20)
