@@ -1,4 +1,5 @@
-"""``remote-memory`` tier: Redis through redis-py's asyncio client.
+"""``remote-memory`` tier: Redis through redis-py's asyncio client, or with
+``cluster = true`` its Redis Cluster client (:mod:`kvstore.redis_client`).
 
 Keys are ``{prefix}{<block key>}/<rest>``: the Block Key in braces is a Redis
 Cluster hash tag, so every segment of a block lives in one slot and a
@@ -12,11 +13,11 @@ import re
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from kvstore.protocol._bytes import BytesLike
 from kvstore.protocol.problems import TierFull, TierUnavailable
+from kvstore.redis_client import ERRORS, connect
 from kvstore.storage.tier import Tier
 
 _PREFIX = re.compile(r"[A-Za-z0-9:_.-]*")
@@ -31,7 +32,7 @@ def _translated(url: str) -> Iterator[None]:
         if str(exc).startswith("OOM"):
             raise TierFull(f"Redis at {url} is out of memory: {exc}") from exc
         raise TierUnavailable(f"Redis at {url}: {exc}", tier="remote-memory") from exc
-    except (redis_errors.RedisError, OSError) as exc:
+    except ERRORS as exc:
         raise TierUnavailable(f"Redis at {url}: {exc}", tier="remote-memory") from exc
 
 
@@ -46,6 +47,7 @@ class RedisTier(Tier):
         prefix: str = "kvstore:",
         read_mbit_per_s: float | None = None,
         timeout_s: float = 5.0,
+        cluster: bool = False,
         **options: Any,
     ) -> None:
         if not _PREFIX.fullmatch(prefix):
@@ -53,9 +55,8 @@ class RedisTier(Tier):
         self.url = url
         self.prefix = prefix
         self.read_mbit_per_s = read_mbit_per_s
-        self._client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **options
-        )
+        self.cluster = cluster
+        self._client: Any = connect(url, cluster=cluster, timeout_s=timeout_s, **options)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}{{{key[:64]}}}{key[64:]}"

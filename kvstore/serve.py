@@ -157,7 +157,8 @@ def controller_state(config: Config) -> ControllerState:
     if cfg.state == "redis":
         from .controller.redis_state import RedisControllerState
 
-        return RedisControllerState(cfg.redis_url, cfg.redis_prefix, **rules)
+        return RedisControllerState(cfg.redis_url, cfg.redis_prefix,
+                                    cluster=cfg.redis_cluster, **rules)  # fmt: skip
     raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
 
 
@@ -295,7 +296,7 @@ def build_index(
     elif cfg.state == "redis":
         from .index.redis_state import RedisState
 
-        state = RedisState(cfg.redis_url, cfg.redis_prefix)
+        state = RedisState(cfg.redis_url, cfg.redis_prefix, cluster=cfg.redis_cluster)
     else:
         raise ConfigError(f"index.state: {cfg.state!r} is not 'memory' or 'redis'")
     settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),

@@ -113,6 +113,8 @@ class IndexSettings(_Role):
     state: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvsp-index:"
+    #: ``redis_url`` names a node of a Redis Cluster (docs/storage.md).
+    redis_cluster: bool = False
     max_records: int = 1_000_000
     #: Records live at most this long, whatever they ask for (P2).
     max_ttl_ms: int = 600_000
@@ -149,6 +151,8 @@ class ControllerSettings(_Role):
     state: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvsp-pc:"
+    #: ``redis_url`` names a node of a Redis Cluster (docs/storage.md).
+    redis_cluster: bool = False
     max_sessions: int = 100_000
     max_sessions_per_instance: int = 10_000
     #: Send the chosen instance a prefetch directive (PL2, PF1).

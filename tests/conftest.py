@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .redis_cluster import RedisCluster, start_cluster
+
 _GIVEN: set[int] = set()
 
 
@@ -79,6 +81,23 @@ def redis_server() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A Redis Cluster of 3 masters with a replica each (tests/redis_cluster.py),
+    shared by the tests that only use it; a test that kills a node takes
+    ``own_redis_cluster``."""
+    cluster = start_cluster(free_port)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def own_redis_cluster() -> Iterator[RedisCluster]:
+    cluster = start_cluster(free_port)
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

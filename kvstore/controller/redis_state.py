@@ -22,15 +22,14 @@ changed the entry in between.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis import exceptions as redis_errors
-
 from ..protocol.problems import TierUnavailable
 from ..protocol.wire import role_id
+from ..redis_client import ERRORS, connect
 from .rules import InstanceEntry, MapEntry, SessionEntry
 from .state import ControllerState, InstanceChange, MapChange, SessionChange
 
@@ -87,9 +86,11 @@ class RedisControllerState(ControllerState):
         prefix: str = "kvsp-pc:",
         timeout_s: float = 5.0,
         clock: Callable[[], float] | None = None,
+        cluster: bool = False,
         **rules: Any,
     ) -> None:
-        """``clock``: tests only, instead of the Redis server's clock."""
+        """``clock``: tests only, instead of the Redis server's clock.
+        ``cluster``: Redis Cluster (every key in the ``{pc}`` slot)."""
         super().__init__(**rules)
         self.url = url
         self._clock = clock
@@ -99,9 +100,8 @@ class RedisControllerState(ControllerState):
         self._maps_key = tag + "maps"
         self._owner_prefix = tag + "owner:"
         self._ended_prefix = tag + "ended:"
-        self._client: Any = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        self._client: Any = connect(url, cluster=cluster, timeout_s=timeout_s)
+        self._cluster = cluster
         self._swap = self._client.register_script(_SWAP)
         self._swap_session = self._client.register_script(_SWAP_SESSION)
         self._drop = self._client.register_script(_DROP_SESSION)
@@ -112,7 +112,7 @@ class RedisControllerState(ControllerState):
     async def _call(self, coro: Any) -> Any:
         try:
             return await coro
-        except (redis_errors.RedisError, OSError) as exc:
+        except ERRORS as exc:
             raise TierUnavailable(f"controller Redis at {self.url}: {exc}") from exc
 
     def _now(self, time_reply: Any) -> float:
@@ -134,25 +134,36 @@ class RedisControllerState(ControllerState):
     async def now(self) -> float:
         return self._now(None if self._clock is not None else await self._call(self._client.time()))
 
+    async def _with_time(self, command: str, *args: Any) -> tuple[Any, float]:
+        """``command`` on the state's keys and the clock, in one round trip:
+        a pipeline on one node; on a cluster (whose pipelines refuse TIME)
+        the two at once, TIME from the master of the ``{pc}`` slot."""
+        if self._cluster:
+            await self._call(self._client.initialize())  # the slot map, once
+            node = self._client.get_node_from_key(self._instances_key)
+            got, now = await self._call(asyncio.gather(
+                self._client.execute_command(command, *args),
+                self._client.execute_command("TIME", target_nodes=node)))  # fmt: skip
+            return got, self._now(now)
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.execute_command(command, *args)
+            pipe.time()
+            got, now = await self._call(pipe.execute())
+        return got, self._now(now)
+
     async def _read(self, key: str, field: str) -> tuple[bytes | None, float]:
         """A hash field and the clock, in one round trip."""
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.hget(key, field)
-            pipe.time()
-            raw, now = await self._call(pipe.execute())
-        return raw, self._now(now)
+        raw, now = await self._with_time("HGET", key, field)
+        return raw, now
 
     async def _instance(self, instance: str) -> tuple[InstanceEntry | None, float]:
         raw, now = await self._read(self._instances_key, instance)
         return self._entry(raw), now
 
     async def _instances(self) -> tuple[list[InstanceEntry], float]:
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.hvals(self._instances_key)
-            pipe.time()
-            values, now = await self._call(pipe.execute())
+        values, now = await self._with_time("HVALS", self._instances_key)
         entries = [self._entry(raw) for raw in values]
-        return [e for e in entries if e is not None], self._now(now)
+        return [e for e in entries if e is not None], now
 
     async def _change_instance(self, instance: str, change: InstanceChange) -> InstanceEntry:
         for _ in range(self.retries):

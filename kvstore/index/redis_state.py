@@ -18,23 +18,28 @@ entries need no sweeper. A lookup is one round trip per batch of keys and
 stops at the first miss (L1): on a single node one script walks the batch,
 answering each key with its joined group (Lua would take longer to join a
 whole batch than Python takes to receive it in pieces); with
-``cluster=True`` (scripts may not span slots) one script per key is
-pipelined.
+``cluster=True`` (Redis Cluster: scripts may not span slots, and redis-py's
+cluster pipelines take no scripts) the groups are read with a pipeline of
+GETs and the scripts sent one per key, in parallel.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from ..protocol.problems import TierUnavailable
 from ..protocol.records import ReplicaRecord
 from ..protocol.wire import role_id
+from ..redis_client import ERRORS, connect
 from .state import Hits, IndexFull, record_octets
+
+#: Lookup scripts sent at once on a cluster (one per block key).
+CLUSTER_SCRIPTS_AT_ONCE = 64
 
 _NOW = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) "
 
@@ -185,9 +190,7 @@ class RedisState:
         self.cluster = cluster
         self.prefix = prefix
         self.batch = batch
-        self._client: Any = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        self._client: Any = connect(url, cluster=cluster, timeout_s=timeout_s)
         self._put = self._client.register_script(_PUT)
         self._lookup = self._client.register_script(_LOOKUP)
         self._delete = self._client.register_script(_DELETE)
@@ -205,7 +208,7 @@ class RedisState:
             if str(exc).startswith("OOM"):
                 raise IndexFull(f"index Redis is out of memory: {exc}") from exc
             raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
-        except (redis_errors.RedisError, OSError) as exc:
+        except ERRORS as exc:
             raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
 
     async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
@@ -254,10 +257,7 @@ class RedisState:
             # key; the script joins what is left, stopping at the first miss.
             rest = chunk[found:]
             if self.cluster:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for block_key in rest:
-                        await self._lookup(keys=self._keys(block_key), args=[kind], client=pipe)
-                    answers = await self._call(pipe.execute())
+                answers = await self._call(self._lookup_each(rest, kind))
                 values = [a[0] for a in itertools.takewhile(bool, answers)]
             else:
                 keys = [k for block_key in rest for k in self._keys(block_key)]
@@ -266,6 +266,22 @@ class RedisState:
             if len(values) < len(rest):
                 break  # L1: stop at the first key without a replica
         return hits
+
+    async def _lookup_each(self, block_keys: Sequence[str], kind: str) -> list[Any]:
+        """The lookup script per key, in parallel over the cluster's nodes
+        (redis-py's cluster pipelines refuse scripts), at most
+        :data:`CLUSTER_SCRIPTS_AT_ONCE` at a time. A master promoted since
+        the script was loaded answers NOSCRIPT: the script object loads it
+        there again and retries."""
+        out: list[Any] = []
+        for start in range(0, len(block_keys), CLUSTER_SCRIPTS_AT_ONCE):
+            part = block_keys[start : start + CLUSTER_SCRIPTS_AT_ONCE]
+            out += await asyncio.gather(
+                *(self._lookup(keys=self._keys(k), args=[kind]) for k in part)
+            )
+            if not all(out):
+                break  # L1: nothing after the first miss is needed
+        return out
 
     @staticmethod
     def _take(hits: Hits, values: Sequence[bytes], records: bool) -> None:

@@ -45,7 +45,7 @@ def status(instance: str = II1, epoch: int = 10, **changes: object) -> InstanceS
 Make = Callable[..., ControllerState]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
     """A factory of states of one kind; each test's Redis states share nothing."""
     made: list[ControllerState] = []
@@ -56,8 +56,10 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
         if request.param == "memory":
             made.append(MemoryControllerState(clock=clock or Clock(), **rules))
         else:
-            server: Any = request.getfixturevalue("redis_server")
-            made.append(RedisControllerState(server.url, prefix, clock=clock or Clock(), **rules))
+            cluster = request.param == "redis-cluster"
+            server: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+            made.append(RedisControllerState(server.url, prefix, clock=clock or Clock(),
+                                             cluster=cluster, **rules))  # fmt: skip
         return made[-1]
 
     yield factory

@@ -41,17 +41,14 @@ def parsed(found: Hits) -> list[list[ReplicaRecord]]:
     return [[ReplicaRecord.from_json(r) for r in group] for group in groups]
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster-mode"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def state(request: pytest.FixtureRequest) -> AsyncIterator[IndexState]:
     if request.param == "memory":
         yield MemoryState()
         return
-    server: Any = request.getfixturevalue("redis_server")
-    s = RedisState(
-        url=server.url,
-        prefix=f"t{uuid.uuid4().hex[:8]}:",
-        cluster=request.param == "redis-cluster-mode",
-    )
+    cluster = request.param == "redis-cluster"  # a real one: 3 masters, 3 replicas
+    server: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    s = RedisState(url=server.url, prefix=f"t{uuid.uuid4().hex[:8]}:", cluster=cluster)
     yield s
     await s.close()
 

@@ -30,7 +30,7 @@ from .tiers import make_tier
 
 SIZE = size_of()
 KEY = bytes(range(32))
-PERSISTENT = ["local-storage", "remote-memory", "remote-storage"]
+PERSISTENT = ["local-storage", "remote-memory", "remote-memory-cluster", "remote-storage"]
 
 
 async def flip_stored_byte(tier: Tier, key: str, offset: int = -5) -> None:
@@ -122,7 +122,7 @@ async def test_restart_finds_segments_again(kind: str, request: pytest.FixtureRe
         await store.put(ref(n), data)
     records = {n: store.replica_record(ref(n), "https://h/", 1000) for n in blocks}
     options = {}
-    if kind == "remote-memory":
+    if kind.startswith("remote-memory"):
         options["prefix"] = tier.prefix  # type: ignore[attr-defined]
     if kind == "remote-storage":
         options["bucket"] = tier.bucket  # type: ignore[attr-defined]

@@ -12,7 +12,8 @@ from kvstore.storage.tier import Tier
 
 from ..conftest import S3_CREDENTIALS
 
-KINDS = ["device", "host", "local-storage", "remote-memory", "remote-storage"]
+KINDS = ["device", "host", "host-arena", "local-storage", "remote-memory",
+         "remote-memory-cluster", "remote-storage"]  # fmt: skip
 
 
 def make_tier(kind: str, request: pytest.FixtureRequest, **options: Any) -> Tier:
@@ -21,13 +22,18 @@ def make_tier(kind: str, request: pytest.FixtureRequest, **options: Any) -> Tier
         return create_tier("device", device="cpu", **options)
     if kind == "host":
         return create_tier("host", **options)
+    if kind == "host-arena":  # as a store provisions it: blocks in its arena
+        host = create_tier("host", **options)
+        host.provision(64 << 20)
+        return host
     if kind == "local-storage":
         options.setdefault("path", request.getfixturevalue("lmdb_path"))
         return create_tier("lmdb", **options)
-    if kind == "remote-memory":
-        server = request.getfixturevalue("redis_server")
+    if kind in ("remote-memory", "remote-memory-cluster"):
+        cluster = kind == "remote-memory-cluster"
+        server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
         options.setdefault("prefix", f"t{uuid.uuid4().hex[:12]}:")
-        return create_tier("redis", url=server.url, **options)
+        return create_tier("redis", url=server.url, cluster=cluster, **options)
     if kind == "remote-storage":
         options.setdefault("bucket", request.getfixturevalue("s3_bucket"))
         return create_tier(
