@@ -87,6 +87,9 @@ class HostTier(Tier):
         if arena.owns(view):  # received into an extent of ours: kept as it is
             self._data[key] = view.toreadonly()
             return
+        if not view.nbytes or not view.c_contiguous:
+            self._data[key] = view.tobytes()  # nothing to place, or not one run of octets
+            return
         extent = arena.alloc(view.nbytes)
         if extent is None:
             self.fallbacks += 1

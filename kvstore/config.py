@@ -25,6 +25,8 @@ their defaults::
     trusted_proxy_header = "x-client-cert"  # or "x-forwarded-client-cert" (docs/proxy.md)
     proxy_port = 0                    # also plain HTTP on this loopback port, for a
                                       # proxy that connects over TCP (Istio); 0: none
+    trusted_proxy_uid = -1            # the user id owning the proxy's TCP socket
+                                      # (Istio: 1337); -1: not checked
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -179,6 +181,10 @@ class ServerConfig:
     #: application over TCP, as an Istio sidecar does; worker i on
     #: proxy_port + i. Only trusted_proxy's requests carry an identity there.
     proxy_port: int = 0
+    #: With a loopback trusted_proxy: the user id that must own the proxy's
+    #: end of each TCP connection (any local process can connect from any
+    #: loopback address); -1: not checked. Required with proxy_port.
+    trusted_proxy_uid: int = -1
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -394,6 +400,10 @@ def _check_proxy(server: ServerConfig) -> list[str]:
         if not trusted or trusted == "unix":
             out.append("server.proxy_port: serves a proxy over TCP; set trusted_proxy to "
                        "its loopback address (127.0.0.6 for an Istio sidecar)")  # fmt: skip
+        if server.trusted_proxy_uid < 0:
+            out.append("server.proxy_port: set trusted_proxy_uid, the user id of the proxy "
+                       "(Istio's sidecar: 1337): any local process can connect from "
+                       "any loopback address")  # fmt: skip
         count = max(1, server.workers)
         ours = set(range(server.proxy_port, server.proxy_port + count))
         if not 0 < server.proxy_port <= 65536 - count:

@@ -170,6 +170,8 @@ async def _read_body(
             raise PayloadTooLarge(f"body of {size} octets exceeds the limit of {limit}")
         if into is not None and size > 0:
             buffer = into(size)
+            if buffer is not None and (len(buffer) != size or buffer.readonly):
+                buffer = None  # not what was asked for: never send stale octets on
     # Without a buffer, chunks are kept as they arrive and joined once (a
     # single chunk is not copied at all): 2 MiB bodies arrive in dozens of
     # pieces. With one, each chunk is copied to its place in it: the join's
@@ -200,7 +202,7 @@ async def _read_body(
     if declared is not None and size != int(declared):
         raise ClientDisconnect()
     if buffer is not None:
-        return buffer
+        return buffer.toreadonly()  # what is kept is not written through the body
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

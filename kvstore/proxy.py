@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from .protocol.problems import BadRequest, Forbidden, KvspError
-from .tls import PEER, PRINCIPAL, principal_of_pem
+from .tls import PEER, PEER_USER, PRINCIPAL, principal_of_pem
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -140,10 +140,19 @@ def forwarded_principal(carried: dict[bytes, bytes], header: bytes = NGINX_HEADE
 
 class ForwardedIdentity:
     """ASGI middleware: the principal of requests from ``trusted``, read from
-    ``header`` (see the module)."""
+    ``header`` (see the module); with ``trusted_uid``, from a loopback TCP
+    peer only when that user owns its socket."""
 
-    def __init__(self, app: ASGIApp, trusted: str, header: str = "x-client-cert") -> None:
+    def __init__(
+        self, app: ASGIApp, trusted: str, header: str = "x-client-cert",
+        trusted_uid: int | None = None,
+    ) -> None:  # fmt: skip
+        if trusted != "unix":
+            import ipaddress
+
+            trusted = str(ipaddress.ip_address(trusted))  # as transports spell a peer
         self.app, self.trusted, self.header = app, trusted, HEADERS[header]
+        self.trusted_uid = trusted_uid
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -156,7 +165,7 @@ class ForwardedIdentity:
             return
         try:
             # The peer first: nothing another peer sends is parsed.
-            if extensions.get(PEER) != self.trusted:
+            if extensions.get(PEER) != self.trusted or not self._trusted_user(extensions):
                 raise Forbidden("a forwarded client identity is believed only from the "
                                 "trusted proxy")  # fmt: skip
             principal = forwarded_principal(carried, self.header)
@@ -169,6 +178,14 @@ class ForwardedIdentity:
             PRINCIPAL: principal, "kvstore.forwarded": True,
         }  # fmt: skip
         await self.app({**scope, "extensions": {**extensions, "tls": tls}}, receive, send)
+
+    def _trusted_user(self, extensions: dict[str, Any]) -> bool:
+        """Any process may connect from any loopback address: over TCP the
+        proxy is also known by the user owning its socket, when configured."""
+        if self.trusted_uid is None or self.trusted == "unix":
+            return True
+        user = extensions.get(PEER_USER)
+        return user is not None and user.uid == self.trusted_uid
 
 
 async def _problem(send: Any, error: KvspError) -> None:

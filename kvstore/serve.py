@@ -397,8 +397,10 @@ async def serve(
         if config.server.trusted_proxy:
             from .proxy import ForwardedIdentity
 
+            uid = config.server.trusted_proxy_uid
             app = ForwardedIdentity(app, config.server.trusted_proxy,
-                                    config.server.trusted_proxy_header)  # fmt: skip
+                                    config.server.trusted_proxy_header,
+                                    uid if uid >= 0 else None)  # fmt: skip
         proxy_sockets = []
         path = config.server.unix_socket
         if path:

@@ -137,6 +137,60 @@ def _rfc4514(peercert: Any) -> str | None:
 PEER = "kvstore.peer"
 
 
+#: Our extension: a :class:`PeerUser` for a loopback TCP peer (its user id,
+#: looked up once per connection when first asked), else None.
+PEER_USER = "kvstore.peer_user"
+
+
+class PeerUser:
+    """The user id owning the other end of a loopback TCP connection, from
+    ``/proc/net/tcp`` and ``tcp6`` (Linux): the row whose local address is
+    the peer's and whose remote address is ours. None when it is not found
+    (another OS, or the peer closed meanwhile)."""
+
+    __slots__ = ("_looked", "_ours", "_peer", "_uid")
+
+    def __init__(self, peer: tuple[Any, ...], ours: tuple[Any, ...]) -> None:
+        self._peer, self._ours = peer, ours
+        self._uid: int | None = None
+        self._looked = False
+
+    @property
+    def uid(self) -> int | None:
+        if not self._looked:
+            self._looked = True
+            self._uid = _socket_owner(self._peer, self._ours)
+        return self._uid
+
+
+def _proc_address(host: str, port: int) -> str:
+    """An address as /proc/net/tcp{,6} spells it: the address in host byte
+    order by 32-bit words (little-endian here), the port in hex."""
+    import ipaddress
+
+    packed = ipaddress.ip_address(host).packed
+    words = [packed[i : i + 4][::-1].hex().upper() for i in range(0, len(packed), 4)]
+    return f"{''.join(words)}:{port:04X}"
+
+
+def _socket_owner(peer: tuple[Any, ...], ours: tuple[Any, ...]) -> int | None:
+    try:
+        local, remote = _proc_address(peer[0], peer[1]), _proc_address(ours[0], ours[1])
+    except (ValueError, IndexError, TypeError):
+        return None
+    table = "/proc/net/tcp6" if len(local) > 13 else "/proc/net/tcp"
+    try:
+        with open(table, encoding="ascii") as rows:
+            next(rows, None)
+            for row in rows:
+                fields = row.split()
+                if len(fields) > 7 and fields[1] == local and fields[2] == remote:
+                    return int(fields[7])
+    except OSError:
+        return None
+    return None
+
+
 def transport_peer(transport: asyncio.BaseTransport) -> str | None:
     """``"unix"``, the peer's IP address, or None when the transport does not say."""
     sock = transport.get_extra_info("socket")
@@ -148,15 +202,29 @@ def transport_peer(transport: asyncio.BaseTransport) -> str | None:
     return None
 
 
+def _loopback_user(transport: asyncio.BaseTransport, peer: str | None) -> PeerUser | None:
+    """For a loopback TCP peer, what finds its user id when asked (a trusted
+    proxy's identity is believed only from its user, docs/proxy.md)."""
+    if peer is None or peer == "unix" or not (peer.startswith("127.") or peer == "::1"):
+        return None
+    remote, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not isinstance(remote, tuple) or not isinstance(local, tuple):
+        return None
+    return PeerUser(remote, local)
+
+
 class _WithTLS:
     """Per-connection wrapper that adds the ``tls`` extension (None for a
     plain connection) and the transport's peer to each scope."""
 
     __slots__ = ("app", "extensions")
 
-    def __init__(self, app: ASGIApp, tls: dict[str, Any] | None, peer: str | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, tls: dict[str, Any] | None, peer: str | None = None,
+        user: PeerUser | None = None,
+    ) -> None:  # fmt: skip
         self.app = app
-        self.extensions: dict[str, Any] = {PEER: peer}
+        self.extensions: dict[str, Any] = {PEER: peer, PEER_USER: user}
         if tls is not None:
             self.extensions["tls"] = tls
 
@@ -183,7 +251,10 @@ class _TLSScope(_AnyProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.app = _WithTLS(self.app, tls_extension(transport), transport_peer(transport))
+        peer = transport_peer(transport)
+        self.app = _WithTLS(
+            self.app, tls_extension(transport), peer, _loopback_user(transport, peer)
+        )
 
 
 class TLSH11Protocol(_TLSScope, H11Protocol):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote
 
@@ -16,7 +17,7 @@ from kvstore.config import Config, ServerConfig, check
 from kvstore.protocol.problems import BadRequest
 from kvstore.proxy import ForwardedIdentity, forwarded_principal, principal_of_xfcc
 from kvstore.security import create_dev_certificates
-from kvstore.tls import PEER, principal_from_scope
+from kvstore.tls import PEER, PEER_USER, principal_from_scope
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,9 @@ def test_nginx_escaped_pem_and_bad_headers(pems: dict[str, str]) -> None:
 
 
 async def _call(app: Any, peer: str | None, headers: list[tuple[bytes, bytes]],
-                tls: dict[str, Any] | None = None) -> tuple[int, Any]:  # fmt: skip
-    extensions: dict[str, Any] = {PEER: peer}
+                tls: dict[str, Any] | None = None,
+                extra: dict[str, Any] | None = None) -> tuple[int, Any]:  # fmt: skip
+    extensions: dict[str, Any] = {PEER: peer, **(extra or {})}
     if tls is not None:
         extensions["tls"] = tls
     scope = {"type": "http", "method": "GET", "path": "/", "headers": headers,
@@ -100,6 +102,17 @@ async def test_believed_from_the_trusted_peer_only(pems: dict[str, str]) -> None
     assert status == 400 and problem["status"] == 400
     # From any other peer nothing is parsed: a malformed header is a 403 too.
     assert (await _call(loopback, "127.0.0.9", [(b"x-client-cert", b"%%")]))[0] == 403
+    # An IPv6 trusted_proxy in any spelling matches the transport's "::1".
+    six = ForwardedIdentity(_echo, "0:0:0:0:0:0:0:1")
+    assert await _call(six, "::1", alice) == (200, {"principal": "urn:kvstore:alice"})
+    # With trusted_proxy_uid, a loopback TCP peer is the proxy only if that
+    # user owns its socket (any process may connect from 127.0.0.6).
+    owned = ForwardedIdentity(_echo, "127.0.0.6", trusted_uid=1337)
+    for uid, expected in ((1337, 200), (0, 403), (None, 403)):
+        user = SimpleNamespace(uid=uid)
+        got = await _call(owned, "127.0.0.6", alice, extra={PEER_USER: user})
+        assert got[0] == expected, (uid, got)
+    assert (await _call(owned, "127.0.0.6", alice))[0] == 403  # not known: not believed
     envoy = ForwardedIdentity(_echo, "unix", "x-forwarded-client-cert")
     xfcc = [(b"x-forwarded-client-cert", b"Hash=1;URI=spiffe://a/b")]
     assert await _call(envoy, "unix", xfcc) == (200, {"principal": "spiffe://a/b"})
@@ -125,13 +138,46 @@ def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
     assert "trusted_proxy_header" in problems(trusted_proxy_header="x-ssl-cert")[0]
     assert "pass 65535" in problems(port=65535, workers=2)[0]
     # A plain TCP listener for a proxy that connects over TCP (Istio).
-    assert problems(proxy_port=9000, trusted_proxy="127.0.0.6") == []
-    assert problems(proxy_port=9000, trusted_proxy="::1", workers=4) == []
+    assert problems(proxy_port=9000, trusted_proxy="127.0.0.6", trusted_proxy_uid=1337) == []
+    assert problems(proxy_port=9000, trusted_proxy="::1", trusted_proxy_uid=0, workers=4) == []
     assert "set trusted_proxy" in problems(proxy_port=9000)[0]
     assert "set trusted_proxy" in problems(proxy_port=9000, unix_socket=sock,
                                            trusted_proxy="unix")[0]  # fmt: skip
-    assert "overlaps" in problems(proxy_port=8444, trusted_proxy="127.0.0.6", workers=2)[0]
-    assert "a port" in problems(proxy_port=65535, trusted_proxy="127.0.0.6", workers=2)[0]
+    assert "overlaps" in problems(proxy_port=8444, trusted_proxy="127.0.0.6",
+                                  trusted_proxy_uid=1337, workers=2)[0]  # fmt: skip
+    assert "a port" in problems(proxy_port=65535, trusted_proxy="127.0.0.6",
+                                trusted_proxy_uid=1337, workers=2)[0]  # fmt: skip
+    assert "trusted_proxy_uid" in problems(proxy_port=9000, trusted_proxy="127.0.0.6")[0]
+
+
+async def test_the_user_owning_a_loopback_peer_socket_is_found() -> None:
+    # What trusted_proxy_uid is checked against: the owner of the other end
+    # of a real loopback connection, from /proc/net/tcp (this process's).
+    import asyncio
+    import os
+
+    from kvstore.tls import PeerUser
+
+    found: list[PeerUser] = []
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        found.append(PeerUser(writer.get_extra_info("peername"),
+                              writer.get_extra_info("sockname")))  # fmt: skip
+        writer.close()
+
+    for host in ("127.0.0.1", "::1"):
+        server = await asyncio.start_server(accepted, host, 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection(host, port)
+        for _ in range(100):
+            if found:
+                break
+            await asyncio.sleep(0.01)
+        assert found.pop().uid == os.getuid(), host
+        writer.close()
+        server.close()
+        await server.wait_closed()
+    assert PeerUser(("127.0.0.1", 1), ("127.0.0.1", 2)).uid is None  # no such connection
 
 
 def test_the_unix_socket_is_bound_private_and_never_taken_from_a_live_server(

@@ -170,6 +170,7 @@ async def test_a_proxy_over_loopback_tcp_as_an_istio_sidecar(tmp_path: Path) -> 
     }}))  # fmt: skip
     holder = Process(tmp_path, "holder", SERVER.format(port=port)
                      + f'trusted_proxy = "127.0.0.2"\nproxy_port = {proxy_port}\n'
+                     + f"trusted_proxy_uid = {os.getuid()}\n"  # the test is the proxy
                      + 'trusted_proxy_header = "x-forwarded-client-cert"\n'
                      + f'[holder]\nuri = "https://127.0.0.1:{port}/kvsp/"\n'
                      + 'policy = "policy.json"\n'

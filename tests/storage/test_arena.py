@@ -119,6 +119,13 @@ async def test_the_host_tier_keeps_blocks_in_its_arena_and_falls_back() -> None:
     used = arena.used
     await tier.put("a/1", buffer)
     assert arena.used == used and bytes(await tier.get("a/1") or b"") == b"x" * 1000
+    # Nothing, or octets not in one run: kept outside the arena, not a fallback.
+    await tier.put("a/3", b"")
+    await tier.put("a/4", memoryview(bytes(range(10)))[::2])
+    empty = await tier.get("a/3")
+    assert empty is not None and bytes(empty) == b""
+    assert bytes(await tier.get("a/4") or b"") == bytes(range(0, 10, 2))
+    assert tier.fallbacks == 0
     # A slice of an extent is not the whole of one: copied, not adopted.
     assert not arena.owns(buffer[:10]) and not arena.owns(memoryview(data))
     del buffer
@@ -179,8 +186,9 @@ async def test_a_put_body_is_received_into_the_arena() -> None:
         assert put.status_code == 201, put.text
         (key,) = [k async for k in tier.keys()]
         kept = tier._data[key]
-        # Kept as received: the body's own extent, not a copy of it.
-        assert isinstance(kept, memoryview) and tier.arena.owns(kept)
+        # Kept as received: the body's own extent, not a copy of it, and
+        # read-only (nothing writes into a stored block through the body).
+        assert isinstance(kept, memoryview) and tier.arena.owns(kept) and kept.readonly
         assert tier.arena.used == -(-len(data) // ALIGN) * ALIGN
         get = await client.get(url)
         assert get.status_code == 200 and get.content == data
