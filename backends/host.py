@@ -79,8 +79,9 @@ class HostTier(Tier):
 
     async def put(self, key: str, value: BytesLike) -> None:
         arena = self.arena
-        if arena is None:
-            # One copy when the caller's buffer is mutable; bytes are kept as-is.
+        if arena is None or isinstance(value, bytes):
+            # Bytes are immutable and in memory already: kept as they are (a
+            # copy into the arena would cost more). A mutable buffer is copied.
             self._data[key] = value if isinstance(value, bytes) else bytes(value)
             return
         view = memoryview(value)

@@ -194,27 +194,39 @@ async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
     return rows
 
 
-async def bench_redis(blocks: list[tuple[BlockRef, bytes]], repeat: int, url: str) -> list[Result]:
-    import redis.asyncio as aioredis
-
+async def bench_redis(
+    blocks: list[tuple[BlockRef, bytes]], repeat: int, url: str, cluster: bool = False
+) -> list[Result]:
+    """The tier through the store against redis-py's own SET/GET of the same
+    octets, on one node or (``cluster``) a Redis Cluster, keys spread over
+    its masters alike (one hash tag per block)."""
     from backends.redis import RedisTier
+
+    from ..redis_client import connect
 
     octets = sum(len(d) for _, d in blocks)
     prefix = f"bench{os.getpid()}:"
-    ours = await _measure_store(lambda: RedisTier(url=url, prefix=prefix), blocks, repeat)
-    client: Any = aioredis.Redis.from_url(url)
+    ours = await _measure_store(
+        lambda: RedisTier(url=url, prefix=prefix, cluster=cluster), blocks, repeat
+    )
+    client: Any = connect(url, cluster=cluster)
+    names = [f"{prefix}{{{ref.block_key}}}" for ref, _ in blocks]
 
     async def put() -> None:
-        for ref, data in blocks:
-            await client.set(prefix + ref.block_key, data)
+        for name, (_, data) in zip(names, blocks, strict=True):
+            await client.set(name, data)
 
     async def get() -> None:
-        for ref, _ in blocks:
-            await client.get(prefix + ref.block_key)
+        for name in names:
+            await client.get(name)
 
     raw = (await _best(put, repeat), await _best(get, repeat))
-    await client.delete(*[prefix + ref.block_key for ref, _ in blocks])
+    for name in names:
+        await client.delete(name)
     await client.aclose()
+    if cluster:
+        return _rows("remote-memory (Redis Cluster, 3 masters)", octets, ours, raw,
+                     "raw redis-py cluster")  # fmt: skip
     return _rows("remote-memory (Redis)", octets, ours, raw, "raw redis-py")
 
 
@@ -285,13 +297,16 @@ def _start_moto() -> tuple[Any, str] | None:
 
 
 async def _run(
-    count: int, block_mib: float, repeat: int, redis_url: str | None, s3_endpoint: str | None
-) -> list[Result]:
+    count: int, block_mib: float, repeat: int, redis_url: str | None, s3_endpoint: str | None,
+    cluster_url: str | None = None,
+) -> list[Result]:  # fmt: skip
     blocks = _blocks(count, int(block_mib * (1 << 20)))
     results = await bench_host(blocks, repeat)
     results += await bench_lmdb(blocks, repeat)
     if redis_url:
         results += await bench_redis(blocks, repeat, redis_url)
+    if cluster_url:
+        results += await bench_redis(blocks, repeat, cluster_url, cluster=True)
     if s3_endpoint:
         results += await bench_s3(blocks, repeat, s3_endpoint)
     return results
@@ -303,16 +318,26 @@ def run(
     redis_url: str | None = "redis://127.0.0.1:6379/0",
     s3_endpoint: str | None = None,
     start_moto: bool = True,
+    start_cluster: bool = True,
 ) -> list[Result]:
-    """All store benchmarks; S3 runs against ``s3_endpoint`` or a moto server started here."""
-    moto = None
+    """All store benchmarks; S3 runs against ``s3_endpoint`` or a moto server
+    started here, the Redis Cluster rows against a 3-master cluster started
+    here when redis-server and redis-cli are installed."""
+    from . import redis_cluster
+
+    moto = cluster = None
     if s3_endpoint is None and start_moto:
         moto = _start_moto()
         s3_endpoint = moto[1] if moto else None
+    if start_cluster and redis_cluster.available():
+        cluster = redis_cluster.start_cluster()
     try:
         # Quick: two rounds, as one alone is the cold one (thread pool, first page faults).
-        return asyncio.run(_run(4 if quick else 16, 2.0, 2 if quick else 5, redis_url, s3_endpoint))
+        return asyncio.run(_run(4 if quick else 16, 2.0, 2 if quick else 5, redis_url,
+                                s3_endpoint, cluster.url if cluster else None))  # fmt: skip
     finally:
         if moto is not None:
             moto[0].kill()
             moto[0].wait()
+        if cluster is not None:
+            cluster.stop()

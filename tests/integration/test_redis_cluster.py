@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from backends.redis import RedisTier
+from kvstore.bench.redis_cluster import RedisCluster
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.index.redis_state import RedisState
 from kvstore.protocol.problems import TierUnavailable
 
 from ..controller.test_state import II1, status
 from ..index.test_state import key, record
-from ..redis_cluster import RedisCluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -108,7 +108,7 @@ async def test_the_host_tier_keeps_blocks_in_its_arena_and_falls_back() -> None:
     arena = tier.arena
     assert arena is not None and arena.size >= (1 << 20) + HEADROOM_MIN
     data = os.urandom(300_000)
-    await tier.put("a/0", data)  # copied into an extent
+    await tier.put("a/0", bytearray(data))  # mutable: copied into an extent
     got = await tier.get("a/0")
     assert isinstance(got, memoryview) and got.readonly and bytes(got) == data
     assert arena.owns(memoryview(got)) and arena.used >= len(data)
@@ -129,8 +129,11 @@ async def test_the_host_tier_keeps_blocks_in_its_arena_and_falls_back() -> None:
     # A slice of an extent is not the whole of one: copied, not adopted.
     assert not arena.owns(buffer[:10]) and not arena.owns(memoryview(data))
     del buffer
+    # Bytes are immutable: kept as they are, outside the arena.
+    await tier.put("a/5", data)
+    assert (await tier.get("a/5")) is data
     # Larger than the arena: kept in ordinary memory, still served.
-    big = os.urandom(arena.size + 1)
+    big = bytearray(os.urandom(arena.size + 1))
     await tier.put("a/2", big)
     assert bytes(await tier.get("a/2") or b"") == big
     # Deleting gives the extent back once nothing holds it.
@@ -157,11 +160,12 @@ async def test_a_get_streaming_an_evicted_block_sends_its_own_octets() -> None:
     size = len(block(layers=8, section=32 << 10))
     store = TieredStore([(HostTier(), 3 * size)])
     first = block(layers=8, section=32 << 10)
-    await store.put(ref(0), first)
+    # Mutable buffers (as a received body is), so copied into the arena.
+    await store.put(ref(0), bytearray(first))
     read = store.read(ref(0))
     sent = [chunk async for chunk in read]  # a response's views, not yet written
     for n in range(1, 8):  # room is made by evicting block 0 and others
-        await store.put(ref(n), block(layers=8, section=32 << 10))
+        await store.put(ref(n), bytearray(block(layers=8, section=32 << 10)))
     assert ref(0) not in store
     assert b"".join(bytes(c) for c in sent) == first
     tier = store.slots[0].tier

@@ -1,30 +1,37 @@
-"""A real Redis Cluster on loopback for tests: 3 masters with a replica
-each, from ``redis-server --cluster-enabled yes`` and ``redis-cli --cluster
-create`` (what CI installs with redis-server; nothing else). A short
-``cluster-node-timeout`` makes a killed master's replica take over in about
-a second and a half."""
+"""A real Redis Cluster on loopback, for the benchmarks and the tests: 3
+masters with a replica each, from ``redis-server --cluster-enabled yes`` and
+``redis-cli --cluster create`` (the Debian packages redis-server and
+redis-tools; nothing else). A short ``cluster-node-timeout`` makes a killed
+master's replica take over in about two seconds."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 #: How long a master may be silent before its replica takes over (ms).
 NODE_TIMEOUT_MS = 1000
 
 
+class NoRedis(RuntimeError):
+    """redis-server or redis-cli is not installed."""
+
+
 def _binary(name: str) -> str:
     found = shutil.which(name)
     if found is None:
-        # CI installs them (.ci/run); a missing Redis is a failure, not a skip.
-        pytest.fail(f"{name} is not installed (Debian: redis-server, redis-tools)")
+        raise NoRedis(f"{name} is not installed (Debian: redis-server, redis-tools)")
     return found
+
+
+def available() -> bool:
+    return all(shutil.which(name) for name in ("redis-server", "redis-cli"))
 
 
 @dataclass
@@ -54,7 +61,7 @@ class RedisCluster:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
         for port in self.ports:
-            self._wait(lambda p=port: self.cli(p, "PING") == "PONG", f"node {port}")
+            self._wait(functools.partial(self._answers, port), f"node {port}")
         subprocess.run(
             [_binary("redis-cli"), "--cluster", "create",
              *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "1",
@@ -63,16 +70,19 @@ class RedisCluster:
         )  # fmt: skip
         self.wait_healthy()
 
+    def _answers(self, port: int) -> bool:
+        return self.cli(port, "PING") == "PONG"
+
     def cli(self, port: int, *args: str) -> str:
         done = subprocess.run([_binary("redis-cli"), "-p", str(port), *args],
                               capture_output=True, timeout=10)  # fmt: skip
         return done.stdout.decode().strip()
 
-    def _wait(self, ok: object, what: str, timeout: float = 30.0) -> None:
+    def _wait(self, ok: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if ok():  # type: ignore[operator]
+                if ok():
                     return
             except (OSError, subprocess.SubprocessError):
                 pass
@@ -126,9 +136,23 @@ class RedisCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_cluster(free_port: object) -> RedisCluster:
-    ports = [free_port() for _ in range(6)]  # type: ignore[operator]
-    bus_ports = [free_port() for _ in range(6)]  # type: ignore[operator]
+def _unique_ports(count: int) -> list[int]:
+    import socket
+
+    ports: set[int] = set()
+    while len(ports) < count:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.add(int(sock.getsockname()[1]))
+    return sorted(ports)
+
+
+def start_cluster(free_port: Callable[[], int] | None = None) -> RedisCluster:
+    """A cluster on ports from ``free_port`` (clients' and cluster bus'; by
+    default twelve distinct free ones); :class:`NoRedis` when the binaries
+    are missing."""
+    picked = [free_port() for _ in range(12)] if free_port else _unique_ports(12)
+    ports, bus_ports = picked[:6], picked[6:]
     cluster = RedisCluster(ports, bus_ports)
     try:
         cluster.start()
@@ -138,4 +162,4 @@ def start_cluster(free_port: object) -> RedisCluster:
     return cluster
 
 
-__all__ = ["NODE_TIMEOUT_MS", "RedisCluster", "start_cluster"]
+__all__ = ["NODE_TIMEOUT_MS", "NoRedis", "RedisCluster", "available", "start_cluster"]
