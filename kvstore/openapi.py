@@ -77,6 +77,17 @@ COMPONENTS: dict[str, Any] = {
                        "shapes_only": {"type": ["boolean", "null"]}},
         "required": ["scope_id", "compat_id", "block_keys"],
     },
+    "PlaceRequest": {
+        "type": "object",
+        "description": "ours: the keys as block_keys (hex) or block_keys_b64 (base64 of "
+                       "their 32 octets each, concatenated), not both",
+        "properties": {"scope_id": HEX16, "compat_id": HEX32,
+                       "block_keys": {"type": "array", "items": HEX32},
+                       "block_keys_b64": {"type": "string", "contentEncoding": "base64"},
+                       "tokens": {"type": "integer", "minimum": 0},
+                       "request_ref": {"type": "string", "maxLength": 256}},
+        "required": ["scope_id", "compat_id"],
+    },
     "LookupResponse": {
         "type": "object",
         "properties": {
@@ -315,11 +326,12 @@ def document(role: str) -> dict[str, Any]:
                 "Reshard to a target map (RS2-RS7)", _ok("200", "Object"), "Object", ours=True
             ),
         }
-        paths["/place"] = {
-            "post": _op(
-                "Place a request (PL1-PL3)", _ok("200", "Object"), "LookupRequest", ours=True
-            )
-        }
+        place = _op("Place a request (PL1-PL3)", _ok("200", "Object"), "PlaceRequest", ours=True)
+        place["requestBody"]["content"]["application/octet-stream"] = {"schema": {
+            "type": "string", "format": "binary",
+            "description": "the keys packed: a PlaceRequest without block_keys as one JSON "
+                           "line, a newline, then each block key as 32 raw octets"}}  # fmt: skip
+        paths["/place"] = {"post": place}
     else:
         session = _path(("session", {"type": "string"}))
         paths["/prefetch"] = {"post": _op("A prefetch directive (PF1)", {

@@ -30,7 +30,7 @@ from .listener import (
 )
 from .protocol.compat import parse_descriptor
 from .protocol.wire import NO_STORE
-from .seams import PublisherStatsSource, Snapshots
+from .seams import Lookups, PublisherStatsSource, Snapshots
 from .security import Policy
 from .storage import LeaseLimits, SegmentSealer, TieredStore
 
@@ -162,14 +162,24 @@ def controller_state(config: Config) -> ControllerState:
     raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
 
 
+def index_in_process(config: Config, roles: Sequence[str]) -> bool:
+    """The PC's placer asks this process's IS directly: both roles here, and
+    ``controller.index_uri`` unset or naming this IS."""
+    return "pc" in roles and "index" in roles and (
+        config.controller.index_uri in ("", config.index.uri))  # fmt: skip
+
+
 def build_controller(
-    config: Config, state: ControllerState, listening: Listening | None = None
-) -> Starlette:
-    """The Placement Controller app over ``state``."""
+    config: Config, state: ControllerState, listening: Listening | None = None,
+    local_index: Lookups | None = None,
+) -> Starlette:  # fmt: skip
+    """The Placement Controller app over ``state``; ``local_index``: the IS
+    of this process, asked in process (no HTTP, no JSON) instead of over
+    ``controller.index_uri``."""
     from .controller.app import create_app as create_controller
 
     cfg = config.controller
-    index = index_client(config, "controller")
+    index: Any = local_index if local_index is not None else index_client(config, "controller")
     settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),
                                    allow_anonymous=config.server.insecure_http)  # fmt: skip
     instances = instance_client(config)
@@ -457,15 +467,22 @@ async def _build(
         # state in this process, or the Redis PC processes share.
         pc_state = controller_state(config)
         closing.append(pc_state.close)  # closed after the roles stopped, like the IS's
-    if "pc" in roles:
-        assert pc_state is not None
-        apps.append(build_controller(config, pc_state, listening))
-        log.info("controller %s (%s state)", config.controller.uri,
-                 config.controller.state)  # fmt: skip
+    index_app = local = None
     if "index" in roles:
         index_app, index_state = build_index(config, pc_state)
-        apps.append(index_app)
         closing.append(index_state.close)
+        if index_in_process(config, roles):
+            # The PC's placer asks this process's IS directly (issue 20).
+            from .index.local import LocalIndex
+
+            local = LocalIndex(index_state, index_app.state.counters)
+    if "pc" in roles:
+        assert pc_state is not None
+        apps.append(build_controller(config, pc_state, listening, local))
+        log.info("controller %s (%s state%s)", config.controller.uri, config.controller.state,
+                 ", the IS in process" if local else "")  # fmt: skip
+    if index_app is not None:
+        apps.append(index_app)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
     if seat is not None:
         from .workers import SeatService

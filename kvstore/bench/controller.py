@@ -5,8 +5,12 @@ keys with 3 replicas each in an Index Service that runs as its own process
 (``kvstore serve --roles index``, memory state, plain HTTP on loopback).
 A placement is one ``POST place`` through the PC's whole ASGI app: request
 parsing, the IS lookup over HTTP (``shapes_only``), ranking every active
-instance by the draft's cost. Sequential, and with several in flight (the IS
-and the PC then work at once, on two cores). Baseline in the same run: the
+instance by the draft's cost. Then the same with the IS in the PC's process
+(``kvstore serve --roles pc,index``: :class:`~kvstore.index.local.LocalIndex`,
+no HTTP or JSON to the IS), with the keys as a JSON list and packed (an
+``application/octet-stream`` body), against the goals of issue 20.
+Sequential, and with several in flight (the IS and the PC then work at
+once, on two cores). Baseline in the same run: the
 bare IS lookup the placement makes, from the same client. The goal, 1000
 placements/s with 4 in flight, is an absolute figure (a plain row), and so
 is the rate of status updates through ``MemoryControllerState.put_status``
@@ -137,6 +141,7 @@ async def _run(quick: bool) -> list[Result]:
                 )  # fmt: skip
                 app = create_app(settings, pc, policy, index)
                 seconds = 1.0 if quick else 3.0
+                base_of: dict[int, float] = {}
                 for size in sizes:
                     body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
                                        "block_keys": keys[:size]}).encode()  # fmt: skip
@@ -153,10 +158,62 @@ async def _run(quick: bool) -> list[Result]:
                     base = await _rate(lookup, seconds, 1)
                     rates = {n: await _rate(place, seconds, n) for n in (1, 4)}
                     results += placement_rows(size, base, rates)
+                    base_of[size] = rates[4]
+                results += await _in_process(pc, policy, settings, keys, sizes, seconds, base_of)
         finally:
             process.terminate()
             process.wait(timeout=20)
     return results
+
+
+#: Placements per second to reach, PC and IS in one process, 4 in flight,
+#: by prompt size (issue 20).
+IN_PROCESS_GOALS = {512: 2000.0, 8192: 1000.0}
+
+
+async def _in_process(
+    pc: Any, policy: Any, settings: Any, keys: list[str], sizes: list[int], seconds: float,
+    base_of: dict[int, float],
+) -> list[Result]:  # fmt: skip
+    """The same placements with the IS in the PC's process (``kvstore serve
+    --roles pc,index``): the lookup asked in process (:class:`LocalIndex`),
+    against the placements through the IS over HTTP measured above."""
+    from ..controller.app import create_app
+    from ..index import MemoryState
+    from ..index.local import LocalIndex
+
+    state = MemoryState()
+    for key in keys:
+        for holder in HOLDERS[:3]:
+            await state.put(_record(key, holder), 600_000)
+    app = create_app(settings, pc, policy, LocalIndex(state))
+    rows = []
+    header = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT}).encode()
+    octets = b"application/octet-stream"
+    for size in sizes:
+        listed = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
+                             "block_keys": keys[:size]}).encode()  # fmt: skip
+        # The compact form: a JSON header line, then the keys' 32 octets each.
+        packed = header + b"\n" + b"".join(bytes.fromhex(k) for k in keys[:size])
+        rates = {}
+        for form, body, kind in (("JSON keys", listed, b"application/kvsp+json"),
+                                 ("packed keys", packed, octets)):  # fmt: skip
+            answer = json.loads(await _call(app, body, path="/pc/place", content_type=kind))
+            assert answer["matched"] == size and answer["index"] == "ok", answer
+
+            async def place(body: bytes = body, kind: bytes = kind) -> None:
+                await _call(app, body, path="/pc/place", keep=False, content_type=kind)
+
+            rates[form] = await _rate(place, seconds, 4)
+        label = f"placements, {size}-key prompts, 64 instances, 4 at once, IS in process"
+        rows.append(Result(label + ", JSON keys", "placements/s", rates["JSON keys"],
+                           "the IS over HTTP, 4 at once", base_of[size]))  # fmt: skip
+        rows.append(Result(label + ", packed keys", "placements/s", rates["packed keys"],
+                           "the same, JSON keys", rates["JSON keys"]))  # fmt: skip
+        best = max(rates.values())
+        rows.append(Result(label + ", the faster form", "placements/s", best,
+                           goal=IN_PROCESS_GOALS.get(size)))  # fmt: skip
+    return rows
 
 
 def run(quick: bool = False) -> list[Result]:

@@ -64,14 +64,17 @@ def _record(block_key: str, holder: str) -> ReplicaRecord:
     )  # fmt: skip
 
 
-async def _call(app: Any, body: bytes, keep: bool = True, path: str = "/is/lookup") -> bytes:
+async def _call(
+    app: Any, body: bytes, keep: bool = True, path: str = "/is/lookup",
+    content_type: bytes = b"application/kvsp+json",
+) -> bytes:  # fmt: skip
     """One POST (a lookup) through the ASGI app, no client library in between.
 
     Like a server writing each message out, the harness lets go of each
     message unless ``keep`` (the answer is checked once, after the timing)."""
     scope = {
         "type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
-        "query_string": b"", "headers": [(b"content-type", b"application/kvsp+json"),
+        "query_string": b"", "headers": [(b"content-type", content_type),
                                          (b"content-length", str(len(body)).encode())],
         "http_version": "1.1", "scheme": "http", "server": ("bench", 80), "client": ("b", 1),
         "root_path": "",

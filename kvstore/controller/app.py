@@ -13,7 +13,12 @@ base URI must hash to ``{instance-id}`` (H6) and equal the record's
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
+import json
 import logging
+import re
 import shlex
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
@@ -24,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..http import empty_response, json_response, principal, read_json, role_app
+from ..http import empty_response, json_response, principal, read_body, read_json, role_app
 from ..lifespan import Listening, Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
@@ -142,8 +147,12 @@ class Controller:
 
     async def place(self, request: Request) -> Response:
         # Ours, not KVSP: where should this request go, and why (PL1, PL2).
-        body = await read_json(request, self.settings.max_json_octets)
-        query = LookupRequest.from_json(body, max_keys=self.settings.max_place_keys)
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            body, packed = await self._packed_body(request)
+            query = place_query(body, self.settings.max_place_keys, packed)
+        else:
+            body = await read_json(request, self.settings.max_json_octets)
+            query = place_query(body, self.settings.max_place_keys)
         self.policy.require_read(self.who(request), query.scope_id)
         obj = body if isinstance(body, dict) else {}
         block_tokens = self.settings.block_tokens.get(query.compat_id)
@@ -162,6 +171,21 @@ class Controller:
             raise BadRequest("place.request_ref: an opaque string of at most 256 characters")
         answer = await self.dispatch.place(query, total, block_tokens, request_ref)
         return json_response(answer.to_json())
+
+    async def _packed_body(self, request: Request) -> tuple[Any, bytes]:
+        """An ``application/octet-stream`` place body: a JSON header line
+        (``{"scope_id", "compat_id", "tokens", "request_ref"}``), ``\n``,
+        then the block keys as 32 raw octets each."""
+        limit = self.settings.max_json_octets + 32 * self.settings.max_place_keys
+        raw = bytes(await read_body(request, limit))  # no ``into``: bytes already
+        newline = raw.find(b"\n")
+        if newline < 0:
+            raise BadRequest("place: an octet-stream body is a JSON header line, then the keys")
+        try:
+            header = json.loads(raw[:newline])
+        except (ValueError, RecursionError):
+            raise BadRequest("place: the header line is not JSON") from None
+        return header, raw[newline + 1 :]
 
     async def put_state(self, request: Request) -> Response:
         # Ours: an operator wakes an instance or has it drain (S3, S6); the PC
@@ -250,6 +274,43 @@ class Controller:
         return json_response({"instances": await self.state.overview()})
 
 
+_KEY_HEX = re.compile(".{64}", re.S)
+
+
+def place_query(body: Any, max_keys: int, packed: bytes | None = None) -> LookupRequest:
+    """The lookup a ``POST place`` body asks for. The block keys are either
+    ``block_keys`` (hex, as a KVSP lookup has them) or, compactly (ours),
+    ``block_keys_b64``: base64 of the keys' 32 octets each, concatenated (an
+    8k-key prompt: 350 KB instead of 540 KB of JSON strings), or ``packed``,
+    those octets themselves (an ``application/octet-stream`` body: 256 KB,
+    and no JSON or base64 to decode)."""
+    where = "place.keys"
+    if packed is None:
+        if not isinstance(body, dict) or "block_keys_b64" not in body:
+            return LookupRequest.from_json(body, max_keys=max_keys)
+        where = "place.block_keys_b64"
+        encoded = body["block_keys_b64"]
+        if not isinstance(encoded, str) or len(encoded) > 4 * (32 * max_keys + 2) // 3 + 4:
+            raise BadRequest(f"{where}: base64 of at most {max_keys} keys of 32 octets")
+        try:
+            packed = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"{where}: not base64") from None
+    if not isinstance(body, dict):
+        raise BadRequest("place: must be a JSON object")
+    if "block_keys" in body:
+        raise BadRequest("place: the block keys once: block_keys, block_keys_b64 or packed")
+    raw = packed
+    if not raw or len(raw) % 32:
+        raise BadRequest(f"{where}: a whole number of 32-octet keys, at least one")
+    if len(raw) // 32 > max_keys:
+        raise BadRequest(f"{where}: {len(raw) // 32} keys, more than {max_keys}")
+    keys = tuple(_KEY_HEX.findall(raw.hex()))
+    rest = LookupRequest.from_json({**{k: v for k, v in body.items() if k != "block_keys_b64"},
+                                    "block_keys": [keys[0]]}, max_keys=max_keys)  # fmt: skip
+    return dataclasses.replace(rest, block_keys=keys)
+
+
 def create_app(
     settings: ControllerSettings,
     state: ControllerState,
@@ -281,4 +342,5 @@ def create_app(
     app.state.counters = controller.counters
     app.state.starter = controller.starter
     app.state.migrator = controller.migrator
+    app.state.placer = controller.placer
     return app

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol.control import InstanceStatus
+from ..protocol.control import InstanceStatus, Link
 from ..protocol.placement import (
+    FetchPlan,
     ReadMemo,
     ReplicaShape,
     placement_cost,
@@ -68,8 +69,20 @@ def rank(
     matched_tokens = min(matched * block_tokens, total_tokens)
     out = []
     memo: ReadMemo = {}
+    # A plan depends on the instance only through its links, unless it holds
+    # some of the blocks itself: instances with the same links (a rack's,
+    # a pool's) share one plan.
+    holding = {shape.holder for shapes, _ in groups for shape in shapes}
+    plans: dict[tuple[Link, ...], FetchPlan | None] = {}
     for status in instances:
-        plan = plan_groups(groups, status, memo) if matched else None
+        plan = None
+        if matched and status.instance in holding:
+            plan = plan_groups(groups, status, memo)
+        elif matched:
+            if status.links in plans:
+                plan = plans[status.links]
+            else:
+                plan = plans[status.links] = plan_groups(groups, status, memo)
         fetch = plan.fetch_us if plan is not None else (0.0 if not matched else None)
         cost = placement_cost(
             fetch_us=fetch,

@@ -28,7 +28,9 @@ async def state(request):
     if request.param == "memory":
         yield MemoryState()
         return
-    s = RedisState(prefix=f"rev2-{uuid.uuid4().hex}:", cluster=request.param == "redis-cluster")
+    cluster = request.param == "redis-cluster"  # a real cluster: 3 masters, 3 replicas
+    url = request.getfixturevalue("redis_cluster").url if cluster else "redis://127.0.0.1:6379/0"
+    s = RedisState(url, prefix=f"rev2-{uuid.uuid4().hex}:", cluster=cluster)
     yield s
     await s.close()
 
