@@ -351,10 +351,11 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
             out.append(f"{ROLE_SECTIONS[role]}.policy: a policy file is required")
     if "holder" in roles or "instance" in roles:
         out += _check_storage(config.storage)
-    for section, role in (("index", "index"), ("controller", "pc")):
+    for section, role, states in (("index", "index", ("memory", "redis", "replicated")),
+                                  ("controller", "pc", ("memory", "redis"))):  # fmt: skip
         state = getattr(config, section).state
-        if role in roles and state not in ("memory", "redis"):
-            out.append(f"{section}.state: {state!r} is not 'memory' or 'redis'")
+        if role in roles and state not in states:
+            out.append(f"{section}.state: {state!r} is not one of {', '.join(states)}")
     if "instance" in roles:
         out += _check_instance(config.instance)
     out += _check_limits(config, roles)

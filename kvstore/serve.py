@@ -307,8 +307,13 @@ def build_index(
         from .index.redis_state import RedisState
 
         state = RedisState(cfg.redis_url, cfg.redis_prefix, cluster=cfg.redis_cluster)
+    elif cfg.state == "replicated":
+        from .index.replicated import ReplicatedState
+
+        state = ReplicatedState(cfg.redis_url, cfg.redis_prefix, cluster=cfg.redis_cluster,
+                                max_records=cfg.max_records, max_ttl_ms=cfg.max_ttl_ms)  # fmt: skip
     else:
-        raise ConfigError(f"index.state: {cfg.state!r} is not 'memory' or 'redis'")
+        raise ConfigError(f"index.state: {cfg.state!r} is not memory, redis or replicated")
     settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),
                                    allow_anonymous=config.server.insecure_http)  # fmt: skip
     return create_index(settings, state, Policy.load(cfg.policy), statuses), state

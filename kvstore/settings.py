@@ -109,7 +109,9 @@ class IndexSettings(_Role):
     uri: str = "https://127.0.0.1:8443/is/"
     _: KW_ONLY  # everything but the URI by name
     policy: str = ""
-    #: ``memory`` (one process) or ``redis`` (several IS processes share it).
+    #: ``memory`` (one process), ``redis`` (several IS processes share it in
+    #: Redis) or ``replicated`` (each keeps it in memory and follows the
+    #: others through a log in Redis: lookups at memory speed).
     state: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvsp-index:"

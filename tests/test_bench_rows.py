@@ -144,7 +144,7 @@ async def test_index_memory_state_rows_in_process() -> None:
     rows = await bench_index._bench_state("memory", MemoryState(), None, [1024], 2)
     _assert_rows_sound(rows)
     assert [r.name for r in rows] == [
-        "publish, memory state",
+        "publish, memory state, 16 at once",
         "lookup 1k keys x3, memory, p50",
         "lookup 1k keys x3, memory, p99",
         "lookup 1k keys x3, memory, throughput",

@@ -99,7 +99,7 @@ async def _call(
 
 
 async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list[int],
-                       rounds: int) -> list[Result]:  # fmt: skip
+                       rounds: int, publish: bool = True) -> list[Result]:  # fmt: skip
     from ..index import IndexSettings, create_app
     from ..security import Policy
 
@@ -109,11 +109,18 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
     app = create_app(settings, state, policy)
     keys = [hashlib.sha256(f"k{n}".encode()).hexdigest() for n in range(max(sizes))]
     records = [_record(k, h) for k in keys for h in HOLDERS]
-    start = time.perf_counter()
-    for record in records:
-        await state.put(record, 600_000)
-    publish_rate = len(records) / (time.perf_counter() - start)
-    results = [Result(f"publish, {name} state", "records/s", publish_rate)]
+    results = []
+    if publish:
+        start = time.perf_counter()
+        gate = asyncio.Semaphore(16)  # as holders publish: many at once
+
+        async def one(record: Any) -> None:
+            async with gate:
+                await state.put(record, 600_000)
+
+        await asyncio.gather(*(one(r) for r in records))
+        publish_rate = len(records) / (time.perf_counter() - start)
+        results.append(Result(f"publish, {name} state, 16 at once", "records/s", publish_rate))
     raw_client = None
     if redis_url:
         import redis.asyncio as aioredis
@@ -155,8 +162,62 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
         results += lookup_rows(label, size, latencies, baselines)
     if raw_client is not None:
         await raw_client.aclose()
-    await state.close()
+    if publish:
+        await state.close()
     return results
+
+
+#: Publish-to-visible lag to stay under, p99 (ms), issue 20.
+LAG_GOAL_MS = 100.0
+
+
+async def _bench_replicated(redis_url: str, sizes: list[int], rounds: int) -> list[Result]:
+    """Two IS processes' replicated states on one log: lookups at either
+    (the second one started after the records were published: it rebuilt
+    them from the log) and the lag from a publish at one to a lookup at the
+    other seeing it."""
+    from ..index.replicated import ReplicatedState
+
+    prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+    first, second = ReplicatedState(redis_url, prefix), None
+    try:
+        results = await _bench_state("replicated, the publishing IS", first, redis_url, sizes,
+                                     rounds, publish=True)  # fmt: skip
+        first = ReplicatedState(redis_url, prefix)  # (the one above is closed)
+        second = ReplicatedState(redis_url, prefix)
+        start = time.perf_counter()
+        rebuilt = await second.count()
+        took = time.perf_counter() - start
+        results.append(Result(f"replay of {rebuilt} records at start", "s", took))
+        results += await _bench_state("replicated, another IS", second, redis_url, sizes, rounds,
+                                      publish=False)  # fmt: skip
+        await first.count()
+        lags = []
+        for n in range(200 if rounds > 5 else 50):
+            record = _record(hashlib.sha256(f"lag{n}".encode()).hexdigest(), HOLDERS[0])
+            t = time.perf_counter()
+            await first.put(record, 600_000)
+            while (await second.lookup(SCOPE, COMPAT, [record.block_key],
+                                       records=False)).matched == 0:  # fmt: skip
+                await asyncio.sleep(0.0005)
+            lags.append((time.perf_counter() - t) * 1000)
+        lags.sort()
+        results.append(Result("publish at one IS to visible at the other, p50", "ms",
+                              lags[len(lags) // 2]))  # fmt: skip
+        results.append(Result("publish at one IS to visible at the other, p99", "ms",
+                              lags[min(len(lags) - 1, int(len(lags) * 0.99))],
+                              goal=LAG_GOAL_MS))  # fmt: skip
+        return results
+    finally:
+        await first.close()
+        if second is not None:
+            await second.close()
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(redis_url)
+        async for k in client.scan_iter(match=prefix + "*", count=1000):
+            await client.delete(k)
+        await client.aclose()
 
 
 async def _run(quick: bool, redis_url: str | None) -> list[Result]:
@@ -179,6 +240,7 @@ async def _run(quick: bool, redis_url: str | None) -> list[Result]:
             async for k in client.scan_iter(match=prefix + "*", count=1000):
                 await client.delete(k)
             await client.aclose()
+        results += await _bench_replicated(redis_url, [s for s in sizes if s <= 8192], rounds)
     return results
 
 

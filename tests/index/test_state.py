@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore.index.redis_state import RedisState
+from kvstore.index.replicated import ReplicatedState
 from kvstore.index.state import Hits, IndexFull, IndexState, MemoryState
 from kvstore.protocol.placement import ReplicaShape, decode_shapes
 from kvstore.protocol.records import ReplicaRecord, Residency
@@ -41,14 +42,20 @@ def parsed(found: Hits) -> list[list[ReplicaRecord]]:
     return [[ReplicaRecord.from_json(r) for r in group] for group in groups]
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "replicated"])
 async def state(request: pytest.FixtureRequest) -> AsyncIterator[IndexState]:
     if request.param == "memory":
         yield MemoryState()
         return
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    if request.param == "replicated":  # memory, followed through a log in Redis
+        replicated = ReplicatedState(request.getfixturevalue("redis_server").url, prefix)
+        yield replicated
+        await replicated.close()
+        return
     cluster = request.param == "redis-cluster"  # a real one: 3 masters, 3 replicas
     server: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
-    s = RedisState(url=server.url, prefix=f"t{uuid.uuid4().hex[:8]}:", cluster=cluster)
+    s = RedisState(url=server.url, prefix=prefix, cluster=cluster)
     yield s
     await s.close()
 

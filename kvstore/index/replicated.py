@@ -1,0 +1,252 @@
+"""Index state shared by several IS processes, answered from memory
+(``[index] state = "replicated"``, issue 20).
+
+Each IS process keeps the whole index in a :class:`MemoryState` and answers
+lookups from it, at memory speed. Every publish and withdrawal is appended
+to a log in Redis, Redis Streams partitioned by block key
+(``<prefix>{log<p>}``, one hash tag per partition, so a Redis Cluster
+spreads them over its masters). Every process follows every partition and
+applies what it reads, its own writes included: a write returns once its
+process has read it back from the log, so the log order is the one order
+every process applies a key's changes in, and all processes agree once
+they have read the same entries (a write applied at once where it was taken
+could be overtaken there by a later one from another process).
+
+- **On start** a process replays each partition from its oldest entry,
+  skipping records already expired (each entry carries its wall-clock
+  expiry), and only then answers. Entries older than the longest TTL are
+  trimmed (``MINID``), so the log holds at most about one TTL of writes.
+- **Consistency.** The index is advisory (P4). A publish is visible at the
+  process that took it when it is acknowledged, and at the others after the log lag
+  (measured by ``kvstore bench index``). Until then they may answer
+  without it: a miss, which the holders' refresh every ``replica_ttl_ms / 3``
+  also repairs. A Redis failover can lose the last entries it
+  acknowledged; those records come back at their next refresh.
+- **Redis down.** Lookups go on from memory. Publishes and withdrawals
+  fail (503), as with the ``redis`` state, so the holders retry them, and
+  nothing is applied that the others will not see. Followers retry.
+
+Records expire by the process's clock, from the remaining TTL each entry
+carries: keep the IS hosts' clocks in sync (NTP), as Redis's own expiry
+already assumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..protocol.problems import TierUnavailable
+from ..protocol.records import ReplicaRecord
+from ..redis_client import ERRORS, connect
+from .state import Hits, MemoryState, record_octets
+
+log = logging.getLogger("kvstore.index")
+
+#: Log partitions: streams a block key is spread over (by its first octets).
+PARTITIONS = 8
+#: Entries read from a partition at a time, and how long a read waits (ms).
+READ_COUNT = 1000
+READ_BLOCK_MS = 100
+#: Longest a write waits to be read back before it is applied here anyway.
+APPLY_WAIT_S = 2.0
+
+
+def partition_of(block_key: str) -> int:
+    return int(block_key[:8], 16) % PARTITIONS
+
+
+class ReplicatedState:
+    """The IndexState contract in memory, replicated through Redis Streams."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "kvsp-index:",
+        *,
+        cluster: bool = False,
+        timeout_s: float = 5.0,
+        max_records: int = 1_000_000,
+        max_ttl_ms: int = 600_000,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url
+        self.memory = MemoryState(max_records=max_records)
+        self.max_ttl_ms = max_ttl_ms
+        self.wall_clock = wall_clock
+        self._streams = [f"{prefix}{{log{p}}}" for p in range(PARTITIONS)]
+        self._client: Any = connect(url, cluster=cluster, timeout_s=timeout_s)
+        # Blocking reads on a client of their own: they hold connections.
+        self._reader: Any = connect(url, cluster=cluster, timeout_s=timeout_s + 1)
+        self._last = ["0-0"] * PARTITIONS
+        self._followers: list[asyncio.Task[None]] = []
+        self._started: asyncio.Future[None] | None = None
+        self._closing = False
+        #: Writes of this process waiting to be read back, by partition.
+        self._waiting: list[list[tuple[tuple[int, int], asyncio.Future[None]]]] = [
+            [] for _ in range(PARTITIONS)
+        ]
+        #: Entries applied, by partition (tests, metrics).
+        self.applied = [0] * PARTITIONS
+
+    # --- the IndexState contract -----------------------------------------
+
+    async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
+        await self._start()
+        raw, _ = record_octets(record)
+        expires = int(self.wall_clock() * 1000) + ttl_ms
+        fields = {"op": "put", "r": raw, "x": expires}
+        if not await self._append(record.block_key, fields):
+            await self.memory.put(record, ttl_ms)  # the follower is stuck: at least here
+
+    async def delete(self, holder_id: str, block_key: str) -> bool:
+        await self._start()
+        existed = await self.memory.scope_of(holder_id, block_key) is not None
+        if not await self._append(block_key, {"op": "del", "h": holder_id, "k": block_key}):
+            await self.memory.delete(holder_id, block_key)
+        return existed
+
+    async def scope_of(self, holder_id: str, block_key: str) -> str | None:
+        await self._start()
+        return await self.memory.scope_of(holder_id, block_key)
+
+    async def lookup(
+        self,
+        scope_id: str,
+        compat_id: str,
+        block_keys: Sequence[str],
+        shapes: bool = False,
+        records: bool = True,
+    ) -> Hits:
+        await self._start()
+        return await self.memory.lookup(scope_id, compat_id, block_keys, shapes, records)
+
+    async def count(self) -> int:
+        await self._start()
+        return await self.memory.count()
+
+    async def close(self) -> None:
+        followers, self._followers = self._followers, []
+        # Each follower ends after its current read (at most READ_BLOCK_MS):
+        # cancelling a blocked read of redis-py's waits for its socket timeout.
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        ours = [t for t in followers if t.get_loop() is loop]
+        if ours:
+            _, late = await asyncio.wait(ours, timeout=2.0)
+            for task in late:
+                task.cancel()
+        for client in (self._client, self._reader):
+            with contextlib.suppress(*ERRORS, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await client.aclose()
+
+    # --- the log -----------------------------------------------------------
+
+    async def _append(self, block_key: str, fields: dict[str, Any]) -> bool:
+        """Append to the key's partition and wait until this process has
+        applied the entry (read back in log order); False when that took
+        longer than :data:`APPLY_WAIT_S`."""
+        p = partition_of(block_key)
+        # What no record can need any more: older than the longest TTL.
+        oldest = max(0, int(self.wall_clock() * 1000) - self.max_ttl_ms)
+        try:
+            raw_id = await self._client.xadd(
+                self._streams[p], fields, minid=f"{oldest}-0", approximate=True
+            )
+        except ERRORS as exc:
+            raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
+        entry = _id(raw_id)
+        if _id(self._last[p]) >= entry:
+            return True  # the follower read it already
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting[p].append((entry, waiter))
+        try:
+            async with asyncio.timeout(APPLY_WAIT_S):
+                await waiter
+            return True
+        except TimeoutError:
+            log.warning("index log: entry %s not read back within %.0f s", raw_id, APPLY_WAIT_S)
+            return False
+
+    async def _start(self) -> None:
+        """Replay the log once (the first call waits for it), then follow it."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._replay())
+        await asyncio.shield(self._started)
+
+    async def _replay(self) -> None:
+        try:
+            for p, stream in enumerate(self._streams):
+                while True:
+                    entries = await self._client.xrange(
+                        stream, min=_after(self._last[p]), count=READ_COUNT
+                    )
+                    if not entries:
+                        break
+                    await self._apply(p, entries)
+        except ERRORS as exc:
+            self._started = None  # the next call tries again
+            raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
+        self._followers = [
+            asyncio.create_task(self._follow(p), name=f"kvstore-index-log-{p}")
+            for p in range(PARTITIONS)
+        ]
+        log.info("index: %d records replayed from the log", await self.memory.count())
+
+    async def _follow(self, p: int) -> None:
+        stream = self._streams[p]
+        while not self._closing:
+            try:
+                answer = await self._reader.xread(
+                    {stream: self._last[p]}, count=READ_COUNT, block=READ_BLOCK_MS
+                )
+            except ERRORS as exc:
+                log.warning("index log %s: %s; retrying", stream, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in answer or ():
+                await self._apply(p, entries)
+            if self._waiting[p]:
+                done = _id(self._last[p])
+                for _, waiter in [w for w in self._waiting[p] if w[0] <= done]:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._waiting[p] = [w for w in self._waiting[p] if w[0] > done]
+
+    async def _apply(self, p: int, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
+        now_ms = int(self.wall_clock() * 1000)
+        for entry_id, fields in entries:
+            self._last[p] = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            self.applied[p] += 1
+            try:
+                op = fields.get(b"op")
+                if op == b"put":
+                    remaining = int(fields[b"x"]) - now_ms
+                    if remaining > 0:
+                        record = ReplicaRecord.from_json(json.loads(fields[b"r"]))
+                        await self.memory.put(record, remaining)
+                elif op == b"del":
+                    await self.memory.delete(fields[b"h"].decode(), fields[b"k"].decode())
+            except Exception as exc:
+                log.warning("index log: entry %s skipped: %s", self._last[p], exc)
+
+
+def _id(entry_id: Any) -> tuple[int, int]:
+    """A stream entry ID (``"<ms>-<seq>"``) as a comparable pair."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _after(entry_id: str) -> str:
+    """The XRANGE start just after ``entry_id`` (exclusive, Redis 6.2)."""
+    return "-" if entry_id == "0-0" else "(" + entry_id
+
+
+__all__ = ["PARTITIONS", "ReplicatedState", "partition_of"]

@@ -1,0 +1,125 @@
+"""The replicated index state (issue 20): every IS process answers from its
+own memory and follows the others through a log in Redis Streams. A publish
+at one is visible at another within a bounded lag; a process started later
+rebuilds what is still within its TTL; concurrent writers converge; with
+Redis gone, lookups go on from memory and writes fail (503)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from kvstore.index.replicated import ReplicatedState
+from kvstore.protocol.problems import TierUnavailable
+from kvstore.protocol.wire import role_id
+
+from .test_state import COMPAT, H1, H2, SCOPE, key, parsed, record
+
+Factory = Callable[[], ReplicatedState]
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def states(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """IS processes' states on one log (a fresh prefix per test)."""
+    server: Any = request.getfixturevalue(
+        "redis_cluster" if request.param == "redis-cluster" else "redis_server"
+    )
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    made: list[ReplicatedState] = []
+
+    def make() -> ReplicatedState:
+        made.append(ReplicatedState(server.url, prefix,
+                                    cluster=request.param == "redis-cluster"))  # fmt: skip
+        return made[-1]
+
+    yield make
+    for state in made:
+        await state.close()
+
+
+async def eventually(check: Callable[[], Any], within: float = 3.0) -> float:
+    """Seconds until ``check()`` (awaited) is true; fails after ``within``."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        if await check():
+            return time.monotonic() - start
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {within} s")
+
+
+async def test_a_publish_at_one_is_visible_at_the_other(states: Factory) -> None:
+    a, b = states(), states()
+    await b.count()  # b is up (replayed, following) before a publishes
+    await a.put(record(0), 60_000)
+    assert (await a.lookup(SCOPE, COMPAT, [key(0)])).matched == 1  # at once where taken
+
+    async def at_b() -> bool:
+        return (await b.lookup(SCOPE, COMPAT, [key(0)])).matched == 1
+
+    lag = await eventually(at_b)
+    assert lag < 1.0, lag
+    assert parsed(await b.lookup(SCOPE, COMPAT, [key(0)]))[0][0] == record(0)
+    # A withdrawal at b reaches a the same way.
+    assert await b.delete(role_id(H1), key(0))
+
+    async def gone_at_a() -> bool:
+        return (await a.lookup(SCOPE, COMPAT, [key(0)])).matched == 0
+
+    await eventually(gone_at_a)
+    assert not await b.delete(role_id(H1), key(0))  # nothing left to withdraw
+
+
+async def test_a_process_started_later_rebuilds_what_is_unexpired(states: Factory) -> None:
+    a = states()
+    for n in range(50):
+        await a.put(record(n), 60_000)
+    await a.put(record(50), 150)  # expires before the new process starts
+    await a.delete(role_id(H1), key(7))
+    await asyncio.sleep(0.3)
+    c = states()
+    assert await c.count() == 49
+    found = await c.lookup(SCOPE, COMPAT, [key(n) for n in range(7)])
+    assert found.matched == 7
+    assert (await c.lookup(SCOPE, COMPAT, [key(7)])).matched == 0
+    assert (await c.lookup(SCOPE, COMPAT, [key(50)])).matched == 0
+    assert await c.scope_of(role_id(H1), key(3)) == SCOPE
+
+
+async def test_concurrent_writers_converge(states: Factory) -> None:
+    # Each applies the log in its order, its own writes included: whatever
+    # each wrote first, both end with the record the log has last.
+    a, b = states(), states()
+    await asyncio.gather(a.count(), b.count())
+    for _ in range(5):
+        await asyncio.gather(a.put(record(0, ttl_ms=1000), 1000),
+                             b.put(record(0, ttl_ms=2000), 2000))  # fmt: skip
+    await a.put(record(0, holder=H2), 60_000)
+
+    async def same() -> bool:
+        left = parsed(await a.lookup(SCOPE, COMPAT, [key(0)]))
+        right = parsed(await b.lookup(SCOPE, COMPAT, [key(0)]))
+        return bool(left) and left == right and len(left[0]) == 2
+
+    await eventually(same)
+
+
+async def test_with_redis_gone_lookups_go_on_and_writes_fail(own_redis: Any) -> None:
+    a = ReplicatedState(own_redis.url, "gone:", timeout_s=0.5)
+    try:
+        await a.put(record(0), 60_000)
+        own_redis.kill()
+        assert (await a.lookup(SCOPE, COMPAT, [key(0)])).matched == 1  # from memory
+        with pytest.raises(TierUnavailable):
+            await a.put(record(1), 60_000)
+        # Nothing was applied that the others could not see.
+        assert (await a.lookup(SCOPE, COMPAT, [key(1)])).matched == 0
+        with pytest.raises(TierUnavailable):
+            await a.delete(role_id(H1), key(0))
+        assert (await a.lookup(SCOPE, COMPAT, [key(0)])).matched == 1
+    finally:
+        await a.close()
