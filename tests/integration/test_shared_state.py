@@ -4,6 +4,7 @@ Redis, all over mutual TLS: the IS estimates from the status the PC recorded
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
@@ -128,3 +129,60 @@ descriptors = ["descriptor.json"]
     finally:
         for process in (first, second, index):
             process.stop()
+
+
+async def test_two_replicated_is_processes_answer_from_memory(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    # [index] state = "replicated": a record published at one IS process is
+    # answered by the other; a killed IS process started again rebuilds the
+    # index from the log before it answers.
+    create_dev_certificates(tmp_path / "certs", ["holder1", "alice"])
+    ports = {"is1": free_port(), "is2": free_port()}
+    uris = {name: f"https://127.0.0.1:{port}/is/" for name, port in ports.items()}
+    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
+        "urn:kvstore:holder1": {"roles": ["holder"], "holder": HOLDER, "write_scopes": ["*"]},
+        "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+    }}))  # fmt: skip
+    prefix = f"it{uuid.uuid4().hex[:8]}-rep:"
+
+    def index(name: str) -> Process:
+        return Process(tmp_path, name, SERVER.format(port=ports[name]) + f"""
+[index]
+uri = "{uris[name]}"
+policy = "policy.json"
+state = "replicated"
+redis_url = "{redis_server.url}"
+redis_prefix = "{prefix}"
+""", "index")  # fmt: skip
+
+    def context(name: str) -> Any:
+        certs = tmp_path / "certs"
+        return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
+                              str(certs / f"client-{name}.key"))  # fmt: skip
+
+    first, second = index("is1"), index("is2")
+    first.start(ports["is1"])
+    second.start(ports["is2"])
+    query = LookupRequest(SCOPE, COMPAT_ID, (K0, K1))
+    try:
+        async with IndexClient(uris["is1"], context("holder1")) as publisher:
+            for key in (K0, K1):
+                await publisher.publish(ReplicaRecord(
+                    block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
+                    codec=1, size=1 << 20, digest="sha-256:" + "0" * 64,
+                    residency=(Residency("host", 0, 31),), ttl_ms=60_000,
+                ))  # fmt: skip
+        async with IndexClient(uris["is2"], context("alice")) as alice:
+            for _ in range(100):  # the log's lag: milliseconds
+                if (await alice.lookup(query)).matched == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await alice.lookup(query)).matched == 2
+        second.stop(signal.SIGKILL)
+        second.start(ports["is2"])
+        async with IndexClient(uris["is2"], context("alice")) as alice:
+            assert (await alice.lookup(query)).matched == 2  # rebuilt from the log
+    finally:
+        first.stop()
+        second.stop()
