@@ -55,6 +55,8 @@ READ_COUNT = 1000
 READ_BLOCK_MS = 100
 #: Longest a write waits to be read back before it is applied here anyway.
 APPLY_WAIT_S = 2.0
+#: How often an idle follower checks that the log was not reset under it (s).
+RESET_CHECK_S = 1.0
 
 
 def partition_of(block_key: str) -> int:
@@ -131,6 +133,10 @@ class ReplicatedState:
         return await self.memory.count()
 
     async def close(self) -> None:
+        for waiting in self._waiting:
+            for _, waiter in waiting:
+                if not waiter.done():
+                    waiter.cancel()
         followers, self._followers = self._followers, []
         # Each follower ends after its current read (at most READ_BLOCK_MS):
         # cancelling a blocked read of redis-py's waits for its socket timeout.
@@ -162,17 +168,29 @@ class ReplicatedState:
         except ERRORS as exc:
             raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
         entry = _id(raw_id)
-        if _id(self._last[p]) >= entry:
-            return True  # the follower read it already
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiting[p].append((entry, waiter))
+        if self.applied_up_to(p) >= entry:
+            # Not read: an ID behind what this process read means the log
+            # was reset (Redis restarted empty, or failed over to a host
+            # whose clock is behind). Read the partition from its start.
+            log.warning("index log %s: entry %s is behind %s: the log was reset; "
+                        "reading it again", self._streams[p], raw_id, self._last[p])  # fmt: skip
+            self._last[p] = "0-0"
+        waiting = (entry, asyncio.get_running_loop().create_future())
+        self._waiting[p].append(waiting)
         try:
             async with asyncio.timeout(APPLY_WAIT_S):
-                await waiter
+                await waiting[1]
             return True
         except TimeoutError:
             log.warning("index log: entry %s not read back within %.0f s", raw_id, APPLY_WAIT_S)
             return False
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting[p].remove(waiting)
+
+    def applied_up_to(self, p: int) -> tuple[int, int]:
+        """The ID of the last entry of partition ``p`` this process applied."""
+        return _id(self._last[p])
 
     async def _start(self) -> None:
         """Replay the log once (the first call waits for it), then follow it."""
@@ -193,6 +211,9 @@ class ReplicatedState:
         except ERRORS as exc:
             self._started = None  # the next call tries again
             raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
+        except BaseException:
+            self._started = None
+            raise
         self._followers = [
             asyncio.create_task(self._follow(p), name=f"kvstore-index-log-{p}")
             for p in range(PARTITIONS)
@@ -201,23 +222,37 @@ class ReplicatedState:
 
     async def _follow(self, p: int) -> None:
         stream = self._streams[p]
+        checked = time.monotonic()
         while not self._closing:
             try:
                 answer = await self._reader.xread(
                     {stream: self._last[p]}, count=READ_COUNT, block=READ_BLOCK_MS
                 )
-            except ERRORS as exc:
+                for _, entries in answer or ():
+                    await self._apply(p, entries)
+                if not answer and time.monotonic() - checked > RESET_CHECK_S:
+                    checked = time.monotonic()
+                    await self._check_reset(p)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
                 log.warning("index log %s: %s; retrying", stream, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _, entries in answer or ():
-                await self._apply(p, entries)
             if self._waiting[p]:
                 done = _id(self._last[p])
                 for _, waiter in [w for w in self._waiting[p] if w[0] <= done]:
                     if not waiter.done():
                         waiter.set_result(None)
                 self._waiting[p] = [w for w in self._waiting[p] if w[0] > done]
+
+    async def _check_reset(self, p: int) -> None:
+        """Idle: a newest entry behind what was read means the log was reset
+        under this process (its later entries would all be skipped)."""
+        newest = await self._reader.xrevrange(self._streams[p], count=1)
+        if newest and _id(newest[0][0]) < self.applied_up_to(p):
+            log.warning("index log %s was reset; reading it again", self._streams[p])
+            self._last[p] = "0-0"
 
     async def _apply(self, p: int, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
         now_ms = int(self.wall_clock() * 1000)
