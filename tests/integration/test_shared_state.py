@@ -37,6 +37,13 @@ def status(epoch: int) -> InstanceStatus:
     )  # fmt: skip
 
 
+def context(root: Path, name: str) -> Any:
+    """A client context with ``name``'s development certificate under ``root``."""
+    certs = root / "certs"
+    return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
+                          str(certs / f"client-{name}.key"))  # fmt: skip
+
+
 async def test_pc_and_is_share_redis(tmp_path: Path, redis_server: Any) -> None:
     create_dev_certificates(tmp_path / "certs", ["holder1", "ii1", "alice"])
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR))
@@ -71,16 +78,11 @@ redis_prefix = "{prefix}-is:"
 descriptors = ["descriptor.json"]
 [controller]""" + shared, "index")  # fmt: skip
 
-    def context(name: str) -> Any:
-        certs = tmp_path / "certs"
-        return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                              str(certs / f"client-{name}.key"))  # fmt: skip
-
     first, second = pc("pc"), pc("pc2")
     first.start(ports["pc"])
     index.start(ports["index"])
     try:
-        connector = aiohttp.TCPConnector(ssl=context("ii1"))
+        connector = aiohttp.TCPConnector(ssl=context(tmp_path, "ii1"))
         async with aiohttp.ClientSession(connector=connector) as ii1:
 
             async def report(base: str, epoch: int) -> int:
@@ -99,7 +101,7 @@ descriptors = ["descriptor.json"]
             async with ii1.put(url, json=checkpoint.to_json()) as response:
                 assert response.status == 200, await response.text()
 
-            async with IndexClient(uris["index"], context("holder1")) as publisher:
+            async with IndexClient(uris["index"], context(tmp_path, "holder1")) as publisher:
                 for key in (K0, K1):
                     await publisher.publish(ReplicaRecord(
                         block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
@@ -107,7 +109,7 @@ descriptors = ["descriptor.json"]
                         residency=(Residency("host", 0, 31),), ttl_ms=60_000,
                     ))  # fmt: skip
             query = LookupRequest(SCOPE, COMPAT_ID, (K0, K1), targets=(INSTANCE,))
-            async with IndexClient(uris["index"], context("alice")) as alice:
+            async with IndexClient(uris["index"], context(tmp_path, "alice")) as alice:
                 answer = await alice.lookup(query)
                 assert answer.matched == 2
                 [estimate] = answer.targets  # from the status the PC process stored
@@ -156,24 +158,19 @@ redis_url = "{redis_server.url}"
 redis_prefix = "{prefix}"
 """, "index")  # fmt: skip
 
-    def context(name: str) -> Any:
-        certs = tmp_path / "certs"
-        return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                              str(certs / f"client-{name}.key"))  # fmt: skip
-
     first, second = index("is1"), index("is2")
     first.start(ports["is1"])
     second.start(ports["is2"])
     query = LookupRequest(SCOPE, COMPAT_ID, (K0, K1))
     try:
-        async with IndexClient(uris["is1"], context("holder1")) as publisher:
+        async with IndexClient(uris["is1"], context(tmp_path, "holder1")) as publisher:
             for key in (K0, K1):
                 await publisher.publish(ReplicaRecord(
                     block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
                     codec=1, size=1 << 20, digest="sha-256:" + "0" * 64,
                     residency=(Residency("host", 0, 31),), ttl_ms=60_000,
                 ))  # fmt: skip
-        async with IndexClient(uris["is2"], context("alice")) as alice:
+        async with IndexClient(uris["is2"], context(tmp_path, "alice")) as alice:
             for _ in range(100):  # the log's lag: milliseconds
                 if (await alice.lookup(query)).matched == 2:
                     break
@@ -181,7 +178,7 @@ redis_prefix = "{prefix}"
             assert (await alice.lookup(query)).matched == 2
         second.stop(signal.SIGKILL)
         second.start(ports["is2"])
-        async with IndexClient(uris["is2"], context("alice")) as alice:
+        async with IndexClient(uris["is2"], context(tmp_path, "alice")) as alice:
             assert (await alice.lookup(query)).matched == 2  # rebuilt from the log
     finally:
         first.stop()
