@@ -44,6 +44,17 @@ def context(root: Path, name: str) -> Any:
                           str(certs / f"client-{name}.key"))  # fmt: skip
 
 
+async def publish_k0_k1(index_uri: str, root: Path) -> None:
+    """holder1 publishes its records of K0 and K1 at the IS."""
+    async with IndexClient(index_uri, context(root, "holder1")) as publisher:
+        for key in (K0, K1):
+            await publisher.publish(ReplicaRecord(
+                block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
+                codec=1, size=1 << 20, digest="sha-256:" + "0" * 64,
+                residency=(Residency("host", 0, 31),), ttl_ms=60_000,
+            ))  # fmt: skip
+
+
 async def test_pc_and_is_share_redis(tmp_path: Path, redis_server: Any) -> None:
     create_dev_certificates(tmp_path / "certs", ["holder1", "ii1", "alice"])
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR))
@@ -101,13 +112,7 @@ descriptors = ["descriptor.json"]
             async with ii1.put(url, json=checkpoint.to_json()) as response:
                 assert response.status == 200, await response.text()
 
-            async with IndexClient(uris["index"], context(tmp_path, "holder1")) as publisher:
-                for key in (K0, K1):
-                    await publisher.publish(ReplicaRecord(
-                        block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
-                        codec=1, size=1 << 20, digest="sha-256:" + "0" * 64,
-                        residency=(Residency("host", 0, 31),), ttl_ms=60_000,
-                    ))  # fmt: skip
+            await publish_k0_k1(uris["index"], tmp_path)
             query = LookupRequest(SCOPE, COMPAT_ID, (K0, K1), targets=(INSTANCE,))
             async with IndexClient(uris["index"], context(tmp_path, "alice")) as alice:
                 answer = await alice.lookup(query)
@@ -163,13 +168,7 @@ redis_prefix = "{prefix}"
     second.start(ports["is2"])
     query = LookupRequest(SCOPE, COMPAT_ID, (K0, K1))
     try:
-        async with IndexClient(uris["is1"], context(tmp_path, "holder1")) as publisher:
-            for key in (K0, K1):
-                await publisher.publish(ReplicaRecord(
-                    block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
-                    codec=1, size=1 << 20, digest="sha-256:" + "0" * 64,
-                    residency=(Residency("host", 0, 31),), ttl_ms=60_000,
-                ))  # fmt: skip
+        await publish_k0_k1(uris["is1"], tmp_path)
         async with IndexClient(uris["is2"], context(tmp_path, "alice")) as alice:
             for _ in range(100):  # the log's lag: milliseconds
                 if (await alice.lookup(query)).matched == 2:
