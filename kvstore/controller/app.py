@@ -18,7 +18,6 @@ import binascii
 import dataclasses
 import json
 import logging
-import re
 import shlex
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
@@ -32,6 +31,7 @@ from starlette.routing import Route
 from ..http import empty_response, json_response, principal, read_body, read_json, role_app
 from ..lifespan import Listening, Step, running
 from ..metrics import Metrics
+from ..native import hex_keys
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
 from ..protocol.problems import (
@@ -274,9 +274,6 @@ class Controller:
         return json_response({"instances": await self.state.overview()})
 
 
-_KEY_HEX = re.compile(".{64}", re.S)
-
-
 def place_query(body: Any, max_keys: int, packed: bytes | None = None) -> LookupRequest:
     """The lookup a ``POST place`` body asks for. The block keys are either
     ``block_keys`` (hex, as a KVSP lookup has them) or, compactly (ours),
@@ -305,7 +302,7 @@ def place_query(body: Any, max_keys: int, packed: bytes | None = None) -> Lookup
         raise BadRequest(f"{where}: a whole number of 32-octet keys, at least one")
     if len(raw) // 32 > max_keys:
         raise BadRequest(f"{where}: {len(raw) // 32} keys, more than {max_keys}")
-    keys = tuple(_KEY_HEX.findall(raw.hex()))
+    keys = tuple(hex_keys(raw))
     rest = LookupRequest.from_json({**{k: v for k, v in body.items() if k != "block_keys_b64"},
                                     "block_keys": [keys[0]]}, max_keys=max_keys)  # fmt: skip
     return dataclasses.replace(rest, block_keys=keys)

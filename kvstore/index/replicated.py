@@ -34,6 +34,7 @@ already assumes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -52,6 +53,8 @@ log = logging.getLogger("kvstore.index")
 PARTITIONS = 8
 #: Entries read from a partition at a time, and how long a read waits (ms).
 READ_COUNT = 1000
+#: Applied entry IDs kept per partition (see ``ReplicatedState._recent``).
+RECENT_KEPT = 4 * READ_COUNT
 READ_BLOCK_MS = 100
 #: Longest a write waits to be read back before it is applied here anyway.
 APPLY_WAIT_S = 2.0
@@ -95,6 +98,12 @@ class ReplicatedState:
         ]
         #: Entries applied, by partition (tests, metrics).
         self.applied = [0] * PARTITIONS
+        #: The IDs last applied per partition: a write whose entry the
+        #: follower applied (with later ones) before the write's own XADD
+        #: returned is found here, not taken for a log reset.
+        self._recent: list[collections.deque[tuple[int, int]]] = [
+            collections.deque(maxlen=RECENT_KEPT) for _ in range(PARTITIONS)
+        ]
 
     # --- the IndexState contract -----------------------------------------
 
@@ -168,6 +177,8 @@ class ReplicatedState:
         except ERRORS as exc:
             raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
         entry = _id(raw_id)
+        if entry in self._recent[p]:
+            return True  # applied already, while XADD's answer was on its way
         if self.applied_up_to(p) >= entry:
             # Not read: an ID behind what this process read means the log
             # was reset (Redis restarted empty, or failed over to a host
@@ -258,6 +269,7 @@ class ReplicatedState:
         now_ms = int(self.wall_clock() * 1000)
         for entry_id, fields in entries:
             self._last[p] = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            self._recent[p].append(_id(self._last[p]))
             self.applied[p] += 1
             try:
                 op = fields.get(b"op")

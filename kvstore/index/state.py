@@ -16,14 +16,13 @@ make it slow. Beside each record a state keeps its :class:`ReplicaShape`
 
 from __future__ import annotations
 
-import itertools
 import json
-import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
+from ..native import walk
 from ..protocol.placement import ReplicaShape
 from ..protocol.problems import InsufficientStorage
 from ..protocol.records import ReplicaRecord
@@ -102,9 +101,6 @@ _Replica = tuple[str, bytes, bytes, float]
 #: A key's live replicas of one kind joined for answers:
 #: (kind, "[r1,r2,...]", "[s1,s2,...]", the first expiry among them)
 _Group = tuple[str, bytes, bytes, float]
-
-
-_KIND, _RECORDS, _SHAPES, _EXPIRY = (operator.itemgetter(i) for i in range(4))
 
 
 #: Distinct joined shape lists kept, so that equal ones are one object: keys
@@ -218,39 +214,28 @@ class MemoryState:
         chunks: list[bytes | memoryview] = []
         found_shapes: list[bytes] = []
         groups, kind = self._groups, scope_id + compat_id
-        cached = groups.get
-        matched = 0
-        # Fast path, in C: the leading keys whose joined groups are cached,
-        # of this kind and unexpired (a hot prompt's, between two publishes).
-        got = list(map(cached, block_keys))
-        try:
-            end = got.index(None)
-        except ValueError:
-            end = len(got)
-        head = cast(list[_Group], got if end == len(got) else got[:end])
-        if head and all(map(kind.__eq__, map(_KIND, head))) and min(map(_EXPIRY, head)) > now:
-            matched = end
-            if records:
-                chunks = list(map(_RECORDS, head))
-            if shapes:
-                found_shapes = list(map(_SHAPES, head))
-            if end == len(got):
-                return Hits(matched, chunks, found_shapes if shapes else None)
-        add_records, add_shapes = chunks.append, found_shapes.append
-        for block_key in itertools.islice(block_keys, matched, None):  # the rest, key by key
-            group = cached(block_key)
-            if group is None or group[3] <= now or group[0] != kind:
-                # Expired records are skipped here and dropped by writes.
-                replicas = self._replicas.get(block_key)
-                group = None if replicas is None else _group(replicas, kind, now, self._interned)
-                if group is None:
-                    break  # L1: the chain is broken here
-                groups[block_key] = group
+        if not isinstance(block_keys, (list, tuple)):
+            block_keys = tuple(block_keys)
+        into_records = chunks if records else None
+        into_shapes = found_shapes if shapes else None
+        # The keys whose joined groups are cached, of this kind and unexpired
+        # (a hot prompt's, between two publishes), in one loop in C (walk);
+        # key by key here only where a group must be joined again.
+        matched = walk(groups, block_keys, 0, kind, now, into_records, into_shapes)
+        while matched < len(block_keys):
+            block_key = block_keys[matched]
+            # Expired records are skipped here and dropped by writes.
+            replicas = self._replicas.get(block_key)
+            group = None if replicas is None else _group(replicas, kind, now, self._interned)
+            if group is None:
+                break  # L1: the chain is broken here
+            groups[block_key] = group
             matched += 1
             if records:
-                add_records(group[1])
+                chunks.append(group[1])
             if shapes:
-                add_shapes(group[2])
+                found_shapes.append(group[2])
+            matched = walk(groups, block_keys, matched, kind, now, into_records, into_shapes)
         return Hits(matched, chunks, found_shapes if shapes else None)
 
     async def count(self) -> int:

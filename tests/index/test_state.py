@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
+from kvstore.index import state as state_module
 from kvstore.index.redis_state import RedisState
 from kvstore.index.replicated import ReplicatedState
 from kvstore.index.state import Hits, IndexFull, IndexState, MemoryState
+from kvstore.native import py_walk
 from kvstore.protocol.placement import ReplicaShape, decode_shapes
 from kvstore.protocol.records import ReplicaRecord, Residency
 from kvstore.protocol.wire import role_id
@@ -42,9 +44,11 @@ def parsed(found: Hits) -> list[list[ReplicaRecord]]:
     return [[ReplicaRecord.from_json(r) for r in group] for group in groups]
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster", "replicated"])
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-cluster", "replicated"])
 async def state(request: pytest.FixtureRequest) -> AsyncIterator[IndexState]:
-    if request.param == "memory":
+    if request.param.startswith("memory"):
+        if request.param == "memory-python":  # the loops of kvstore.native in Python
+            request.getfixturevalue("monkeypatch").setattr(state_module, "walk", py_walk)
         yield MemoryState()
         return
     prefix = f"t{uuid.uuid4().hex[:8]}:"
