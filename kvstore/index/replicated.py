@@ -177,12 +177,14 @@ class ReplicatedState:
         except ERRORS as exc:
             raise TierUnavailable(f"index Redis at {self.url}: {exc}") from exc
         entry = _id(raw_id)
-        if entry in self._recent[p]:
-            return True  # applied already, while XADD's answer was on its way
         if self.applied_up_to(p) >= entry:
-            # Not read: an ID behind what this process read means the log
-            # was reset (Redis restarted empty, or failed over to a host
-            # whose clock is behind). Read the partition from its start.
+            # Behind what this process read (rare: the scan of the recent
+            # IDs happens only then). Applied already, while XADD's answer
+            # was on its way; or, not among them, the log was reset (Redis
+            # restarted empty, or failed over to a host whose clock is
+            # behind): read the partition from its start.
+            if entry in self._recent[p]:
+                return True
             log.warning("index log %s: entry %s is behind %s: the log was reset; "
                         "reading it again", self._streams[p], raw_id, self._last[p])  # fmt: skip
             self._last[p] = "0-0"
