@@ -31,9 +31,9 @@ from starlette.routing import Route
 from ..http import empty_response, json_response, principal, read_body, read_json, role_app
 from ..lifespan import Listening, Step, running
 from ..metrics import Metrics
-from ..native import hex_keys
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
+from ..protocol.keys import PackedKeys
 from ..protocol.problems import (
     BadGateway,
     BadRequest,
@@ -302,7 +302,9 @@ def place_query(body: Any, max_keys: int, packed: bytes | None = None) -> Lookup
         raise BadRequest(f"{where}: a whole number of 32-octet keys, at least one")
     if len(raw) // 32 > max_keys:
         raise BadRequest(f"{where}: {len(raw) // 32} keys, more than {max_keys}")
-    keys = tuple(hex_keys(raw))
+    # The keys stay packed: an index in this process walks the octets (no
+    # string per key); one over HTTP gets them as hex.
+    keys = PackedKeys(raw)
     rest = LookupRequest.from_json({**{k: v for k, v in body.items() if k != "block_keys_b64"},
                                     "block_keys": [keys[0]]}, max_keys=max_keys)  # fmt: skip
     return dataclasses.replace(rest, block_keys=keys)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from ..protocol.control import Link
+from ..protocol.keys import PackedKeys
 from ..protocol.placement import read_us
 from ..protocol.problems import KvspError
 from ..protocol.records import (
@@ -82,7 +83,8 @@ class Placer:
         index_state = "unused"
         if self.index is not None and block_keys:
             try:
-                query = LookupRequest(scope_id, compat_id, tuple(block_keys), shapes_only=True)
+                keys = block_keys if isinstance(block_keys, PackedKeys) else tuple(block_keys)
+                query = LookupRequest(scope_id, compat_id, keys, shapes_only=True)
                 runs, index_state = _runs(await self.index.lookup(query)), "ok"
             except KvspError as exc:
                 # The index is advisory (P4): without it, every instance

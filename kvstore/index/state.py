@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..native import walk
+from ..native import KeyTable, walk
+from ..protocol.keys import PackedKeys
 from ..protocol.placement import ReplicaShape
 from ..protocol.problems import InsufficientStorage
 from ..protocol.records import ReplicaRecord
@@ -146,8 +147,9 @@ class MemoryState:
     clock: Callable[[], float] = time.monotonic
     #: block key -> holder id (H6) -> replica
     _replicas: dict[str, dict[str, _Replica]] = field(default_factory=dict)
-    #: block key -> its live replicas joined, built by the first lookup after a change
-    _groups: dict[str, _Group] = field(default_factory=dict)
+    #: block key -> its live replicas joined, built by the first lookup after
+    #: a change; keyed by the keys' octets (a packed lookup makes no strings)
+    _groups: KeyTable = field(default_factory=KeyTable)
     _interned: dict[bytes, bytes] = field(default_factory=dict)
     _size: int = 0
 
@@ -214,14 +216,19 @@ class MemoryState:
         chunks: list[bytes | memoryview] = []
         found_shapes: list[bytes] = []
         groups, kind = self._groups, scope_id + compat_id
-        if not isinstance(block_keys, (list, tuple)):
-            block_keys = tuple(block_keys)
+        walked: Sequence[str] | bytes
+        if isinstance(block_keys, PackedKeys):
+            walked = block_keys.octets  # walked as octets; a key's hex only at a miss
+        elif isinstance(block_keys, (list, tuple)):
+            walked = block_keys
+        else:
+            walked = block_keys = tuple(block_keys)
         into_records = chunks if records else None
         into_shapes = found_shapes if shapes else None
         # The keys whose joined groups are cached, of this kind and unexpired
         # (a hot prompt's, between two publishes), in one loop in C (walk);
         # key by key here only where a group must be joined again.
-        matched = walk(groups, block_keys, 0, kind, now, into_records, into_shapes)
+        matched = walk(groups, walked, 0, kind, now, into_records, into_shapes)
         while matched < len(block_keys):
             block_key = block_keys[matched]
             # Expired records are skipped here and dropped by writes.
@@ -235,7 +242,7 @@ class MemoryState:
                 chunks.append(group[1])
             if shapes:
                 found_shapes.append(group[2])
-            matched = walk(groups, block_keys, matched, kind, now, into_records, into_shapes)
+            matched = walk(groups, walked, matched, kind, now, into_records, into_shapes)
         return Hits(matched, chunks, found_shapes if shapes else None)
 
     async def count(self) -> int:

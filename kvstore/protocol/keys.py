@@ -21,7 +21,10 @@ import hashlib
 import hmac
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+from ..native import hex_keys
 
 SCOPE_LABEL = b"KVSP-SCOPE-1\x00"
 BLOCK_LABEL = b"KVSP-BLOCK-1\x00"
@@ -120,3 +123,57 @@ def block_keys(
 ) -> list[bytes]:
     """The Block Keys of every complete block of ``tokens`` (K2)."""
     return BlockKeyChain(scope_key, compat_id, block_tokens).extend(tokens)
+
+
+class PackedKeys(Sequence[str]):
+    """Block Keys as they arrive packed (32 octets each, concatenated: ours,
+    the octet-stream ``POST place``), seen as the sequence of their hex
+    strings (the form KVSP carries them in).
+
+    The strings are made only when asked for: an index in this process walks
+    the octets themselves (:func:`kvstore.native.walk`), so an 8k-key
+    placement makes no string per key unless it sends a prefetch directive.
+    """
+
+    __slots__ = ("octets",)
+
+    def __init__(self, octets: bytes) -> None:
+        if len(octets) % 32:
+            raise ValueError("packed block keys: not a whole number of 32-octet keys")
+        self.octets = bytes(octets)
+
+    def __len__(self) -> int:
+        return len(self.octets) // 32
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return PackedKeys(self.octets[32 * start : 32 * max(start, stop)])
+            return tuple(self[i] for i in range(start, stop, step))
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("packed block keys: index out of range")
+        return self.octets[32 * index : 32 * index + 32].hex()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(hex_keys(self.octets))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedKeys):
+            return self.octets == other.octets
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PackedKeys({len(self)} keys)"

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -271,7 +272,7 @@ class ShapeRuns:
         }
 
 
-def _plain_json_strings(values: tuple[str, ...]) -> bool:
+def _plain_json_strings(values: Sequence[str]) -> bool:
     """True when every value stands in a JSON string as it is (printable
     ASCII without quote or backslash), checked by passes in C."""
     joined = "".join(values)
@@ -294,7 +295,8 @@ class LookupRequest:
 
     scope_id: str
     compat_id: str
-    block_keys: tuple[str, ...]
+    #: A tuple of hex strings, or :class:`~kvstore.protocol.keys.PackedKeys`.
+    block_keys: Sequence[str]
     targets: tuple[str, ...] | None = None
     shapes_only: bool = False
 

@@ -22,6 +22,7 @@ from kvstore.controller.placer import Placement, Placer, directive
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.controller.state import ControllerState, MemoryControllerState
 from kvstore.protocol.control import InstanceStatus, Link, ResumeRequest
+from kvstore.protocol.keys import PackedKeys
 from kvstore.protocol.problems import Forbidden, StaleEpoch
 from kvstore.protocol.records import (
     LookupRequest,
@@ -92,6 +93,11 @@ def test_directive_lists_what_the_instance_lacks_cheapest_source_first() -> None
     ]  # fmt: skip
     assert PrefetchDirective.from_json(found.to_json()) == found
     assert (found.deadline_ms, found.lease_ms, found.request_ref) == (50, 2000, "r-1")
+    # Keys that came packed (POST place as octets) give the same directive.
+    packed = PackedKeys(b"".join(bytes.fromhex(k) for k in KEYS))
+    again = directive(placement, ii, near_h2.links, packed, SCOPE, COMPAT, deadline_ms=50,
+                      lease_ms=2000, request_ref="r-1")  # fmt: skip
+    assert again is not None and again.blocks == found.blocks
     only_resident = Placement([], 1, "ok", [((shape(ii),), 1)])
     links = near_h2.links
     assert (

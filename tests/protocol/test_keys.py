@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.protocol.keys import BlockKeyChain, block_keys, pack_tokens, scope_id
+from kvstore.protocol.keys import BlockKeyChain, PackedKeys, block_keys, pack_tokens, scope_id
 
 from .vectors import COMPAT_ID, K0, K1, SCOPE_ID, SCOPE_KEY, TOKENS
 
@@ -121,3 +121,22 @@ def test_chain_extension_equals_one_shot(tokens: list[int], block: int, cuts: li
         pieces += chain.extend(tokens[start:cut])
         start = cut
     assert pieces == one_shot
+
+
+def test_packed_keys_read_as_their_hex() -> None:
+    octets = bytes(range(96))
+    names = [octets[i : i + 32].hex() for i in (0, 32, 64)]
+    keys = PackedKeys(octets)
+    assert len(keys) == 3 and list(keys) == names
+    assert keys[0] == names[0] and keys[-1] == names[2]
+    assert list(keys[1:]) == names[1:] and list(keys[::2]) == names[::2]
+    assert isinstance(keys[1:], PackedKeys) and list(keys[5:]) == []
+    assert keys == tuple(names) and tuple(names) == keys and keys == names
+    assert keys == PackedKeys(octets) and keys != PackedKeys(octets[:64])
+    assert hash(keys) == hash(tuple(names))
+    for index in (3, -4):
+        with pytest.raises(IndexError):
+            keys[index]
+    for bad in (b"x", bytes(33)):
+        with pytest.raises(ValueError, match="32-octet"):
+            PackedKeys(bad)
