@@ -226,6 +226,9 @@ def test_bench_index_quick(redis_server: Any) -> None:
     names = [r["name"] for r in json.loads(out.stdout)]
     assert "lookup 8k keys x3, memory, p99" in names
     assert "lookup 8k keys x3, redis, p50" in names
+    # The replicated state over a 3-master cluster started by the bench.
+    assert "lookup 1k keys x3, replicated, 3-master cluster, another IS, p99" in names
+    assert "publish at one IS to visible at the other, 3-master cluster, p99" in names
 
 
 def test_bench_controller_quick() -> None:

@@ -7,7 +7,11 @@ Baselines in the same run: as many Redis EXISTS in one redis-py pipeline
 (the issue's), and, for the Redis state, a raw HVALS pipeline fetching the
 same records (the octets a lookup must move: about 60 MB at 8k keys). The
 publish rate, the p99 and the throughput have nothing in the run doing the
-same work: they are plain figures, the 8k-key p99 with its goal of 10 ms.
+same work: they are plain figures, the 8k-key p99 with the goals of issue 20
+(5 ms in memory, 10 ms where IS processes share state). Then the replicated
+state (two IS processes on one log in Redis Streams): lookups at either, the
+replay at start and the publish-to-visible lag, on the Redis given and on a
+3-master Redis Cluster with a replica each, started for the run.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from . import Result
 COMPAT = hashlib.sha256(b"bench-index").hexdigest()
 SCOPE = "c" * 32
 HOLDERS = [f"https://h{i}.bench/kvsp/" for i in range(3)]
-#: The IS issue's goal: p99 of an 8k-key lookup, in ms (no goal for other sizes).
-P99_GOAL_MS = {8192: 10.0}
+#: The goals of issue 20: p99 of an 8k-key lookup (ms) in memory, and at
+#: either of two IS processes sharing state (no goal for other sizes).
+P99_GOAL_MS = {8192: 5.0}
+SHARED_P99_GOAL_MS = {8192: 10.0}
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -39,8 +45,9 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def lookup_rows(
-    label: str, size: int, latencies_s: list[float], baselines_ms: dict[str, float]
-) -> list[Result]:
+    label: str, size: int, latencies_s: list[float], baselines_ms: dict[str, float],
+    goals_ms: dict[int, float] = P99_GOAL_MS,
+) -> list[Result]:  # fmt: skip
     """A lookup size's rows: p50 against each same-run baseline (lower is
     better), then p99 and throughput as plain figures."""
     p50 = statistics.median(latencies_s) * 1000
@@ -48,7 +55,7 @@ def lookup_rows(
     rows = [Result(f"{label}, p50", "ms", p50, name, base) for name, base in baselines_ms.items()]
     if not rows:
         rows.append(Result(f"{label}, p50", "ms", p50))
-    rows.append(Result(f"{label}, p99", "ms", p99, goal=P99_GOAL_MS.get(size)))
+    rows.append(Result(f"{label}, p99", "ms", p99, goal=goals_ms.get(size)))
     rows.append(Result(f"{label}, throughput", "keys/s", size / (p50 / 1000)))
     return rows
 
@@ -99,7 +106,8 @@ async def _call(
 
 
 async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list[int],
-                       rounds: int, publish: bool = True) -> list[Result]:  # fmt: skip
+                       rounds: int, publish: bool = True, cluster: bool = False,
+                       goals_ms: dict[int, float] = P99_GOAL_MS) -> list[Result]:  # fmt: skip
     from ..index import IndexSettings, create_app
     from ..security import Policy
 
@@ -123,9 +131,9 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
         results.append(Result(f"publish, {name} state, 16 at once", "records/s", publish_rate))
     raw_client = None
     if redis_url:
-        import redis.asyncio as aioredis
+        from ..redis_client import connect
 
-        raw_client = aioredis.Redis.from_url(redis_url, socket_timeout=120)
+        raw_client = connect(redis_url, cluster=cluster, timeout_s=120)
     for size in sizes:
         body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
                            "block_keys": keys[:size]}).encode()  # fmt: skip
@@ -159,7 +167,7 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
                 fetch.append(time.perf_counter() - t)
             baselines["raw HVALS pipeline, same records"] = statistics.median(fetch) * 1000
         label = f"lookup {size // 1024}k keys x3, {name}"
-        results += lookup_rows(label, size, latencies, baselines)
+        results += lookup_rows(label, size, latencies, baselines, goals_ms)
     if raw_client is not None:
         await raw_client.aclose()
     if publish:
@@ -171,26 +179,33 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
 LAG_GOAL_MS = 100.0
 
 
-async def _bench_replicated(redis_url: str, sizes: list[int], rounds: int) -> list[Result]:
+async def _bench_replicated(
+    redis_url: str, sizes: list[int], rounds: int, cluster: bool = False
+) -> list[Result]:
     """Two IS processes' replicated states on one log: lookups at either
     (the second one started after the records were published: it rebuilt
     them from the log) and the lag from a publish at one to a lookup at the
-    other seeing it."""
+    other seeing it; with ``cluster``, the log on a Redis Cluster."""
     from ..index.replicated import ReplicatedState
+    from ..redis_client import connect
 
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
-    first, second = ReplicatedState(redis_url, prefix), None
+    where = ", 3-master cluster" if cluster else ""
+    first = ReplicatedState(redis_url, prefix, cluster=cluster)
+    second = None
     try:
-        results = await _bench_state("replicated, the publishing IS", first, redis_url, sizes,
-                                     rounds, publish=True)  # fmt: skip
-        first = ReplicatedState(redis_url, prefix)  # (the one above is closed)
-        second = ReplicatedState(redis_url, prefix)
+        results = await _bench_state(f"replicated{where}, the publishing IS", first, redis_url,
+                                     sizes, rounds, publish=True, cluster=cluster,
+                                     goals_ms=SHARED_P99_GOAL_MS)  # fmt: skip
+        first = ReplicatedState(redis_url, prefix, cluster=cluster)  # (the one above is closed)
+        second = ReplicatedState(redis_url, prefix, cluster=cluster)
         start = time.perf_counter()
         rebuilt = await second.count()
         took = time.perf_counter() - start
-        results.append(Result(f"replay of {rebuilt} records at start", "s", took))
-        results += await _bench_state("replicated, another IS", second, redis_url, sizes, rounds,
-                                      publish=False)  # fmt: skip
+        results.append(Result(f"replay of {rebuilt} records at start{where}", "s", took))
+        results += await _bench_state(f"replicated{where}, another IS", second, redis_url, sizes,
+                                      rounds, publish=False, cluster=cluster,
+                                      goals_ms=SHARED_P99_GOAL_MS)  # fmt: skip
         await first.count()
         lags = []
         for n in range(200 if rounds > 5 else 50):
@@ -202,25 +217,21 @@ async def _bench_replicated(redis_url: str, sizes: list[int], rounds: int) -> li
                 await asyncio.sleep(0.0005)
             lags.append((time.perf_counter() - t) * 1000)
         lags.sort()
-        results.append(Result("publish at one IS to visible at the other, p50", "ms",
-                              lags[len(lags) // 2]))  # fmt: skip
-        results.append(Result("publish at one IS to visible at the other, p99", "ms",
-                              lags[min(len(lags) - 1, int(len(lags) * 0.99))],
-                              goal=LAG_GOAL_MS))  # fmt: skip
+        label = f"publish at one IS to visible at the other{where}"
+        results.append(Result(f"{label}, p50", "ms", lags[len(lags) // 2]))
+        results.append(Result(f"{label}, p99", "ms", percentile(lags, 0.99), goal=LAG_GOAL_MS))
         return results
     finally:
         await first.close()
         if second is not None:
             await second.close()
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(redis_url)
-        async for k in client.scan_iter(match=prefix + "*", count=1000):
-            await client.delete(k)
+        client = connect(redis_url, cluster=cluster)
+        for stream in first.streams:  # all a replicated state writes
+            await client.delete(stream)
         await client.aclose()
 
 
-async def _run(quick: bool, redis_url: str | None) -> list[Result]:
+async def _run(quick: bool, redis_url: str | None, start_cluster: bool = True) -> list[Result]:
     from ..index.state import MemoryState
 
     sizes = [1024, 8192] if quick else [1024, 8192, 65536]
@@ -232,7 +243,8 @@ async def _run(quick: bool, redis_url: str | None) -> list[Result]:
         prefix = f"bench-{uuid.uuid4().hex[:8]}:"
         state = RedisState(redis_url, prefix)
         try:
-            results += await _bench_state("redis", state, redis_url, sizes, max(3, rounds // 3))
+            results += await _bench_state("redis", state, redis_url, sizes, max(3, rounds // 3),
+                                          goals_ms=SHARED_P99_GOAL_MS)  # fmt: skip
         finally:
             import redis.asyncio as aioredis
 
@@ -241,8 +253,34 @@ async def _run(quick: bool, redis_url: str | None) -> list[Result]:
                 await client.delete(k)
             await client.aclose()
         results += await _bench_replicated(redis_url, [s for s in sizes if s <= 8192], rounds)
+    if redis_url and start_cluster:
+        results += await _cluster_rows(quick, rounds)
     return results
 
 
-def run(quick: bool = False, redis_url: str | None = "redis://127.0.0.1:6379/0") -> list[Result]:
-    return asyncio.run(_run(quick, redis_url))
+async def _cluster_rows(quick: bool, rounds: int) -> list[Result]:
+    """The replicated state's rows with its log on a 3-master Redis Cluster
+    started here (each master with a replica), as a deployment of several
+    nodes has it (issue 20)."""
+    from . import redis_cluster
+
+    if not redis_cluster.available():
+        # Not a figure that can be made here; said, not dropped.
+        print("bench index: redis-server or redis-cli missing: no 3-master cluster rows")
+        return []
+    cluster = redis_cluster.start_cluster()
+    try:
+        sizes = [1024] if quick else [8192]
+        return await _bench_replicated(cluster.url, sizes, max(5, rounds // 2), cluster=True)
+    finally:
+        cluster.stop()
+
+
+def run(
+    quick: bool = False,
+    redis_url: str | None = "redis://127.0.0.1:6379/0",
+    start_cluster: bool = True,
+) -> list[Result]:
+    """Every row; with ``start_cluster`` (and Redis's binaries here) also the
+    replicated state over a 3-master Redis Cluster started for the run."""
+    return asyncio.run(_run(quick, redis_url, start_cluster))

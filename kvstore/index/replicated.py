@@ -105,6 +105,12 @@ class ReplicatedState:
             collections.deque(maxlen=RECENT_KEPT) for _ in range(PARTITIONS)
         ]
 
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """The Redis keys of the log, one stream per partition: all this
+        state writes (an operator's or a benchmark's clean-up)."""
+        return tuple(self._streams)
+
     # --- the IndexState contract -----------------------------------------
 
     async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
