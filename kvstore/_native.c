@@ -52,6 +52,70 @@ hex_keys(PyObject *self, PyObject *arg)
     return out;
 }
 
+static signed char HEXVAL[256]; /* a digit's value, -1 for other octets */
+
+#ifdef __SSE2__
+#include <emmintrin.h>
+
+/* The digit and letter masks of 16 characters: octets '0'-'9', and 'a'-'f'.
+ * Signed compares: octets from 0x80 up are negative and fail both. */
+static inline void
+hex_masks(__m128i v, __m128i *digit, __m128i *letter)
+{
+    *digit = _mm_and_si128(_mm_cmpgt_epi8(v, _mm_set1_epi8('0' - 1)),
+                           _mm_cmplt_epi8(v, _mm_set1_epi8('9' + 1)));
+    *letter = _mm_and_si128(_mm_cmpgt_epi8(v, _mm_set1_epi8('a' - 1)),
+                            _mm_cmplt_epi8(v, _mm_set1_epi8('f' + 1)));
+}
+
+/* Whether the 16 characters at ``c`` are all lowercase hex digits. */
+static inline int
+is_hex16(const Py_UCS1 *c)
+{
+    __m128i digit, letter;
+    hex_masks(_mm_loadu_si128((const __m128i *)c), &digit, &letter);
+    return _mm_movemask_epi8(_mm_or_si128(digit, letter)) == 0xFFFF;
+}
+
+/* 16 lowercase hex digits at ``c`` into 8 octets at ``out``; 0 if any is not
+ * one. SSE2 (every x86-64): the 64 digits of a key in four steps, where a
+ * table lookup per digit made parsing cost more than the hashing it saves. */
+static inline int
+parse16(const Py_UCS1 *c, unsigned char *out)
+{
+    __m128i v = _mm_loadu_si128((const __m128i *)c), digit, letter;
+    hex_masks(v, &digit, &letter);
+    if (_mm_movemask_epi8(_mm_or_si128(digit, letter)) != 0xFFFF)
+        return 0;
+    __m128i nibble = _mm_sub_epi8(v, _mm_or_si128(_mm_and_si128(digit, _mm_set1_epi8('0')),
+                                                  _mm_and_si128(letter, _mm_set1_epi8('a' - 10))));
+    /* 16-bit lanes (first digit low): (first << 4) | second, then packed. */
+    __m128i pairs = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(nibble, _mm_set1_epi16(0xFF)), 4),
+                                 _mm_srli_epi16(nibble, 8));
+    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(pairs, pairs));
+    return 1;
+}
+#else
+static inline int
+parse16(const Py_UCS1 *c, unsigned char *out)
+{
+    int bad = 0;
+    for (int j = 0; j < 8; j++) {
+        int hi = HEXVAL[c[2 * j]], lo = HEXVAL[c[2 * j + 1]];
+        bad |= hi | lo;
+        out[j] = (unsigned char)(hi << 4 | lo);
+    }
+    return bad >= 0;
+}
+
+static inline int
+is_hex16(const Py_UCS1 *c)
+{
+    unsigned char ignored[8];
+    return parse16(c, ignored);
+}
+#endif
+
 /* all_hex32(values) -> bool: a non-empty list or tuple of str, each 64
  * lowercase hex digits. */
 static PyObject *
@@ -69,11 +133,8 @@ all_hex32(PyObject *self, PyObject *arg)
             PyUnicode_KIND(s) != PyUnicode_1BYTE_KIND)
             Py_RETURN_FALSE;
         const Py_UCS1 *c = PyUnicode_1BYTE_DATA(s);
-        for (int j = 0; j < 64; j++) {
-            Py_UCS1 x = c[j];
-            if (!((x >= '0' && x <= '9') || (x >= 'a' && x <= 'f')))
-                Py_RETURN_FALSE;
-        }
+        if (!(is_hex16(c) && is_hex16(c + 16) && is_hex16(c + 32) && is_hex16(c + 48)))
+            Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
 }
@@ -129,7 +190,6 @@ draw_seed(KeyTable *t)
     return 0;
 }
 
-static signed char HEXVAL[256];
 
 /* The slot index of a key: NH (UMAC's hash, ε-almost-universal with
  * ε = 2^-32 over the table's random 256-bit seed) of its eight 32-bit words,
@@ -153,45 +213,6 @@ hash32(const KeyTable *t, const unsigned char *key)
     h ^= h >> 33;
     return (size_t)h;
 }
-
-#ifdef __SSE2__
-#include <emmintrin.h>
-
-/* 16 lowercase hex digits at ``c`` into 8 octets at ``out``; 0 if any is not
- * one. SSE2 (every x86-64): the 64 digits of a key in four steps, where a
- * table lookup per digit made parsing cost more than the hashing it saves. */
-static inline int
-parse16(const Py_UCS1 *c, unsigned char *out)
-{
-    __m128i v = _mm_loadu_si128((const __m128i *)c);
-    /* Signed compares: octets from 0x80 up are negative and fail both. */
-    __m128i digit = _mm_and_si128(_mm_cmpgt_epi8(v, _mm_set1_epi8('0' - 1)),
-                                  _mm_cmplt_epi8(v, _mm_set1_epi8('9' + 1)));
-    __m128i letter = _mm_and_si128(_mm_cmpgt_epi8(v, _mm_set1_epi8('a' - 1)),
-                                   _mm_cmplt_epi8(v, _mm_set1_epi8('f' + 1)));
-    if (_mm_movemask_epi8(_mm_or_si128(digit, letter)) != 0xFFFF)
-        return 0;
-    __m128i nibble = _mm_sub_epi8(v, _mm_or_si128(_mm_and_si128(digit, _mm_set1_epi8('0')),
-                                                  _mm_and_si128(letter, _mm_set1_epi8('a' - 10))));
-    /* 16-bit lanes (first digit low): (first << 4) | second, then packed. */
-    __m128i pairs = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(nibble, _mm_set1_epi16(0xFF)), 4),
-                                 _mm_srli_epi16(nibble, 8));
-    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(pairs, pairs));
-    return 1;
-}
-#else
-static inline int
-parse16(const Py_UCS1 *c, unsigned char *out)
-{
-    int bad = 0;
-    for (int j = 0; j < 8; j++) {
-        int hi = HEXVAL[c[2 * j]], lo = HEXVAL[c[2 * j + 1]];
-        bad |= hi | lo;
-        out[j] = (unsigned char)(hi << 4 | lo);
-    }
-    return bad >= 0;
-}
-#endif
 
 /* 1: ``key`` (64 lowercase hex digits, or 32 octets) parsed into ``out``;
  * 0: not a Block Key. Never raises. */
