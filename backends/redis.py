@@ -1,6 +1,13 @@
 """``remote-memory`` tier: Redis through redis-py's asyncio client, or with
 ``cluster = true`` its Redis Cluster client (:mod:`kvstore.redis_client`).
 
+With ``replica_reads = true`` (a cluster only) reads go to the masters'
+replicas, and a segment a replica does not have is read again at its master:
+replication is asynchronous, so a replica can lag a write the store has
+acknowledged, and a miss there must not be taken for a lost segment (the
+store would drop the block, LE4). A lagging replica cannot answer other
+octets: a key is written once, with the same block's layers.
+
 Keys are ``{prefix}{<block key>}/<rest>``: the Block Key in braces is a Redis
 Cluster hash tag, so every segment of a block lives in one slot and a
 pipeline over them stays on one node. ``rediss://`` URLs give TLS.
@@ -48,15 +55,29 @@ class RedisTier(Tier):
         read_mbit_per_s: float | None = None,
         timeout_s: float = 5.0,
         cluster: bool = False,
+        replica_reads: bool = False,
         **options: Any,
     ) -> None:
         if not _PREFIX.fullmatch(prefix):
             raise ValueError("Redis key prefix may hold only letters, digits and ':_.-'")
+        if not isinstance(replica_reads, bool):
+            raise ValueError("replica_reads: true or false")
+        if replica_reads and not cluster:
+            raise ValueError("replica_reads: a Redis Cluster's option (cluster = true)")
         self.url = url
         self.prefix = prefix
         self.read_mbit_per_s = read_mbit_per_s
         self.cluster = cluster
         self._client: Any = connect(url, cluster=cluster, timeout_s=timeout_s, **options)
+        #: Where GETs go first: the same client, or one that reads replicas.
+        self._reader: Any = self._client
+        if replica_reads:
+            from redis.cluster import LoadBalancingStrategy
+
+            # A slot without a replica is read at its master.
+            self._reader = connect(url, cluster=True, timeout_s=timeout_s,
+                                   load_balancing_strategy=LoadBalancingStrategy.RANDOM_REPLICA,
+                                   **options)  # fmt: skip
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}{{{key[:64]}}}{key[64:]}"
@@ -67,7 +88,9 @@ class RedisTier(Tier):
 
     async def get(self, key: str) -> BytesLike | None:
         with _translated(self.url):
-            value: Any = await self._client.get(self._key(key))
+            value: Any = await self._reader.get(self._key(key))
+            if value is None and self._reader is not self._client:
+                value = await self._client.get(self._key(key))  # a lagging replica
             return cast(bytes | None, value)
 
     async def put(self, key: str, value: BytesLike) -> None:
@@ -85,11 +108,21 @@ class RedisTier(Tier):
 
     async def get_many(self, keys: Sequence[str]) -> list[BytesLike | None]:
         with _translated(self.url):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.get(self._key(key))
-                values: list[BytesLike | None] = await pipe.execute()
-                return values
+            values = await self._get_all(self._reader, keys)
+            if self._reader is not self._client and None in values:
+                # What lagging replicas did not have, from the masters.
+                missing = [i for i, v in enumerate(values) if v is None]
+                again = await self._get_all(self._client, [keys[i] for i in missing])
+                for i, value in zip(missing, again, strict=True):
+                    values[i] = value
+            return values
+
+    async def _get_all(self, client: Any, keys: Sequence[str]) -> list[BytesLike | None]:
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(self._key(key))
+            values: list[BytesLike | None] = await pipe.execute()
+            return values
 
     async def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> None:
         with _translated(self.url):
@@ -106,4 +139,6 @@ class RedisTier(Tier):
                 await pipe.execute()
 
     async def close(self) -> None:
+        if self._reader is not self._client:
+            await self._reader.aclose()
         await self._client.aclose()
