@@ -13,9 +13,15 @@ they have read the same entries (a write applied at once where it was taken
 could be overtaken there by a later one from another process).
 
 - **On start** a process replays each partition from its oldest entry,
-  skipping records already expired (each entry carries its wall-clock
-  expiry), and only then answers. Entries older than the longest TTL are
-  trimmed (``MINID``), so the log holds at most about one TTL of writes.
+  skipping records already expired, and only then answers. Entries older
+  than the longest TTL are trimmed (``MINID``), so the log holds at most
+  about one TTL of writes.
+- **Time** is the Redis clock of each partition's node, as in the entries'
+  IDs: an entry carries its record's TTL (a duration, OPS2), and expires
+  at its ID's time plus that TTL. Each process reads that clock (``TIME``)
+  at start and every :data:`CLOCK_CHECK_S`, and keeps its offset from its
+  own: an IS host whose clock is off expires records on time all the same,
+  and cannot trim entries that are still live.
 - **Consistency.** The index is advisory (P4). A publish is visible at the
   process that took it when it is acknowledged, and at the others after the log lag
   (measured by ``kvstore bench index``). Until then they may answer
@@ -26,9 +32,6 @@ could be overtaken there by a later one from another process).
   fail (503), as with the ``redis`` state, so the holders retry them, and
   nothing is applied that the others will not see. Followers retry.
 
-Records expire by the process's clock, from the remaining TTL each entry
-carries: keep the IS hosts' clocks in sync (NTP), as Redis's own expiry
-already assumes.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ READ_COUNT = 1000
 #: Applied entry IDs kept per partition (see ``ReplicatedState._recent``).
 RECENT_KEPT = 4 * READ_COUNT
 READ_BLOCK_MS = 100
+#: How often a follower reads its partition's Redis clock again (s).
+CLOCK_CHECK_S = 10.0
 #: Longest a write waits to be read back before it is applied here anyway.
 APPLY_WAIT_S = 2.0
 #: How often an idle follower checks that the log was not reset under it (s).
@@ -81,6 +86,7 @@ class ReplicatedState:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.url = url
+        self._cluster = cluster
         self.memory = MemoryState(max_records=max_records)
         self.max_ttl_ms = max_ttl_ms
         self.wall_clock = wall_clock
@@ -89,6 +95,8 @@ class ReplicatedState:
         # Blocking reads on a client of their own: they hold connections.
         self._reader: Any = connect(url, cluster=cluster, timeout_s=timeout_s + 1)
         self._last = ["0-0"] * PARTITIONS
+        #: Per partition, its Redis node's clock minus ours (ms).
+        self._offset_ms = [0.0] * PARTITIONS
         self._followers: list[asyncio.Task[None]] = []
         self._started: asyncio.Future[None] | None = None
         self._closing = False
@@ -98,6 +106,12 @@ class ReplicatedState:
         ]
         #: Entries applied, by partition (tests, metrics).
         self.applied = [0] * PARTITIONS
+        #: Entries read but not applied (a record another IS had room for and
+        #: this one has not: its max_records is smaller, or it is fuller).
+        self.skipped = [0] * PARTITIONS
+        #: Why recent entries were skipped, by ID (as many as ``_recent``
+        #: holds): a write read back before its XADD answered fails with it.
+        self._skips: list[dict[tuple[int, int], Exception]] = [{} for _ in range(PARTITIONS)]
         #: The IDs last applied per partition: a write whose entry the
         #: follower applied (with later ones) before the write's own XADD
         #: returned is found here, not taken for a log reset.
@@ -115,9 +129,12 @@ class ReplicatedState:
 
     async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
         await self._start()
+        # A record this process has no room for is refused before it enters
+        # the log (507), not acknowledged and then dropped here.
+        self.memory.check_room(record)
         raw, _ = record_octets(record)
-        expires = int(self.wall_clock() * 1000) + ttl_ms
-        fields = {"op": "put", "r": raw, "x": expires}
+        # A duration: the entry's ID (Redis's clock) is when it started.
+        fields = {"op": "put", "r": raw, "t": ttl_ms}
         if not await self._append(record.block_key, fields):
             await self.memory.put(record, ttl_ms)  # the follower is stuck: at least here
 
@@ -175,7 +192,7 @@ class ReplicatedState:
         longer than :data:`APPLY_WAIT_S`."""
         p = partition_of(block_key)
         # What no record can need any more: older than the longest TTL.
-        oldest = max(0, int(self.wall_clock() * 1000) - self.max_ttl_ms)
+        oldest = max(0, self._redis_ms(p) - self.max_ttl_ms)
         try:
             raw_id = await self._client.xadd(
                 self._streams[p], fields, minid=f"{oldest}-0", approximate=True
@@ -190,6 +207,9 @@ class ReplicatedState:
             # restarted empty, or failed over to a host whose clock is
             # behind): read the partition from its start.
             if entry in self._recent[p]:
+                skipped = self._skips[p].get(entry)
+                if skipped is not None:
+                    raise skipped
                 return True
             log.warning("index log %s: entry %s is behind %s: the log was reset; "
                         "reading it again", self._streams[p], raw_id, self._last[p])  # fmt: skip
@@ -207,6 +227,24 @@ class ReplicatedState:
             with contextlib.suppress(ValueError):
                 self._waiting[p].remove(waiting)
 
+    def _redis_ms(self, p: int) -> int:
+        """Partition ``p``'s Redis clock now, in ms (as its entry IDs are)."""
+        return int(self.wall_clock() * 1000 + self._offset_ms[p])
+
+    async def _read_clock(self, p: int) -> None:
+        """The offset of partition ``p``'s Redis clock from this host's,
+        from ``TIME`` at the node that serves its stream."""
+        before = self.wall_clock()
+        if self._cluster:
+            await self._client.initialize()  # the slot map, once
+            node = self._client.get_node_from_key(self._streams[p])
+            reply = await self._client.execute_command("TIME", target_nodes=node)
+        else:
+            reply = await self._client.time()
+        after = self.wall_clock()
+        seconds, micros = reply
+        self._offset_ms[p] = int(seconds) * 1000 + int(micros) / 1000 - (before + after) * 500
+
     def applied_up_to(self, p: int) -> tuple[int, int]:
         """The ID of the last entry of partition ``p`` this process applied."""
         return _id(self._last[p])
@@ -220,6 +258,7 @@ class ReplicatedState:
     async def _replay(self) -> None:
         try:
             for p, stream in enumerate(self._streams):
+                await self._read_clock(p)
                 while True:
                     entries = await self._client.xrange(
                         stream, min=_after(self._last[p]), count=READ_COUNT
@@ -241,9 +280,12 @@ class ReplicatedState:
 
     async def _follow(self, p: int) -> None:
         stream = self._streams[p]
-        checked = time.monotonic()
+        checked = clocked = time.monotonic()
         while not self._closing:
             try:
+                if time.monotonic() - clocked > CLOCK_CHECK_S:
+                    clocked = time.monotonic()
+                    await self._read_clock(p)
                 answer = await self._reader.xread(
                     {stream: self._last[p]}, count=READ_COUNT, block=READ_BLOCK_MS
                 )
@@ -274,7 +316,7 @@ class ReplicatedState:
             self._last[p] = "0-0"
 
     async def _apply(self, p: int, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
-        now_ms = int(self.wall_clock() * 1000)
+        now_ms = self._redis_ms(p)
         for entry_id, fields in entries:
             self._last[p] = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             self._recent[p].append(_id(self._last[p]))
@@ -282,14 +324,29 @@ class ReplicatedState:
             try:
                 op = fields.get(b"op")
                 if op == b"put":
-                    remaining = int(fields[b"x"]) - now_ms
+                    if b"t" in fields:  # the TTL from the entry's time
+                        remaining = _id(entry_id)[0] + int(fields[b"t"]) - now_ms
+                    else:  # an earlier version's entry: its writer's expiry
+                        remaining = int(fields[b"x"]) - int(self.wall_clock() * 1000)
                     if remaining > 0:
                         record = ReplicaRecord.from_json(json.loads(fields[b"r"]))
                         await self.memory.put(record, remaining)
                 elif op == b"del":
                     await self.memory.delete(fields[b"h"].decode(), fields[b"k"].decode())
             except Exception as exc:
+                self.skipped[p] += 1
                 log.warning("index log: entry %s skipped: %s", self._last[p], exc)
+                # The write of this process that made the entry fails with it
+                # (IndexFull: 507 to the publisher), rather than be answered;
+                # also if it is read back before its XADD has answered.
+                entry = _id(self._last[p])
+                skips = self._skips[p]
+                skips[entry] = exc
+                if len(skips) > RECENT_KEPT:
+                    del skips[next(iter(skips))]
+                for waiting_id, waiter in self._waiting[p]:
+                    if waiting_id == entry and not waiter.done():
+                        waiter.set_exception(exc)
 
 
 def _id(entry_id: Any) -> tuple[int, int]:

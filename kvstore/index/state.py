@@ -172,15 +172,26 @@ class MemoryState:
         for block_key in list(self._replicas):
             self._live(block_key, now)
 
+    def check_room(self, record: ReplicaRecord) -> None:
+        """Raise :class:`IndexFull` where :meth:`put` of ``record`` would now
+        (a new record at the cap, after expired ones are swept)."""
+        now = self.clock()
+        replicas = self._live(record.block_key, now)
+        if replicas is None or role_id(record.holder) not in replicas:
+            self._make_room(now)
+
+    def _make_room(self, now: float) -> None:
+        if self._size >= self.max_records:
+            self._sweep(now)
+        if self._size >= self.max_records:
+            raise IndexFull(f"the index holds its maximum of {self.max_records} records")
+
     async def put(self, record: ReplicaRecord, ttl_ms: int) -> None:
         now = self.clock()
         replicas = self._live(record.block_key, now)
         holder_id = role_id(record.holder)
         if replicas is None or holder_id not in replicas:
-            if self._size >= self.max_records:
-                self._sweep(now)
-            if self._size >= self.max_records:
-                raise IndexFull(f"the index holds its maximum of {self.max_records} records")
+            self._make_room(now)
             self._size += 1
             if replicas is None:
                 replicas = self._replicas[record.block_key] = {}

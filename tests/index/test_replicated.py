@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 from kvstore.index.replicated import ReplicatedState
+from kvstore.index.state import IndexFull, MemoryState
 from kvstore.protocol.problems import TierUnavailable
 from kvstore.protocol.wire import role_id
 
 from .test_state import COMPAT, H1, H2, SCOPE, key, parsed, record
 
-Factory = Callable[[], ReplicatedState]
+Factory = Callable[..., ReplicatedState]
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])
@@ -32,9 +33,10 @@ async def states(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     made: list[ReplicatedState] = []
 
-    def make() -> ReplicatedState:
+    def make(**options: Any) -> ReplicatedState:
         made.append(ReplicatedState(server.url, prefix,
-                                    cluster=request.param == "redis-cluster"))  # fmt: skip
+                                    cluster=request.param == "redis-cluster",
+                                    **options))  # fmt: skip
         return made[-1]
 
     yield make
@@ -144,3 +146,61 @@ async def test_a_log_reset_under_a_process_is_read_again(states: Factory) -> Non
         return (await b.lookup(SCOPE, COMPAT, [key(0)])).matched == 1
 
     assert await eventually(at_b, within=5.0) < 5.0
+
+
+async def test_a_full_index_refuses_a_publish_and_acknowledges_nothing_it_dropped(
+    states: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two IS processes of unequal capacity on one log: the smaller one skips
+    # what it has no room for (and counts it), refuses a new record of its
+    # own before it enters the log (507), and a write that lost its room
+    # between the check and the log's answer fails rather than be answered.
+    big, small = states(), states(max_records=1)
+    await small.count()
+    await big.put(record(0), 60_000)
+    await eventually(lambda: _matched(small, 0))
+    await big.put(record(1), 60_000)  # no room at small
+    await eventually(lambda: _async(sum(small.skipped) == 1))
+    assert (await small.lookup(SCOPE, COMPAT, [key(1)])).matched == 0
+    with pytest.raises(IndexFull) as info:
+        await small.put(record(2), 60_000)
+    assert info.value.status == 507
+    await small.put(record(0), 60_000)  # a refresh takes no room
+    await asyncio.sleep(0.2)
+    assert (await big.lookup(SCOPE, COMPAT, [key(2)])).matched == 0  # never logged
+    # The race: the room checked, then gone by the time the entry is read.
+    monkeypatch.setattr(MemoryState, "check_room", lambda self, record: None)
+    with pytest.raises(IndexFull):
+        await small.put(record(3), 60_000)
+    await eventually(lambda: _matched(big, 3))  # the others had room
+
+
+async def _matched(state: ReplicatedState, n: int) -> bool:
+    return (await state.lookup(SCOPE, COMPAT, [key(n)])).matched == 1
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_an_is_host_with_its_clock_off_expires_and_trims_by_redis(
+    states: Factory,
+) -> None:
+    # Time is the Redis clock of the entries' IDs (OPS2: entries carry
+    # durations): an IS host an hour ahead neither keeps records alive past
+    # their TTL elsewhere, nor trims the log's live entries (MINID) so that
+    # a process started later would rebuild nothing.
+    ahead = states(wall_clock=lambda: time.time() + 3600)
+    other = states(wall_clock=lambda: time.time() - 3600)
+    await other.count()
+    for n in range(5):
+        await ahead.put(record(n), 60_000)
+    put_at = time.monotonic()
+    await ahead.put(record(5, ttl_ms=2000), 2000)
+    await eventually(lambda: _matched(other, 5))
+    # Record 5's TTL is over, by any clock but a skewed one.
+    await asyncio.sleep(put_at + 2.3 - time.monotonic())
+    assert not await _matched(other, 5) and not await _matched(ahead, 5)
+    later = states()
+    found = await later.lookup(SCOPE, COMPAT, [key(n) for n in range(5)])
+    assert found.matched == 5  # nothing live was trimmed
