@@ -40,13 +40,22 @@ class HostTier(Tier):
     kind = "host"
 
     def __init__(
-        self, read_mbit_per_s: float | None = None, arena: bool = True, prefault: bool = False
+        self,
+        read_mbit_per_s: float | None = None,
+        arena: bool = True,
+        prefault: bool = False,
+        workers: int = 1,
     ) -> None:
+        """``workers``: how many holder processes of this machine each hold
+        such a tier (``[server] workers`` sets it on each worker's share):
+        the prefault guard weighs all their arenas, not one."""
         if not isinstance(arena, bool) or not isinstance(prefault, bool):
             raise ValueError("host tier: arena and prefault are true or false")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError("host tier: workers is a positive integer")
         self._data: dict[str, BytesLike] = {}
         self.read_mbit_per_s = read_mbit_per_s
-        self._use_arena, self._prefault = arena, prefault
+        self._use_arena, self._prefault, self._workers = arena, prefault, workers
         self.arena: Arena | None = None
         #: Blocks kept in ordinary memory for want of an extent (metrics).
         self.fallbacks = 0
@@ -56,11 +65,13 @@ class HostTier(Tier):
             return
         size = capacity + max(capacity // HEADROOM_FRACTION, HEADROOM_MIN)
         prefault = self._prefault
-        if prefault and size > 0.9 * _physical_memory():
+        if prefault and size * self._workers > 0.9 * _physical_memory():
             # Touching all of it would page out everything else, or bring
-            # the OOM killer: pages fault in as they are used instead.
-            log.warning("host tier: not prefaulting an arena of %d octets, more than 0.9 of "
-                        "this machine's memory; lower the tier's capacity", size)  # fmt: skip
+            # the OOM killer: pages fault in as they are used instead. With
+            # workers, every one prefaults an arena of this size.
+            log.warning("host tier: not prefaulting %d arena(s) of %d octets, more than 0.9 of "
+                        "this machine's memory; lower the tier's capacity",
+                        self._workers, size)  # fmt: skip
             prefault = False
         try:
             self.arena = Arena(size, prefault=prefault)

@@ -88,12 +88,15 @@ def worker_socket(path: str, index: int) -> str:
 
 def worker_storage(storage: StorageConfig, index: int, count: int) -> StorageConfig:
     """Worker ``index``'s share of ``storage``: capacity / count of each tier,
-    its own LMDB directory, its own Redis and S3 key prefix."""
+    its own LMDB directory, its own Redis and S3 key prefix; a host tier
+    knows how many workers share the machine's memory."""
     tiers = []
     for tier in storage.tiers:
         options = dict(tier.options)
         if tier.backend == "lmdb" and isinstance(options.get("path"), str):
             options["path"] = str(Path(options["path"]) / f"worker-{index}")
+        elif tier.backend == "host":
+            options["workers"] = count  # the prefault guard weighs every worker's arena
         elif tier.backend in DEFAULT_PREFIX:
             prefix = options.get("prefix", DEFAULT_PREFIX[tier.backend])
             options["prefix"] = f"{prefix}w{index}{_SEPARATOR[tier.backend]}"

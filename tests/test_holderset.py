@@ -162,6 +162,7 @@ def test_each_worker_has_its_port_uri_and_share_of_every_tier(tmp_path: Path) ->
     assert one.tiers[1].options["path"] == str(tmp_path / "l" / "worker-1")
     assert one.tiers[2].options == {"url": "redis://x", "prefix": "kvstore:w1:"}
     assert one.tiers[3].options == {"prefix": "p/w1/"}
+    assert one.tiers[0].options.get("workers") == 3  # the host tier's prefault guard
     # The defaults a worker's prefix extends are the backends' own.
     from backends.redis import RedisTier
     from backends.s3 import S3Tier

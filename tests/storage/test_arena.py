@@ -152,6 +152,23 @@ async def test_the_host_tier_keeps_blocks_in_its_arena_and_falls_back() -> None:
     assert plain.arena is None and plain.buffer(10) is None
     with pytest.raises(ValueError):
         HostTier(prefault="yes")  # type: ignore[arg-type]
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            HostTier(workers=bad)  # type: ignore[arg-type]
+
+
+def test_workers_prefault_only_what_the_machine_holds_for_all(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Each of 4 workers' share is a quarter of the machine: alone it would
+    # be prefaulted; all four together are more than 0.9 of the memory, so
+    # none is (its pages fault in as they are used).
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    share = HostTier(prefault=True, workers=4)
+    with caplog.at_level("WARNING", logger="kvstore.storage"):
+        share.provision(physical // 4)
+    assert share.arena is not None
+    assert "not prefaulting 4 arena(s)" in caplog.text
 
 
 async def test_a_get_streaming_an_evicted_block_sends_its_own_octets() -> None:
