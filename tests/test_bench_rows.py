@@ -149,9 +149,13 @@ async def test_index_memory_state_rows_in_process() -> None:
     _assert_rows_sound(rows)
     assert [r.name for r in rows] == [
         "publish, memory state, 16 at once",
+        "lookup 1k keys x3, memory, the first after publishing",
         "lookup 1k keys x3, memory, p50",
         "lookup 1k keys x3, memory, p99",
         "lookup 1k keys x3, memory, throughput",
+        "lookup 1k keys x3, memory, shapes only, p50",
+        "lookup 1k keys x3, memory, shapes only, p99",
+        "lookup 1k keys x3, memory, shapes only, throughput",
     ]
     assert all(r.plain for r in rows)
 
