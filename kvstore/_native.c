@@ -103,7 +103,7 @@ parse16(const Py_UCS1 *c, unsigned char *out)
     for (int j = 0; j < 8; j++) {
         int hi = HEXVAL[c[2 * j]], lo = HEXVAL[c[2 * j + 1]];
         bad |= hi | lo;
-        out[j] = (unsigned char)(hi << 4 | lo);
+        out[j] = (unsigned char)(((unsigned)hi & 15) << 4 | ((unsigned)lo & 15));
     }
     return bad >= 0;
 }
@@ -145,9 +145,9 @@ all_hex32(PyObject *self, PyObject *arg)
  * a lookup whose keys arrived packed (POST place as octets) finds them with
  * no str object per key, and one whose keys are hex strings parses each
  * (64 characters) instead of hashing it as a str. Open addressing with
- * linear probing over slots that hold the key inline; the hash is CPython's
- * own seeded SipHash of the 32 octets, so published keys cannot be chosen to
- * collide. Values are plain tuples of str, bytes, int and float (what a
+ * linear probing over slots that hold the key inline; the hash (hash32)
+ * has a random seed per table, so published keys cannot be chosen to
+ * collide, and a table that still sees a long probe draws a new one. Values are plain tuples of str, bytes, int and float (what a
  * group is): no value can reach the table back, so the table needs no part
  * in garbage collection (a dict of such tuples is untracked too), and
  * dropping a value runs no Python code.
@@ -173,19 +173,21 @@ typedef struct {
 static PyTypeObject KeyTableType;
 static PyObject *urandom; /* os.urandom */
 
-/* A new random seed for hash32 (the slots must be hashed again after). */
+#define SEED_OCTETS 32
+
+/* A new random seed for hash32 into ``seed`` (8 words). */
 static int
-draw_seed(KeyTable *t)
+draw_seed(uint32_t *seed)
 {
-    PyObject *octets = PyObject_CallFunction(urandom, "n", (Py_ssize_t)sizeof t->seed);
+    PyObject *octets = PyObject_CallFunction(urandom, "n", (Py_ssize_t)SEED_OCTETS);
     if (octets == NULL)
         return -1;
-    if (!PyBytes_Check(octets) || PyBytes_GET_SIZE(octets) != (Py_ssize_t)sizeof t->seed) {
+    if (!PyBytes_Check(octets) || PyBytes_GET_SIZE(octets) != SEED_OCTETS) {
         Py_DECREF(octets);
         PyErr_SetString(PyExc_RuntimeError, "KeyTable: os.urandom gave no seed");
         return -1;
     }
-    memcpy(t->seed, PyBytes_AS_STRING(octets), sizeof t->seed);
+    memcpy(seed, PyBytes_AS_STRING(octets), SEED_OCTETS);
     Py_DECREF(octets);
     return 0;
 }
@@ -199,13 +201,13 @@ draw_seed(KeyTable *t)
  * that still grows long makes the table draw a new seed (table_set). About
  * 2 ns a key; CPython's SipHash of the 32 octets took 15. */
 static inline size_t
-hash32(const KeyTable *t, const unsigned char *key)
+hash32(const uint32_t *seed, const unsigned char *key)
 {
     uint32_t w[8];
     memcpy(w, key, 32);
     uint64_t h = 0;
     for (int j = 0; j < 8; j += 2)
-        h += (uint64_t)(w[j] + t->seed[j]) * (uint64_t)(w[j + 1] + t->seed[j + 1]);
+        h += (uint64_t)(w[j] + seed[j]) * (uint64_t)(w[j + 1] + seed[j + 1]);
     h ^= h >> 33;
     h *= 0xff51afd7ed558ccdULL;
     h ^= h >> 33;
@@ -237,7 +239,7 @@ parse_key(PyObject *key, unsigned char *out)
 static inline Slot *
 find(KeyTable *t, const unsigned char *key)
 {
-    size_t i = hash32(t, key) & t->mask;
+    size_t i = hash32(t->seed, key) & t->mask;
     for (;;) {
         Slot *s = &t->slots[i];
         if (s->value == NULL)
@@ -248,9 +250,13 @@ find(KeyTable *t, const unsigned char *key)
     }
 }
 
+/* New slots for ``live`` entries, hashed with ``seed`` (NULL: the table's
+ * own), the seed kept with them; on failure the table is as it was. */
 static int
-resize(KeyTable *t, Py_ssize_t live)
+resize(KeyTable *t, Py_ssize_t live, const uint32_t *seed)
 {
+    if (seed == NULL)
+        seed = t->seed;
     size_t capacity = 8;
     while (capacity <= (size_t)live * 2)
         capacity <<= 1;
@@ -264,12 +270,14 @@ resize(KeyTable *t, Py_ssize_t live)
     for (size_t k = 0; k < old_capacity; k++) {
         if (old[k].value == NULL || old[k].value == REMOVED)
             continue;
-        size_t i = hash32(t, old[k].key) & (capacity - 1);
+        size_t i = hash32(seed, old[k].key) & (capacity - 1);
         while (slots[i].value != NULL)
             i = (i + 1) & (capacity - 1);
         slots[i] = old[k];
     }
     PyMem_Free(old);
+    if (seed != t->seed)
+        memcpy(t->seed, seed, sizeof t->seed);
     t->slots = slots;
     t->mask = capacity - 1;
     t->filled = t->used;
@@ -318,9 +326,9 @@ table_set(KeyTable *t, const unsigned char *key, PyObject *value)
         Py_DECREF(old); /* a tuple of atoms: runs no Python code */
         return 0;
     }
-    if ((size_t)(t->filled + 1) * 3 >= (t->mask + 1) * 2 && resize(t, t->used + 1) < 0)
+    if ((size_t)(t->filled + 1) * 3 >= (t->mask + 1) * 2 && resize(t, t->used + 1, NULL) < 0)
         return -1;
-    size_t i = hash32(t, key) & t->mask, probes = 0;
+    size_t i = hash32(t->seed, key) & t->mask, probes = 0;
     while (t->slots[i].value != NULL && t->slots[i].value != REMOVED) {
         i = (i + 1) & t->mask;
         probes++;
@@ -332,9 +340,11 @@ table_set(KeyTable *t, const unsigned char *key, PyObject *value)
     t->slots[i].value = value;
     t->used++;
     if (probes > probe_limit(t)) {
-        t->reseeds++;
-        if (draw_seed(t) < 0 || resize(t, t->used) < 0)
-            return -1; /* the entry is in; only the reseed failed */
+        uint32_t seed[8];
+        if (draw_seed(seed) < 0 || resize(t, t->used, seed) < 0)
+            PyErr_Clear(); /* the entry is in; the next long probe tries again */
+        else
+            t->reseeds++;
     }
     return 0;
 }
@@ -364,21 +374,17 @@ KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
     if (t == NULL)
         return NULL;
-    if (draw_seed(t) < 0 || resize(t, 0) < 0) {
+    if (draw_seed(t->seed) < 0 || resize(t, 0, NULL) < 0) {
         Py_DECREF(t);
         return NULL;
     }
     return (PyObject *)t;
 }
 
+/* Drop ``capacity`` slots and their values. */
 static void
-clear_slots(KeyTable *t)
+free_slots(Slot *slots, size_t capacity)
 {
-    Slot *slots = t->slots;
-    size_t capacity = slots == NULL ? 0 : t->mask + 1;
-    t->slots = NULL;
-    t->mask = 0;
-    t->used = t->filled = 0;
     for (size_t k = 0; k < capacity; k++)
         if (slots[k].value != NULL && slots[k].value != REMOVED)
             Py_DECREF(slots[k].value);
@@ -388,7 +394,8 @@ clear_slots(KeyTable *t)
 static void
 KeyTable_dealloc(KeyTable *t)
 {
-    clear_slots(t);
+    if (t->slots != NULL)
+        free_slots(t->slots, t->mask + 1);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -479,9 +486,16 @@ KeyTable_pop(KeyTable *t, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 KeyTable_clear(KeyTable *t, PyObject *unused)
 {
-    clear_slots(t);
-    if (resize(t, 0) < 0)
-        return NULL;
+    /* The new, empty slots first: without them the table stays as it was. */
+    Slot *fresh = PyMem_Calloc(8, sizeof(Slot));
+    if (fresh == NULL)
+        return PyErr_NoMemory();
+    Slot *old = t->slots;
+    size_t old_capacity = t->mask + 1;
+    t->slots = fresh;
+    t->mask = 7;
+    t->used = t->filled = 0;
+    free_slots(old, old_capacity);
     Py_RETURN_NONE;
 }
 
@@ -524,8 +538,9 @@ KeyTable_set_seed(KeyTable *t, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "KeyTable._set_seed: 32 octets");
         return NULL;
     }
-    memcpy(t->seed, PyBytes_AS_STRING(arg), sizeof t->seed);
-    if (resize(t, t->used) < 0)
+    uint32_t seed[8];
+    memcpy(seed, PyBytes_AS_STRING(arg), sizeof seed);
+    if (resize(t, t->used, seed) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -648,7 +663,6 @@ walk(PyObject *self, PyObject *args)
     else {
         n = PySequence_Fast_GET_SIZE(keys);
     }
-    PyObject **items = packed ? NULL : PySequence_Fast_ITEMS(keys);
     unsigned char raw[32];
     for (; i < n; i++) {
         const unsigned char *key;
@@ -656,11 +670,14 @@ walk(PyObject *self, PyObject *args)
             key = (const unsigned char *)view.buf + 32 * i;
         }
         else {
-            if (!PyUnicode_CheckExact(items[i])) {
+            /* Read again each time: ``records`` or ``shapes`` may be this
+             * very list, and appending to it moves its items. */
+            PyObject *item = PySequence_Fast_ITEMS(keys)[i];
+            if (!PyUnicode_CheckExact(item)) {
                 PyErr_SetString(PyExc_TypeError, "walk: block keys must be str");
                 return NULL;
             }
-            if (!parse_key(items[i], raw))
+            if (!parse_key(item, raw))
                 break; /* not a block key: nothing cached under it */
             key = raw;
         }

@@ -120,17 +120,34 @@ def py_walk(
     if not isinstance(keys, (list, tuple)):
         if isinstance(keys, str):
             raise TypeError("walk: keys are a list or tuple of str, or packed octets")
-        keys = py_hex_keys(cast("bytes | bytearray | memoryview", keys))
+        octets = memoryview(cast("bytes | bytearray | memoryview", keys)).cast("B")
+        keys = py_hex_keys(octets)
+    elif not isinstance(kind, str):
+        raise TypeError("walk: kind must be a str")
     rest = keys[max(start, 0) :]
     head: list[Any] = list(map(groups.get, rest))
     if None in head:
         del head[head.index(None) :]
-    # Kinds and expiries in C builtins; key by key only past a mismatch.
-    if head and not (all(map(kind.__eq__, map(_KIND, head))) and min(map(_EXPIRY, head)) > now):
+    # Kinds, expiries and shapes in C builtins; key by key only past a mismatch.
+    if head and not (
+        set(map(type, head)) == {tuple}
+        and set(map(len, head)) == {4}
+        and set(map(type, map(_EXPIRY, head))) == {float}
+        and all(map(kind.__eq__, map(_KIND, head)))
+        and min(map(_EXPIRY, head)) > now
+    ):
         for i, group in enumerate(head):
-            if group[3] <= now or group[0] != kind:
+            if (
+                type(group) is not tuple
+                or len(group) != 4
+                or type(group[3]) is not float
+                or group[3] <= now
+                or group[0] != kind
+            ):
                 del head[i:]
                 break
+    if set(map(type, rest[: len(head) + 1])) - {str}:
+        raise TypeError("walk: block keys must be str")  # where the C walk reads one
     if records is not None:
         records.extend(map(_RECORDS, head))
     if shapes is not None:

@@ -212,3 +212,48 @@ def test_key_table_draws_a_new_seed_when_keys_collide() -> None:
     for n in range(20000):
         spread[random.Random(n).randbytes(32)] = ("kind",)
     assert spread.reseeds == 0
+
+
+@needs_native
+def test_walk_c_and_python_agree_on_odd_input() -> None:
+    from array import array
+
+    from kvstore._native import walk
+
+    c_groups, py_groups, keys = _both(0.0)
+    for groups in (c_groups, py_groups):
+        groups[keys[1]] = ("kind", b"[r]")  # not a group: a miss
+        groups[keys[3]] = ("kind", b"[r]", b"[s]", 5)  # an int expiry: a miss
+        groups[keys[5]] = ("kind", b"[r]", b"[s]", 5.0, "x")  # five members: a miss
+    for start in (0, 2, 4, 6):
+        assert walk(c_groups, keys, start, "kind", 0.0, None, None) == py_walk(
+            py_groups, keys, start, "kind", 0.0, None, None
+        )
+    # A key that is not a str where the walk reads it: TypeError in both.
+    for fn, groups in ((walk, c_groups), (py_walk, py_groups)):
+        with pytest.raises(TypeError):
+            fn(groups, [bytes.fromhex(keys[0])], 0, "kind", 0.0, None, None)
+        assert fn(groups, [keys[1], 5], 0, "kind", 0.0, None, None) == 0  # stops before it
+    # Packed keys in a typed buffer are counted in octets by both.
+    packed = array("I", b"".join(bytes.fromhex(k) for k in keys[6:9]))
+    assert walk(c_groups, packed, 0, "kind", 0.0, None, None) == 3
+    assert py_walk(py_groups, packed, 0, "kind", 0.0, None, None) == 3
+    # The lists it appends to may be the keys' own list (no stale items).
+    alias = list(keys[6:])
+    assert walk(c_groups, alias, 0, "kind", 0.0, alias, None) == len(keys) - 6
+
+
+@needs_native
+def test_a_cleared_table_and_a_new_seed_keep_every_key() -> None:
+    from kvstore._native import KeyTable
+
+    table = KeyTable()
+    names = [random.Random(n).randbytes(32) for n in range(500)]
+    for n, name in enumerate(names):
+        table[name] = ("k", float(n))
+    table._set_seed(bytes(range(32)))
+    assert all(table[name] == ("k", float(n)) for n, name in enumerate(names))
+    table.clear()
+    assert len(table) == 0 and table.get(names[0]) is None
+    table[names[0]] = ("k",)
+    assert table[names[0].hex()] == ("k",)
