@@ -19,6 +19,7 @@ from ..protocol.placement import (
     FetchPlan,
     ReadMemo,
     ReplicaShape,
+    placement_cost,
     plan_groups,
     recompute_us,
     wait_us,
@@ -66,15 +67,12 @@ def rank(
     answer)."""
     matched = sum(count for _, count in groups)
     matched_tokens = min(matched * block_tokens, total_tokens)
-    unmatched_tokens = total_tokens - matched_tokens
     memo: ReadMemo = {}
     # A plan depends on the instance only through its links, unless it holds
     # some of the blocks itself: instances with the same links (a rack's,
     # a pool's) share one plan.
     holding = {shape.holder for shapes, _ in groups for shape in shapes}
     plans: dict[tuple[Link, ...], float | None] = {}
-    # Instances with the same prefill rate share their recompute estimates.
-    recomputes: dict[float, tuple[float, float]] = {}
     keyed = []
     for status in instances:
         fetch: float | None = 0.0
@@ -86,19 +84,15 @@ def rank(
                 fetch = plans[links]
             else:
                 fetch = plans[links] = _fetch_us(plan_groups(groups, status, memo))
-        rate = status.prefill_tokens_per_s
-        both = recomputes.get(rate)
-        if both is None:
-            both = recomputes[rate] = (
-                recompute_us(total_tokens, rate), recompute_us(unmatched_tokens, rate)
-            )  # fmt: skip
-        everything, rest = both
-        waiting = wait_us(status.queued, mean_service_us)
-        # cost(i) of PL1, as protocol.placement.placement_cost has it.
-        loading = everything if fetch is None else min(fetch + rest, everything)
-        candidate = Candidate(status.instance, waiting, fetch, everything, waiting + loading)
+        rate, queued = status.prefill_tokens_per_s, status.queued
+        cost = placement_cost(
+            fetch_us=fetch, matched_tokens=matched_tokens, total_tokens=total_tokens,
+            prefill_tokens_per_s=rate, queued=queued, mean_service_us=mean_service_us,
+        )  # fmt: skip
+        candidate = Candidate(status.instance, wait_us(queued, mean_service_us), fetch,
+                              recompute_us(total_tokens, rate), cost)  # fmt: skip
         # Cheapest first, ties to the least loaded, then by name.
-        keyed.append(((candidate.cost_us, status.queued, status.running, status.instance),
+        keyed.append(((cost, queued, status.running, status.instance),
                       candidate))  # fmt: skip
     keyed.sort(key=_first)
     return [candidate for _, candidate in keyed]
