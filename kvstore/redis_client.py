@@ -56,3 +56,16 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float = 5.0, **option
         **common,
         **options,
     )
+
+
+async def server_time(client: Any, key: str, *, cluster: bool) -> float:
+    """The clock (``TIME``, in seconds) of the node that serves ``key``: on
+    one node its own; on a cluster the master of the key's slot (TIME names
+    no key, and cluster pipelines refuse it). Redis errors pass through."""
+    if cluster:
+        await client.initialize()  # the slot map, once
+        node = client.get_node_from_key(key)
+        seconds, micros = await client.execute_command("TIME", target_nodes=node)
+    else:
+        seconds, micros = await client.time()
+    return int(seconds) + int(micros) / 1e6

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..protocol.problems import TierUnavailable
 from ..protocol.wire import role_id
-from ..redis_client import ERRORS, connect
+from ..redis_client import ERRORS, connect, server_time
 from .rules import InstanceEntry, MapEntry, SessionEntry
 from .state import ControllerState, InstanceChange, MapChange, SessionChange
 
@@ -139,12 +139,10 @@ class RedisControllerState(ControllerState):
         a pipeline on one node; on a cluster (whose pipelines refuse TIME)
         the two at once, TIME from the master of the ``{pc}`` slot."""
         if self._cluster:
-            await self._call(self._client.initialize())  # the slot map, once
-            node = self._client.get_node_from_key(self._instances_key)
-            got, now = await self._call(asyncio.gather(
+            got, seconds = await self._call(asyncio.gather(
                 self._client.execute_command(command, *args),
-                self._client.execute_command("TIME", target_nodes=node)))  # fmt: skip
-            return got, self._now(now)
+                server_time(self._client, self._instances_key, cluster=True)))  # fmt: skip
+            return got, self._clock() if self._clock is not None else seconds
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.execute_command(command, *args)
             pipe.time()

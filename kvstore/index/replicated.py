@@ -47,7 +47,7 @@ from typing import Any
 
 from ..protocol.problems import TierUnavailable
 from ..protocol.records import ReplicaRecord
-from ..redis_client import ERRORS, connect
+from ..redis_client import ERRORS, connect, server_time
 from .state import Hits, MemoryState, record_octets
 
 log = logging.getLogger("kvstore.index")
@@ -235,15 +235,8 @@ class ReplicatedState:
         """The offset of partition ``p``'s Redis clock from this host's,
         from ``TIME`` at the node that serves its stream."""
         before = self.wall_clock()
-        if self._cluster:
-            await self._client.initialize()  # the slot map, once
-            node = self._client.get_node_from_key(self._streams[p])
-            reply = await self._client.execute_command("TIME", target_nodes=node)
-        else:
-            reply = await self._client.time()
-        after = self.wall_clock()
-        seconds, micros = reply
-        self._offset_ms[p] = int(seconds) * 1000 + int(micros) / 1000 - (before + after) * 500
+        now = await server_time(self._client, self._streams[p], cluster=self._cluster)
+        self._offset_ms[p] = (now - (before + self.wall_clock()) / 2) * 1000
 
     def applied_up_to(self, p: int) -> tuple[int, int]:
         """The ID of the last entry of partition ``p`` this process applied."""
