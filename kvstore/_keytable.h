@@ -1,6 +1,6 @@
 /* kvstore/_keytable.h: the KeyTable type of kvstore._native (issue 20).
  *
- * Included once, by _native.c, after its hex helpers (HEX, parse16): one
+ * Included once, by _native.c, after its hex helpers (hex32, parse16): one
  * translation unit, so the walk there inlines the table's lookups.
  */
 /* ---- KeyTable: the index's cache of joined groups, keyed by raw keys ----
@@ -11,10 +11,11 @@
  * (64 characters) instead of hashing it as a str. Open addressing with
  * linear probing over slots that hold the key inline; the hash (hash32)
  * has a random seed per table, so published keys cannot be chosen to
- * collide, and a table that still sees a long probe draws a new one. Values are plain tuples of str, bytes, int and float (what a
- * group is): no value can reach the table back, so the table needs no part
- * in garbage collection (a dict of such tuples is untracked too), and
- * dropping a value runs no Python code.
+ * collide, and a table that still sees a long probe draws a new one.
+ * Values are plain tuples of str, bytes, int and float (what a group is):
+ * no value can reach the table back, so the table needs no part in garbage
+ * collection (a dict of such tuples is untracked too), and dropping a value
+ * runs no Python code.
  */
 typedef struct {
     unsigned char key[32];
@@ -203,7 +204,7 @@ table_set(KeyTable *t, const unsigned char *key, PyObject *value)
     Py_INCREF(value);
     t->slots[i].value = value;
     t->used++;
-    if (probes > probe_limit(t)) {
+    if (probes > 32 && probes > probe_limit(t)) { /* the limit: 32 at least */
         uint32_t seed[8];
         if (draw_seed(seed) < 0 || resize(t, t->used, seed) < 0)
             PyErr_Clear(); /* the entry is in; the next long probe tries again */
@@ -373,15 +374,10 @@ KeyTable_keys(KeyTable *t, PyObject *unused)
         Slot *s = &t->slots[k];
         if (s->value == NULL || s->value == REMOVED)
             continue;
-        PyObject *key = PyUnicode_New(64, 127);
+        PyObject *key = hex32(s->key);
         if (key == NULL) {
             Py_DECREF(out);
             return NULL;
-        }
-        Py_UCS1 *d = PyUnicode_1BYTE_DATA(key);
-        for (int j = 0; j < 32; j++) {
-            d[2 * j] = HEX[s->key[j] >> 4];
-            d[2 * j + 1] = HEX[s->key[j] & 15];
         }
         int failed = PyList_Append(out, key);
         Py_DECREF(key);

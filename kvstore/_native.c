@@ -14,6 +14,21 @@
 
 static const char HEX[] = "0123456789abcdef";
 
+/* A new str: the lowercase hex of the 32 octets at ``p``. */
+static PyObject *
+hex32(const unsigned char *p)
+{
+    PyObject *s = PyUnicode_New(64, 127);
+    if (s == NULL)
+        return NULL;
+    Py_UCS1 *d = PyUnicode_1BYTE_DATA(s);
+    for (int j = 0; j < 32; j++) {
+        d[2 * j] = HEX[p[j] >> 4];
+        d[2 * j + 1] = HEX[p[j] & 15];
+    }
+    return s;
+}
+
 /* hex_keys(octets) -> list[str]: the lowercase hex of each 32 octets. */
 static PyObject *
 hex_keys(PyObject *self, PyObject *arg)
@@ -34,18 +49,12 @@ hex_keys(PyObject *self, PyObject *arg)
     }
     const unsigned char *p = view.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *s = PyUnicode_New(64, 127);
+        PyObject *s = hex32(p + 32 * i);
         if (s == NULL) {
             Py_DECREF(out);
             PyBuffer_Release(&view);
             return NULL;
         }
-        Py_UCS1 *d = PyUnicode_1BYTE_DATA(s);
-        for (int j = 0; j < 32; j++) {
-            d[2 * j] = HEX[p[j] >> 4];
-            d[2 * j + 1] = HEX[p[j] & 15];
-        }
-        p += 32;
         PyList_SET_ITEM(out, i, s);
     }
     PyBuffer_Release(&view);
