@@ -35,173 +35,40 @@ import asyncio
 import concurrent.futures
 import hashlib
 import hmac
-import json
 import logging
-import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from ..client import HolderClient
-from ..config import ConfigError
 from ..holderset import HolderSet, rank
 from ..protocol._bytes import BytesLike
-from ..protocol.compat import CompatibilityDescriptor, parse_descriptor
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError, NotFound, PreconditionFailed
 from ..protocol.records import LeaseGrant
+from .options import ChunkSettings, Geometry, options_with_prefix
+
+__all__ = ["ChunkSettings", "ChunkStats", "ChunkStore", "Geometry", "LoopThread", "Pin",
+           "options_with_prefix"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NAME_LABEL = b"KVSTORE-CHUNK-1\x00"
+#: Most Block Keys in one ``POST leases`` (a holder's ``max_lease_keys`` is 8192).
+LEASE_KEYS = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Geometry:
-    """What the engine's own metadata says of its KV (a descriptor's geometry)."""
+class Pin:
+    """Where a chunk is held, and the lease (LE1) that keeps it there."""
 
-    layers: int
-    kv_heads: int
-    head_dim: int
-    kv_dtype: str
-    block_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkSettings:
-    holders: tuple[str, ...]
-    scope_key: bytes
-    descriptor: CompatibilityDescriptor
-    #: Keeps one engine's keys apart from another's ("lmcache", "sglang").
-    namespace: str
-    ssl_context: ssl.SSLContext | None = None
-    timeout_s: float = 5.0
-    #: How long a lease protects the chunks of one batched get (LE1).
-    lease_ms: int = 10_000
-    down_backoff_s: float = 5.0
-    #: Most requests in flight at once from one batch.
-    concurrency: int = 16
-
-    @classmethod
-    def from_options(
-        cls, options: Mapping[str, Any], *, namespace: str, geometry: Geometry
-    ) -> ChunkSettings:
-        """Settings from an engine's configuration strings (LMCache's
-        ``extra_config``, SGLang's ``--hicache-storage-backend-extra-config``),
-        keys without their ``kvstore.`` prefix:
-
-        * ``holders``: base URIs, a list or comma-separated (required);
-        * ``scope_key_file``: a scope key in hex, at least 32 octets (required);
-        * ``cafile``, ``certfile``, ``keyfile``: TLS and the client
-          certificate (required for ``https`` holders);
-        * the descriptor, either ``descriptor_file`` (a JSON Compatibility
-          Descriptor, whose geometry must match the engine's) or ``model``,
-          ``model_digest``, ``tokenizer_digest``, optional ``positional``
-          (default ``rope``) and ``adapters``, with the geometry taken from
-          the engine;
-        * ``timeout_s`` (5), ``lease_ms`` (10000), ``down_backoff_s`` (5).
-        """
-        holders = _holders(options.get("holders"))
-        key_file = _text(options, "scope_key_file")
-        try:
-            scope_key = bytes.fromhex(Path(key_file).read_text().strip())
-            scope_id(scope_key)  # K1: at least 32 octets
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"kvstore.scope_key_file: {key_file}: {exc}") from exc
-        context = None
-        if any(h.startswith("http://") for h in holders):
-            log.warning("kvstore.holders: plain http: no TLS, no client identity (the holder "
-                        "must allow anonymous access; development only)")  # fmt: skip
-        if any(h.startswith("https://") for h in holders):
-            from ..tls import client_context
-
-            try:
-                context = client_context(_text(options, "cafile"), _text(options, "certfile"),
-                                         _text(options, "keyfile"))  # fmt: skip
-            except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"kvstore TLS files: {exc}") from exc
-        return cls(
-            holders=holders,
-            scope_key=scope_key,
-            descriptor=_descriptor(options, geometry),
-            namespace=namespace,
-            ssl_context=context,
-            timeout_s=_number(options, "timeout_s", 5.0),
-            lease_ms=int(_number(options, "lease_ms", 10_000)),
-            down_backoff_s=_number(options, "down_backoff_s", 5.0),
-        )
-
-
-def _text(options: Mapping[str, Any], name: str) -> str:
-    value = options.get(name)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"kvstore.{name}: required (a non-empty string)")
-    return value
-
-
-def _number(options: Mapping[str, Any], name: str, default: float) -> float:
-    value = options.get(name, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"kvstore.{name}: {value!r} is not a number") from None
-    if not number > 0:
-        raise ConfigError(f"kvstore.{name}: must be positive")
-    return number
-
-
-def _holders(value: Any) -> tuple[str, ...]:
-    items = value.split(",") if isinstance(value, str) else value
-    holders = tuple(str(h).strip() for h in items if str(h).strip()) if items else ()
-    if not isinstance(items, list | tuple) or not holders:
-        raise ConfigError("kvstore.holders: required (holder base URIs)")
-    for holder in holders:
-        if not holder.startswith(("https://", "http://")):
-            raise ConfigError(f"kvstore.holders: {holder!r} is not an http(s) URI")
-    return tuple(h if h.endswith("/") else h + "/" for h in holders)
-
-
-def _descriptor(options: Mapping[str, Any], geometry: Geometry) -> CompatibilityDescriptor:
-    shape = {"layers": geometry.layers, "kv_heads": geometry.kv_heads,
-             "head_dim": geometry.head_dim, "kv_dtype": geometry.kv_dtype,
-             "block_tokens": geometry.block_tokens}  # fmt: skip
-    file = options.get("descriptor_file")
-    if file:
-        try:
-            descriptor = parse_descriptor(json.loads(Path(str(file)).read_text()))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"kvstore.descriptor_file: {file}: {exc}") from exc
-        found = {name: getattr(descriptor, name) for name in shape}
-        if found != shape:
-            raise ConfigError(f"kvstore.descriptor_file: geometry {found} is not the "
-                              f"engine's {shape}")  # fmt: skip
-        return descriptor
-    obj: dict[str, Any] = {
-        "model": _text(options, "model"),
-        "model_digest": _text(options, "model_digest"),
-        "tokenizer_digest": _text(options, "tokenizer_digest"),
-        "positional": options.get("positional", "rope"),
-        "layout": "kvsp-layout-1",
-        **shape,
-    }
-    if options.get("adapters"):
-        adapters = options["adapters"]
-        obj["adapters"] = adapters.split(",") if isinstance(adapters, str) else list(adapters)
-    try:
-        return parse_descriptor(obj)
-    except KvspError as exc:
-        raise ConfigError(f"kvstore descriptor: {exc.detail}") from exc
-
-
-def options_with_prefix(
-    options: Mapping[str, Any] | None, prefix: str = "kvstore."
-) -> dict[str, Any]:
-    """The ``kvstore.*`` entries of an engine's extra configuration, unprefixed."""
-    return {k[len(prefix) :]: v for k, v in (options or {}).items() if k.startswith(prefix)}
+    holder: str
+    #: None where the holder has it but granted no lease (its quota, LE3).
+    lease: str | None
+    ttl_ms: int
 
 
 @dataclass(slots=True)
@@ -292,6 +159,10 @@ class ChunkStore:
         now = time.monotonic()
         return sorted(ranked, key=lambda h: self._down_until.get(h, 0.0) > now)  # stable
 
+    def healthy(self) -> bool:
+        """Whether some holder is not being skipped for a failure now."""
+        return any(self._up(h) for h in self.holders)
+
     def _up(self, holder: str) -> bool:
         return self._down_until.get(holder, 0.0) <= time.monotonic()
 
@@ -380,27 +251,31 @@ class ChunkStore:
         names: Sequence[str],
         convert: Callable[[int, bytes], T | None],
         release: Callable[[T], None] | None = None,
+        pinned: Sequence[Pin | None] | None = None,
     ) -> list[T | None]:
         """``convert(i, container)`` of each chunk as it arrives (None: a
         miss, or ``convert`` refused it), each holder's chunks under one lease for
-        the time of the transfer (LE1: not evicted meanwhile). If the call
-        is cancelled, what was converted is given to ``release``."""
+        the time of the transfer (LE1: not evicted meanwhile). A chunk with
+        a lease of :meth:`pin_many` (``pinned[i]``) is read at its holder
+        under that lease, and nowhere else. If the call is cancelled, what
+        was converted is given to ``release``."""
         keys = [self.block_key(n) for n in names]
         await self._discover()
         found: list[T | None] = [None] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
         todo = list(range(len(keys)))
         try:
+            if pinned is not None:
+                at: dict[str, list[int]] = {}
+                for i, pin in enumerate(pinned):
+                    if pin is not None and pin.lease is not None:
+                        at.setdefault(pin.holder, []).append(i)
+                await asyncio.gather(*(self._get_from(h, idx, keys, found, convert, lease=False)
+                                       for h, idx in at.items()))  # fmt: skip
+                done = {i for idx in at.values() for i in idx}
+                todo = [i for i in todo if i not in done]
             while todo:
-                # Each missing chunk from the next holder of its order not yet
-                # asked (a holder that failed meanwhile is skipped, not its turn).
-                by_holder: dict[str, list[int]] = {}
-                for i in todo:
-                    holder = next((h for h in self.holders_for(keys[i])
-                                   if h not in tried[i] and self._up(h)), None)  # fmt: skip
-                    if holder is not None:
-                        tried[i].add(holder)
-                        by_holder.setdefault(holder, []).append(i)
+                by_holder = self._next_holders(todo, keys, tried)
                 if not by_holder:
                     break
                 await asyncio.gather(*(self._get_from(h, idx, keys, found, convert)
@@ -417,16 +292,118 @@ class ChunkStore:
         self.stats.misses += len(found) - hits
         return found
 
-    async def _get_from(
-        self,
-        holder: str,
-        indices: list[int],
-        keys: list[str],
-        found: list[T | None],
-        convert: Callable[[int, bytes], T | None],
+    async def pin_many(self, names: Sequence[str], tries: int = 2) -> list[Pin | None]:
+        """Where each of ``names`` is held, each under a lease (LE1: not
+        evicted while it lasts), one ``POST leases`` per holder and batch;
+        None for one no holder has. A chunk is asked at the first ``tries``
+        holders of its order (it is at the first unless that one was down
+        when it was stored). The caller renews (:meth:`renew`) and releases
+        (:meth:`release`) the leases; :attr:`Pin.lease` is None where the
+        holder found the chunk but granted no lease (its lease quota, LE3)."""
+        keys = [self.block_key(n) for n in names]
+        await self._discover()
+        found: list[Pin | None] = [None] * len(keys)
+        tried: list[set[str]] = [set() for _ in keys]
+        todo = list(range(len(keys)))
+        for _ in range(tries):
+            by_holder = self._next_holders(todo, keys, tried)
+            if not by_holder:
+                break
+            await asyncio.gather(*(self._pin_at(h, idx, keys, found)
+                                   for h, idx in by_holder.items()))  # fmt: skip
+            todo = [i for i in todo if found[i] is None]
+        return found
+
+    def _next_holders(
+        self, todo: list[int], keys: list[str], tried: list[set[str]]
+    ) -> dict[str, list[int]]:
+        """Each chunk of ``todo`` by the next holder of its order not yet
+        asked (a holder that failed meanwhile is skipped, not its turn)."""
+        by_holder: dict[str, list[int]] = {}
+        for i in todo:
+            holder = next((h for h in self.holders_for(keys[i])
+                           if h not in tried[i] and self._up(h)), None)  # fmt: skip
+            if holder is not None:
+                tried[i].add(holder)
+                by_holder.setdefault(holder, []).append(i)
+        return by_holder
+
+    async def _pin_at(
+        self, holder: str, indices: list[int], keys: list[str], found: list[Pin | None]
     ) -> None:
+        at: dict[str, list[int]] = {}
+        for i in indices:
+            at.setdefault(keys[i], []).append(i)
+        wanted = list(at)
+        for start in range(0, len(wanted), LEASE_KEYS):  # a holder caps a lease's keys
+            part = wanted[start : start + LEASE_KEYS]
+            try:
+                grant = await self._lease(holder, part)
+            except NotFound:
+                continue  # none of them is there
+            except Exception as exc:
+                self._failed(holder, "a lease", exc)
+                if not self._up(holder):
+                    return
+                # Refused (a lease quota): found where a HEAD finds it, unpinned.
+                held = await asyncio.gather(*(self._has(holder, k) for k in part))
+                unpinned = Pin(holder, None, 0)
+                for key in (k for k, h in zip(part, held, strict=True) if h):
+                    for i in at[key]:
+                        found[i] = unpinned
+                continue
+            pin = Pin(holder, grant.lease, grant.ttl_ms)
+            for key in grant.block_keys or part:
+                for i in at.get(key, ()):
+                    found[i] = pin
+
+    async def _has(self, holder: str, block_key: str) -> bool:
+        try:
+            async with self._slot():
+                return await self._http().has_block(holder, self.compat_id, self.scope_id,
+                                                    block_key)  # fmt: skip
+        except Exception as exc:
+            self._failed(holder, "a lookup", exc)
+            return False
+
+    async def renew(self, pin: Pin, ttl_ms: int) -> int | None:
+        """Extend a lease of :meth:`pin_many` (LE1); its new TTL in ms, or
+        None when it is gone (expired, the holder restarted or failed)."""
+        if pin.lease is None:
+            return None
+        try:
+            async with self._slot():
+                grant = await self._http().renew_lease(pin.holder, pin.lease, ttl_ms)
+        except Exception as exc:
+            if not isinstance(exc, NotFound):
+                self._failed(pin.holder, "a lease renewal", exc)
+            return None
+        return grant.ttl_ms
+
+    async def release(self, pin: Pin) -> None:
+        """Release a lease of :meth:`pin_many`, asking twice; one still not
+        released expires by itself (its TTL bounds how long it pins)."""
+        for attempt in range(2):
+            if pin.lease is None:
+                return
+            try:
+                await self._http().release_lease(pin.holder, pin.lease)
+                return
+            except NotFound:
+                return  # expired meanwhile
+            except Exception as exc:
+                if attempt:
+                    log.info("lease %s at %s not released (%r); it expires by itself",
+                             pin.lease, pin.holder, exc)  # fmt: skip
+                else:
+                    await asyncio.sleep(0.2)
+
+    async def _lease(self, holder: str, wanted: list[str]) -> LeaseGrant:
+        """``POST leases`` for ``wanted`` at ``holder`` within the request
+        limit. Cancelled while the holder may be granting it, the lease is
+        released once granted, not left to pin the chunks (and the quota)
+        until it expires."""
         http = self._http()
-        wanted = list(dict.fromkeys(keys[i] for i in indices))
 
         async def take_lease() -> LeaseGrant:
             async with self._slot():
@@ -434,23 +411,36 @@ class ChunkStore:
                                         scope_id=self.scope_id,
                                         compat_id=self.compat_id)  # fmt: skip
 
-        grant = None
         call = asyncio.ensure_future(take_lease())
         try:
             grant = await asyncio.shield(call)
-            self.stats.leases += 1
         except asyncio.CancelledError:
-            # Cancelled while the holder may be granting it: released once
-            # granted, not left to pin the chunks (and the quota) until it expires.
             self._later(self._release_when_granted(holder, call))
             raise
-        except NotFound:
-            return  # none of them is there
-        except Exception as exc:
-            # No lease (a quota, a fault): fetch anyway; a miss costs the same.
-            self._failed(holder, "a lease", exc)
-            if not self._up(holder):
-                return
+        self.stats.leases += 1
+        return grant
+
+    async def _get_from(
+        self,
+        holder: str,
+        indices: list[int],
+        keys: list[str],
+        found: list[T | None],
+        convert: Callable[[int, bytes], T | None],
+        lease: bool = True,
+    ) -> None:
+        http = self._http()
+        grant = None
+        if lease:
+            try:
+                grant = await self._lease(holder, list(dict.fromkeys(keys[i] for i in indices)))
+            except NotFound:
+                return  # none of them is there
+            except Exception as exc:
+                # No lease (a quota, a fault): fetch anyway; a miss costs the same.
+                self._failed(holder, "a lease", exc)
+                if not self._up(holder):
+                    return
         leased = set(grant.block_keys) if grant is not None and grant.block_keys else None
 
         async def one(i: int) -> None:

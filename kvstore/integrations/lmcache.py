@@ -53,11 +53,10 @@ from lmcache.v1.storage_backend.connector import (
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ..config import ConfigError
-from ..protocol import container as kc
-from ..protocol.codecs import CODEC_RAW
 from ..protocol.problems import KvspError
 from ..protocol.tensors import kv_dtype_of
 from .chunks import ChunkSettings, ChunkStore, Geometry, options_with_prefix
+from .kv2ltd import chunk_container, chunk_of, copy_chunk
 
 log = logging.getLogger(__name__)
 
@@ -123,28 +122,17 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
                                                            self.row_octets):  # fmt: skip
             raise ValueError(f"kvstore: chunk of shape {memory_obj.get_shapes()[0]} unexpected")
         buf = memoryview(memory_obj.byte_array).cast("B")
-        section = tokens * self.row_octets
-        return kc.encode([(buf[i * section : (i + 1) * section],
-                           buf[(layers + i) * section : (layers + i + 1) * section])
-                          for i in range(layers)], token_count=tokens)  # fmt: skip
+        return chunk_container(buf, layers, tokens, self.row_octets)
 
     def decode(self, body: bytes) -> MemoryObj | None:
         """The container of a chunk back into a buffer LMCache allocates;
         None for one that is not a chunk of this geometry."""
-        try:
-            container = kc.decode(body)
-        except KvspError as exc:
-            log.warning("kvstore: a holder served a chunk that does not decode: %s", exc.detail)
+        layers = self.geometry.layers
+        container = chunk_of(body, layers, self.row_octets, self.geometry.block_tokens)
+        if container is None:
             return None
-        layers, tokens = self.geometry.layers, container.token_count
-        section = tokens * self.row_octets
-        shape_ok = (container.codec == CODEC_RAW and container.first_layer == 0
-                    and len(container) == layers
-                    and 0 < tokens <= self.geometry.block_tokens)  # fmt: skip
-        if not shape_ok or any(len(x.k) != section or len(x.v) != section for x in container):
-            log.warning("kvstore: a holder served a chunk of another geometry; ignored")
-            return None
-        shape = torch.Size([2, layers, tokens, self.row_octets // self.dtype.itemsize])
+        shape = torch.Size([2, layers, container.token_count,
+                            self.row_octets // self.dtype.itemsize])  # fmt: skip
         # Not LMCache's busy wait: it would sleep on the very loop whose puts
         # free the memory; a chunk that does not fit now is a miss.
         memory_obj = self.local_cpu_backend.allocate(shape, self.dtype, MemoryFormat.KV_2LTD,
@@ -153,10 +141,8 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
             log.warning("kvstore: LMCache could not allocate a chunk buffer")
             return None
         try:
-            buf = memoryview(memory_obj.byte_array).cast("B")
-            for i, layer in enumerate(container):
-                buf[i * section : (i + 1) * section] = layer.k
-                buf[(layers + i) * section : (layers + i + 1) * section] = layer.v
+            copy_chunk(container, memoryview(memory_obj.byte_array).cast("B"), layers,
+                       self.row_octets)  # fmt: skip
         except BaseException:
             memory_obj.ref_count_down()  # given back, not left to the collector
             raise
