@@ -50,6 +50,7 @@ unit: $(VENV)/.installed-test
 # state; SGLang needs import stubs on a CPU-only machine).
 engines: $(ENGINES)/.installed
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_lmcache.py
+	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_lmcache_mp.py
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_sglang.py
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_bench.py
 

@@ -55,17 +55,22 @@ class Holder:
         self.process.stop()
 
 
-def start_holder(root: Path) -> Holder:
+def start_holder(root: Path, capacity: int = 256 << 20, scope_keys: int = 1) -> Holder:
+    """A holder with ``capacity`` octets of host memory; its policy lets the
+    engine's principal read and write the scopes of ``scope.key`` (and of
+    ``scope-1.key`` ... for ``scope_keys`` above one)."""
     create_dev_certificates(root / "certs", ["engine"])
-    key = os.urandom(32)
-    (root / "scope.key").write_text(key.hex())
-    scope = scope_id(key).hex()
+    scopes = []
+    for i in range(scope_keys):
+        key = os.urandom(32)
+        (root / ("scope.key" if i == 0 else f"scope-{i}.key")).write_text(key.hex())
+        scopes.append(scope_id(key).hex())
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
     (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:engine": {"read_scopes": [scope], "write_scopes": [scope]}}}))  # fmt: skip
+        "urn:kvstore:engine": {"read_scopes": scopes, "write_scopes": scopes}}}))  # fmt: skip
     config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-              '[[storage.tiers]]\nbackend = "host"\ncapacity = 268435456\n')  # fmt: skip
+              f'[[storage.tiers]]\nbackend = "host"\ncapacity = {capacity}\n')  # fmt: skip
     process = Process(root, "holder", config, "holder")
     process.start(port)
     return Holder(root, uri, port, process, root / "scope.key")
