@@ -1,11 +1,12 @@
-"""``kvstore bench engines``: chunk round trips through the LMCache plug-in
-and the SGLang HiCache backend, each against :class:`kvstore.client.HolderClient`
-moving the same octets, with the same concurrency, to the same holder
-process (mTLS, host memory) in the same run.
+"""``kvstore bench engines``: chunk round trips through the LMCache plug-in,
+LMCache's MP-mode L2 adapter and the SGLang HiCache backend, each against
+:class:`kvstore.client.HolderClient` moving the same octets, with the same
+concurrency, to the same holder process (mTLS, host memory) in the same run.
 
 The plug-ins' costs beyond the client are theirs: naming (one HMAC a
 chunk), a lease around every batched get (two more requests per holder and
-batch), the copies between the engine's buffers and the container (one
+batch; the MP adapter's lookup-and-lock is its lease, and its unlock the
+release), the copies between the engine's buffers and the container (one
 each way; SGLang's page_first pages one more on puts, strided per layer),
 and the engine's own machinery (LMCache's event loop thread,
 SGLang's synchronous calls through a loop thread). Runs in the engines'
@@ -141,6 +142,72 @@ def _lmcache(root: Path, uri: str, count: int, rounds: int) -> tuple[float, floa
         LMCacheEngineBuilder.destroy("kvstore-bench")
 
 
+def _lmcache_mp(root: Path, uri: str, count: int, rounds: int) -> tuple[float, float]:
+    """Seconds to store, then to look up, lock, load and unlock ``count``
+    chunks through the MP-mode L2 adapter, submitted as LMCache's
+    controllers submit them (one task per batch, completion by event fd)."""
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    import select
+
+    import torch
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+    from lmcache.v1.platform.event_notifier import consume_fd
+
+    from ..integrations.lmcache_mp import KvstoreL2Adapter
+
+    shape = torch.Size([2, LAYERS, TOKENS, HEADS * HEAD_DIM])
+
+    def chunk(data: torch.Tensor) -> Any:
+        meta = MemoryObjMetadata(shape=shape, dtype=torch.bfloat16, address=0,
+                                 phy_size=data.numel() * 2, ref_count=1,
+                                 fmt=MemoryFormat.KV_2LTD, shapes=[shape],
+                                 dtypes=[torch.bfloat16])  # fmt: skip
+        return TensorMemoryObj(data, meta, None)
+
+    params: dict[str, Any] = {k.removeprefix("kvstore."): v
+                              for k, v in _options(root, uri).items()}  # fmt: skip
+    params.update(layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, kv_dtype="bf16",
+                  chunk_size=TOKENS, timeout_s=60)  # fmt: skip
+    adapter = KvstoreL2Adapter(params)
+
+    def wait(fd: int, result: Any) -> Any:
+        while (found := result()) is None:  # as LMCache's controllers wait
+            if select.select([fd], [], [], 1.0)[0]:
+                consume_fd(fd)
+        return found
+
+    try:
+        sources = [chunk(torch.randn(shape.numel()).to(torch.bfloat16)) for _ in range(count)]
+        targets = [chunk(torch.zeros(shape.numel(), dtype=torch.bfloat16)) for _ in range(count)]
+
+        def once(round_: int) -> tuple[float, float]:
+            keys = [ObjectKey(chunk_hash=(round_ * 100_000 + i).to_bytes(8, "big"),
+                              model_name="bench", kv_rank=1 << 24)
+                    for i in range(count)]  # fmt: skip
+            started = time.perf_counter()
+            task = adapter.submit_store_task(keys, sources)
+            stored = wait(adapter.get_store_event_fd(),
+                          lambda: adapter.pop_completed_store_tasks().get(task))  # fmt: skip
+            middle = time.perf_counter()
+            task = adapter.submit_lookup_and_lock_task(keys, {})
+            found = wait(adapter.get_lookup_and_lock_event_fd(),
+                         lambda: adapter.query_lookup_and_lock_result(task))  # fmt: skip
+            task = adapter.submit_load_task(keys, targets)
+            loaded = wait(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+            adapter.submit_unlock(keys)
+            done = time.perf_counter()
+            assert stored.is_successful(), "a chunk was not stored"
+            assert all(found.test(i) and loaded.test(i) for i in range(count)), "a chunk missed"
+            assert torch.equal(targets[-1].tensor, sources[-1].tensor)
+            return middle - started, done - middle
+
+        runs = [once(r) for r in range(rounds + 1)][1:]  # round 0 warms up
+        return min(p for p, _ in runs), min(g for _, g in runs)
+    finally:
+        adapter.close()
+
+
 def _sglang(root: Path, uri: str, count: int, rounds: int) -> tuple[float, float]:
     from . import sglang_stubs
 
@@ -203,6 +270,7 @@ def run(quick: bool = False) -> list[Result]:
             uri = servers.holder("host", tls=True)
             put_s, get_s = _direct(servers, uri, container, count, rounds)
             lm_put, lm_get = _lmcache(root, uri, count, rounds)
+            mp_put, mp_get = _lmcache_mp(root, uri, count, rounds)
             sg_put, sg_get = _sglang(root, uri, count, rounds)
         finally:
             servers.close()
@@ -212,6 +280,10 @@ def run(quick: bool = False) -> list[Result]:
                "kvstore.client put_block", mib / put_s),
         Result(f"LMCache plug-in get, {size}", "MiB/s", mib / lm_get,
                "kvstore.client get_block", mib / get_s),
+        Result(f"LMCache MP L2 adapter store, {size}", "MiB/s", mib / mp_put,
+               "kvstore.client put_block", mib / put_s),
+        Result(f"LMCache MP L2 adapter lookup+lock, load, unlock, {size}", "MiB/s",
+               mib / mp_get, "kvstore.client get_block", mib / get_s),
         Result(f"SGLang batch_set_v1, {size}", "MiB/s", mib / sg_put,
                "kvstore.client put_block", mib / put_s),
         Result(f"SGLang batch_get_v1, {size}", "MiB/s", mib / sg_get,
