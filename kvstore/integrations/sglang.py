@@ -24,6 +24,12 @@ parallel rank; the Block Key is a keyed hash of that name
 (:mod:`kvstore.integrations.chunks`), shared by the SGLang servers of the
 scope and descriptor, not with token-keyed KVSP clients.
 
+Hybrid models' extra host pools (Mamba, SWA, indexers) move through
+SGLang's v2 batch interface (``batch_exists_v2`` / ``batch_get_v2`` /
+``batch_set_v2``, pools registered by ``register_mem_host_pool_v2``),
+served by :mod:`kvstore.integrations.sglang_v2` over the same store; its
+KV pages are v1's pages.
+
 SGLang's storage threads are not async: calls go to an event loop in a
 thread of this backend's own. A holder that is down makes pages miss
 (``False``, ``None``, a shorter prefix); nothing raises into SGLang.
@@ -31,6 +37,7 @@ thread of this backend's own. A holder that is down makes pages miss
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import sys
@@ -39,14 +46,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransferResult,
+)
 
 from ..config import ConfigError
 from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
 from ..protocol.codecs import CODEC_RAW
 from ..protocol.problems import KvspError
 from ..protocol.tensors import kv_dtype_of, section_to_tensor, tensor_to_section
+from . import sglang_v2
 from .chunks import ChunkSettings, ChunkStore, Geometry, LoopThread, options_with_prefix
+from .sglang_v2 import Batch, FlatPages, PageFormat
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +84,67 @@ def canonical_page(page: torch.Tensor, layout: str, geometry: Geometry) -> torch
     if layout == "page_head":
         return page.view(2, heads, tokens, layers, dim).permute(0, 3, 2, 1, 4)
     raise ConfigError(f"kvstore: host memory layout {layout!r} not supported ({LAYOUTS})")
+
+
+class KvPages:
+    """A KV host pool's pages as containers (the module's format): the KV
+    pool's, and a KV-shaped extra pool's (:mod:`.sglang_v2`)."""
+
+    def __init__(self, pool: Any, tag: str = "") -> None:
+        if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
+            raise ConfigError("kvstore: K and V of different head dims are not supported")
+        try:
+            kv_dtype = kv_dtype_of(pool.dtype)
+        except ValueError as exc:
+            raise ConfigError(f"kvstore: {exc}") from None
+        if pool.layout not in LAYOUTS:
+            raise ConfigError(f"kvstore: host layout {pool.layout!r} not supported ({LAYOUTS})")
+        self.pool = pool
+        self.geometry = Geometry(pool.layer_num, pool.head_num, pool.head_dim, kv_dtype,
+                                 pool.page_size)  # fmt: skip
+        self.layout: str = pool.layout
+        self.dtype: torch.dtype = pool.dtype
+        self.page_size: int = pool.page_size
+        self.tag = tag
+
+    def page(self, slot: int) -> torch.Tensor:
+        """The pool's page starting at token slot ``slot``, as a canonical view."""
+        return canonical_page(self.pool.get_data_page(slot, flat=False), self.layout,
+                              self.geometry)  # fmt: skip
+
+    def encode(self, page: torch.Tensor) -> bytearray:
+        """One page (as :func:`canonical_page` sees it) as a container."""
+        sections = [(tensor_to_section(page[0, layer]), tensor_to_section(page[1, layer]))
+                    for layer in range(self.geometry.layers)]  # fmt: skip
+        return kc.encode(sections, token_count=self.geometry.block_tokens)
+
+    def decode_into(self, body: bytes | None, page: torch.Tensor) -> bool:
+        """Write a served container into ``page`` (a canonical view); False
+        (and ``page`` untouched) for a miss or a container of another shape."""
+        if body is None:
+            return False
+        try:
+            container = kc.decode(body)
+        except KvspError as exc:
+            log.warning("kvstore: a holder served a page that does not decode: %s", exc.detail)
+            return False
+        g = self.geometry
+        section = g.block_tokens * g.kv_heads * g.head_dim * self.dtype.itemsize
+        if (container.codec != CODEC_RAW or container.first_layer != 0
+                or len(container) != g.layers or container.token_count != g.block_tokens
+                or any(len(x.k) != section or len(x.v) != section for x in container)):  # fmt: skip
+            log.warning("kvstore: a holder served a page of another geometry; ignored")
+            return False
+        for layer, sections in enumerate(container):
+            page[0, layer].copy_(section_to_tensor(sections.k, g.kv_dtype, g.kv_heads, g.head_dim))
+            page[1, layer].copy_(section_to_tensor(sections.v, g.kv_dtype, g.kv_heads, g.head_dim))
+        return True
+
+    def container_at(self, slot: int) -> bytearray:
+        return self.encode(self.page(slot))
+
+    def write_at(self, slot: int, body: bytes) -> bool:
+        return self.decode_into(body, self.page(slot))
 
 
 class _Transfer:
@@ -106,6 +182,8 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.store: ChunkStore | None = None
         self.loop: LoopThread | None = None
         self.mem_pool_host: Any = None
+        #: Each host pool's page format, by SGLang's pool name (v2).
+        self.formats: dict[str, PageFormat] = {}
 
     # --- set-up -----------------------------------------------------------------
 
@@ -113,19 +191,9 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """SGLang hands over its host pool after construction: the geometry
         (and so the descriptor) is known only now."""
         self.mem_pool_host = mem_pool_host
-        host = mem_pool_host
-        if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
-            raise ConfigError("kvstore: K and V of different head dims are not supported")
-        try:
-            kv_dtype = kv_dtype_of(host.dtype)
-        except ValueError as exc:
-            raise ConfigError(f"kvstore: {exc}") from None
-        if host.layout not in LAYOUTS:
-            raise ConfigError(f"kvstore: host layout {host.layout!r} not supported ({LAYOUTS})")
-        self.geometry = Geometry(host.layer_num, host.head_num, host.head_dim, kv_dtype,
-                                 host.page_size)  # fmt: skip
-        self.layout = host.layout
-        self.dtype = host.dtype
+        self.kv = KvPages(mem_pool_host)
+        self.formats[str(PoolName.KV)] = self.kv
+        self.geometry, self.layout, self.dtype = self.kv.geometry, self.kv.layout, self.kv.dtype
         self.store = ChunkStore(ChunkSettings.from_options(self.options, namespace="sglang",
                                                            geometry=self.geometry))  # fmt: skip
         self.loop = LoopThread("kvstore-hicache")
@@ -134,6 +202,29 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         log.info("kvstore HiCache backend: holders %s, scope %s, compat %s, layout %s",
                  ",".join(self.store.settings.holders), self.store.scope_id,
                  self.store.compat_id, self.layout)  # fmt: skip
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Each host pool of a hybrid model, the KV pool among them (after
+        :meth:`register_mem_pool_host`; extra pools may come later). A pool
+        whose pages cannot be stored is logged, and its pages miss."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
+            return  # the KV pool is register_mem_pool_host's: its pages are v1's
+        try:
+            self.formats[name] = self._format_of(host_pool, name)
+        except Exception as exc:
+            log.error("kvstore: SGLang's %s pool cannot be stored (%r); its pages miss", name, exc)
+
+    def _format_of(self, pool: Any, name: str) -> PageFormat:
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+        if isinstance(pool, MHATokenToKVPoolHost):
+            try:
+                return KvPages(pool, tag=f"#{name}")
+            except ConfigError as exc:
+                log.info("kvstore: %s pool stored as flat pages: %s", name, exc)
+        return FlatPages(pool, name, self.geometry.block_tokens)
 
     def _ready(self) -> tuple[ChunkStore, LoopThread]:
         if self.store is None or self.loop is None:
@@ -154,40 +245,32 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             log.warning("kvstore: a transfer did not complete (%r): a miss", exc)
             return miss
 
-    # --- pages <-> containers ----------------------------------------------------
+    def _store(self, names: Sequence[str],
+               containers: Sequence[Callable[[], BytesLike]]) -> list[bool]:  # fmt: skip
+        """Each page's container is built (one copy, from SGLang's memory)
+        only when a request slot is free to send it."""
+        store, _ = self._ready()
 
-    def encode(self, page: torch.Tensor) -> bytearray:
-        """One page (as :func:`canonical_page` sees it) as a container."""
-        sections = [(tensor_to_section(page[0, layer]), tensor_to_section(page[1, layer]))
-                    for layer in range(self.geometry.layers)]  # fmt: skip
-        return kc.encode(sections, token_count=self.geometry.block_tokens)
+        async def put_all() -> list[bool]:
+            pairs = zip(names, containers, strict=True)
+            return list(await asyncio.gather(*(store.put(n, c) for n, c in pairs)))
 
-    def decode_into(self, body: bytes | None, page: torch.Tensor) -> bool:
-        """Write a served container into ``page`` (a canonical view); False
-        (and ``page`` untouched) for a miss or a container of another shape."""
-        if body is None:
-            return False
-        try:
-            container = kc.decode(body)
-        except KvspError as exc:
-            log.warning("kvstore: a holder served a page that does not decode: %s", exc.detail)
-            return False
-        g = self.geometry
-        section = g.block_tokens * g.kv_heads * g.head_dim * self.dtype.itemsize
-        if (container.codec != CODEC_RAW or container.first_layer != 0
-                or len(container) != g.layers or container.token_count != g.block_tokens
-                or any(len(x.k) != section or len(x.v) != section for x in container)):  # fmt: skip
-            log.warning("kvstore: a holder served a page of another geometry; ignored")
-            return False
-        for layer, sections in enumerate(container):
-            page[0, layer].copy_(section_to_tensor(sections.k, g.kv_dtype, g.kv_heads, g.head_dim))
-            page[1, layer].copy_(section_to_tensor(sections.v, g.kv_dtype, g.kv_heads, g.head_dim))
-        return True
+        return list(self._run(put_all(), [False] * len(names)))
 
-    def _pool_page(self, start: int) -> torch.Tensor:
-        """The host pool's page starting at token slot ``start``, as a view."""
-        return canonical_page(self.mem_pool_host.get_data_page(start, flat=False), self.layout,
-                              self.geometry)  # fmt: skip
+    def _fetch(self, names: Sequence[str], write: Callable[[int, bytes], bool]) -> list[bool]:
+        """Each page written by ``write(i, container)`` as it arrives, all
+        under one lease per holder (LE1)."""
+        store, _ = self._ready()
+        transfer = _Transfer()
+
+        def written(i: int, body: bytes) -> bool | None:
+            with transfer.lock:
+                if not transfer.open:
+                    return None
+                return True if write(i, body) else None
+
+        found = self._run(store.fetch_many(names, written), [None] * len(names), transfer)
+        return [x is not None for x in found]
 
     # --- zero-copy interface (interface_v1) --------------------------------------
 
@@ -195,49 +278,20 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                      extra_info: Any = None) -> list[bool]:  # fmt: skip
         size = self.geometry.block_tokens
 
-        def page_at(i: int) -> Callable[[], torch.Tensor]:
-            return lambda: self._pool_page(int(host_indices[i * size]))
+        def container(i: int) -> Callable[[], bytearray]:
+            return lambda: self.kv.container_at(int(host_indices[i * size]))
 
-        return self._put_pages(keys, [page_at(i) for i in range(len(keys))])
+        return self._store([k + self.suffix for k in keys],
+                           [container(i) for i in range(len(keys))])  # fmt: skip
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:  # fmt: skip
         size = self.geometry.block_tokens
-        found = self._get_pages(keys, lambda i: self._pool_page(int(host_indices[i * size])))
-        return [x is not None for x in found]
 
-    def _put_pages(
-        self, keys: list[str], pages: Sequence[Callable[[], torch.Tensor]]
-    ) -> list[bool]:
-        """Each page's container is built (one copy, from SGLang's memory)
-        only when a request slot is free to send it."""
-        store, _ = self._ready()
+        def write(i: int, body: bytes) -> bool:
+            return self.kv.write_at(int(host_indices[i * size]), body)
 
-        def builder(page: Callable[[], torch.Tensor]) -> Callable[[], bytearray]:
-            return lambda: self.encode(page())
-
-        async def put_all() -> list[bool]:
-            import asyncio
-
-            pairs = zip(keys, pages, strict=True)
-            return list(await asyncio.gather(*(store.put(k + self.suffix, builder(page))
-                                               for k, page in pairs)))  # fmt: skip
-
-        return list(self._run(put_all(), [False] * len(keys)))
-
-    def _get_pages(self, keys: list[str], page: Any) -> list[bool | None]:
-        """Each served page written into ``page(i)`` as it arrives."""
-        store, _ = self._ready()
-        transfer = _Transfer()
-
-        def write(i: int, body: bytes) -> bool | None:
-            with transfer.lock:
-                if not transfer.open:
-                    return None
-                return True if self.decode_into(body, page(i)) else None
-
-        names = [k + self.suffix for k in keys]
-        return list(self._run(store.fetch_many(names, write), [None] * len(keys), transfer))
+        return self._fetch([k + self.suffix for k in keys], write)
 
     # --- copying interface -------------------------------------------------------
 
@@ -247,10 +301,10 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:  # fmt: skip
-        def page_of(value: torch.Tensor) -> Callable[[], torch.Tensor]:
-            return lambda: canonical_page(value, self.layout, self.geometry)
+        def container(value: torch.Tensor) -> Callable[[], bytearray]:
+            return lambda: self.kv.encode(canonical_page(value, self.layout, self.geometry))
 
-        return all(self._put_pages(keys, [page_of(v) for v in values]))
+        return all(self._store([k + self.suffix for k in keys], [container(v) for v in values]))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.batch_get([key], [target_location])[0]
@@ -261,9 +315,12 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         targets: list[torch.Tensor] = [
             t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given
         ]
-        found = self._get_pages(
-            keys, lambda i: canonical_page(targets[i], self.layout, self.geometry)
-        )
+
+        def write(i: int, body: bytes) -> bool:
+            return self.kv.decode_into(body, canonical_page(targets[i], self.layout,
+                                                            self.geometry))  # fmt: skip
+
+        found = self._fetch([k + self.suffix for k in keys], write)
         return [targets[i] if ok else None for i, ok in enumerate(found)]
 
     def exists(self, key: str) -> bool:
@@ -274,6 +331,39 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         store, _ = self._ready()
         names = [k + self.suffix for k in keys]
         return int(self._run(store.contains_prefix(names), 0))
+
+    # --- v2 batch interface (hybrid models' pools; .sglang_v2) -------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
+                        extra_info: Any = None) -> PoolTransferResult:  # fmt: skip
+        """The usable prefix of ``keys``, the KV pages and each pool's pages
+        by its hit policy (:mod:`.sglang_v2`)."""
+        store, _ = self._ready()
+        transfers = list(pool_transfers or ())
+        found = sglang_v2.exists(store, keys, transfers, self.formats, self.suffix)
+        return self._run(found, PoolTransferResult(0, {}, []))
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages from the holders into its host pool, all
+        pools in one batch; per pool, which pages were written."""
+        batch = Batch.of(transfers, self.formats, self.suffix)
+
+        def write(i: int, body: bytes) -> bool:
+            fmt, slot = batch.pages[i]
+            return fmt.write_at(slot, body)
+
+        return batch.results(self._fetch(batch.names, write) if batch.names else [])
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages from its host pool to the holders; per
+        pool, which pages are held."""
+        batch = Batch.of(transfers, self.formats, self.suffix)
+
+        def container(fmt: PageFormat, slot: int) -> Callable[[], bytearray]:
+            return lambda: fmt.container_at(slot)
+
+        containers = [container(fmt, slot) for fmt, slot in batch.pages]
+        return batch.results(self._store(batch.names, containers) if batch.names else [])
 
     def clear(self) -> None:
         # A holder is shared: clients do not delete blocks (KVSP has no such
@@ -289,4 +379,4 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.loop.stop()
 
 
-__all__: Sequence[str] = ("KvstoreHiCacheStorage", "canonical_page")
+__all__: Sequence[str] = ("KvPages", "KvstoreHiCacheStorage", "canonical_page")

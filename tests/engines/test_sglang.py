@@ -5,7 +5,10 @@ configuration, into a real holder process over mTLS: zero-copy
 (``batch_set_v1`` / ``batch_get_v1`` against the registered pool) and
 copying (``set`` / ``batch_get`` with flat pages, as the controller does);
 a pool of another layout reads the same pages; a holder that is down
-makes pages miss."""
+makes pages miss. The v2 batch interface of hybrid models moves the KV
+pool's pages (v1's blocks) and SGLang's own Mamba host pool's and a
+sliding-window KV pool's pages, with the hit policies counted as SGLang's
+own file backend counts them."""
 
 from __future__ import annotations
 
@@ -20,11 +23,17 @@ from kvstore.bench import sglang_stubs
 
 sglang_stubs.install()
 
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
@@ -38,9 +47,9 @@ LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS, PAGES = 3, 2, 8, 4, 32, 4
 DTYPE = torch.bfloat16
 
 
-def host_pool(layout: str) -> Any:
+def host_pool(layout: str, layers: int = LAYERS) -> Any:
     device = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=DTYPE, head_num=HEADS,
-                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                              head_dim=HEAD_DIM, layer_num=layers, device="cpu",
                               enable_memory_saver=False, enable_alt_stream=False)  # fmt: skip
     info = device.get_device_pool_infos()[0].buffer_info
     return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
@@ -87,6 +96,23 @@ def read(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def held(holder: Holder, store: KvstoreHiCacheStorage, name: str) -> kc.Container:
+    """The container a holder keeps under a chunk name."""
+    import asyncio
+
+    from kvstore.client import HolderClient
+
+    chunks = store.store
+    assert chunks is not None
+
+    async def get() -> bytes:
+        async with HolderClient(holder.context()) as http:  # type: ignore[arg-type]
+            return await http.get_block(holder.uri, chunks.compat_id, chunks.scope_id,
+                                        chunks.block_key(name))  # fmt: skip
+
+    return kc.decode(asyncio.run(get()))
+
+
 @pytest.fixture
 def made() -> Iterator[list[KvstoreHiCacheStorage]]:
     backends: list[KvstoreHiCacheStorage] = []
@@ -125,18 +151,7 @@ def test_pages_round_trip_zero_copy_through_a_real_holder(
 
     # A page on the holder is a KVSP container: per layer, K then V, each
     # page x heads x head_dim in kvsp-layout-1.
-    import asyncio
-
-    from kvstore.client import HolderClient
-
-    chunks = store.store
-
-    async def first() -> bytes:
-        async with HolderClient(holder.context()) as http:  # type: ignore[arg-type]
-            return await http.get_block(holder.uri, chunks.compat_id, chunks.scope_id,
-                                        chunks.block_key(keys[0] + "@0/1"))  # fmt: skip
-
-    container = kc.decode(asyncio.run(first()))
+    container = held(holder, store, keys[0] + "@0/1")
     page = written[0].view(2, PAGE, LAYERS, HEADS, HEAD_DIM)  # page_first's flat page
     assert len(container) == LAYERS and container.token_count == PAGE
     assert (
@@ -315,3 +330,275 @@ def test_sglangs_controller_attaches_the_backend_and_moves_pages(
         assert all(torch.equal(a, b) for a, b in zip(written, read(pool, dst), strict=True))
     finally:
         backend_made.close()
+
+
+# --- v2 batch interface (hybrid models' pools) -------------------------------------
+
+KV, MAMBA, SWA = PoolName.KV, PoolName.MAMBA, PoolName.SWA
+ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
+
+
+def mamba_pool() -> Any:
+    """SGLang's own Mamba host pool on the CPU: per slot (a page of one
+    slot), every layer's temporal (fp32) and conv (bf16) state."""
+    slots = 16
+    info = MambaStateBufferInfo(temporal=torch.zeros(LAYERS, slots, 3, 4, dtype=torch.float32),
+                                conv=(torch.zeros(LAYERS, slots, 5, 2, dtype=DTYPE),))  # fmt: skip
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+                         layout="page_first")  # fmt: skip
+
+
+def hybrid(holder: Holder, made: list[KvstoreHiCacheStorage]) -> tuple[Any, ...]:
+    """A backend with a KV pool (page_first), SGLang's Mamba pool and a
+    sliding-window KV pool of 2 layers (layer_first), registered as the
+    hybrid controller registers them."""
+    pool, mamba, swa = host_pool("page_first"), mamba_pool(), host_pool("layer_first", layers=2)
+    store = backend(holder, pool)
+    made.append(store)
+    for found, name in ((pool, KV), (mamba, MAMBA), (swa, SWA)):
+        store.register_mem_host_pool_v2(found, name)
+    return store, pool, mamba, swa
+
+
+def fill_pages(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
+    """Random pages into any host pool; returns each page, flat, as stored."""
+    for p in range(0, len(indices), pool.page_size):
+        dummy = pool.get_dummy_flat_data_page()
+        octets = dummy.dtype == torch.uint8
+        data = (torch.randint(0, 256, dummy.shape, dtype=torch.uint8) if octets
+                else torch.randn(dummy.shape).to(dummy.dtype))  # fmt: skip
+        pool.set_from_flat_data_page(int(indices[p]), data)
+    return pages_of(pool, indices)
+
+
+def pages_of(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
+    return [pool.get_data_page(int(indices[p]), flat=True).clone()
+            for p in range(0, len(indices), pool.page_size)]  # fmt: skip
+
+
+def test_v2_round_trips_kv_and_extra_pools_through_a_real_holder(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    torch.manual_seed(4)
+    store, pool, mamba, swa = hybrid(holder, made)
+    keys = get_storage_hash_str(list(range(300, 300 + PAGES * PAGE)), None, page_size=PAGE)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    pools = (pool, mamba, swa)
+    src = (pool.alloc(PAGES * PAGE), mamba.alloc(PAGES), swa.alloc(PAGES * PAGE))
+    written = [fill_pages(p, i) for p, i in zip(pools, src, strict=True)]
+
+    def transfers(indices: tuple[torch.Tensor, ...], keys: list[str]) -> list[PoolTransfer]:
+        return [PoolTransfer(name=KV, host_indices=indices[0], keys=keys),
+                PoolTransfer(name=MAMBA, host_indices=indices[1], keys=keys,
+                             hit_policy=TRAILING),
+                PoolTransfer(name=SWA, host_indices=indices[2], keys=keys)]  # fmt: skip
+
+    every = {KV: [True] * PAGES, MAMBA: [True] * PAGES, SWA: [True] * PAGES}
+    assert store.batch_set_v2(transfers(src, keys), info) == every
+    # Into other slots, pages in reverse order, of pools whose pages were
+    # zeroed: every pool's pages in one batch, under one lease (one holder).
+    for p, i in zip(pools, src, strict=True):
+        for page in range(0, len(i), p.page_size):
+            p.set_from_flat_data_page(int(i[page]), p.get_dummy_flat_data_page())
+    sizes = (PAGES * PAGE, PAGES, PAGES * PAGE)
+    dst = tuple(torch.flip(p.alloc(n).view(-1, p.page_size), [0]).reshape(-1)
+                for p, n in zip(pools, sizes, strict=True))  # fmt: skip
+    assert store.store is not None
+    leases = store.store.stats.leases
+    assert store.batch_get_v2(transfers(dst, keys[::-1]), info) == every
+    assert store.store.stats.leases == leases + 1
+    for p, want, i in zip(pools, written, dst, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(want[::-1], pages_of(p, i), strict=True))
+
+    # The same keys, three pools, three blocks: a Mamba page is one layer of
+    # SGLang's flat page octets (V empty); a SWA page is a KV page of the
+    # pool's own 2 layers, in kvsp-layout-1 like the KV pool's.
+    flat = held(holder, store, keys[0] + "@0/1#mamba:page_first")
+    assert (len(flat), flat.token_count, len(flat.layer(0).v)) == (1, PAGE, 0)
+    assert bytes(flat.layer(0).k) == written[1][0].numpy().tobytes()
+    window = held(holder, store, keys[0] + "@0/1#swa")
+    layer_first = written[2][0].view(2, 2, PAGE, HEADS, HEAD_DIM)
+    assert len(window) == 2
+    assert bytes(window.layer(1).v) == layer_first[1, 1].view(torch.uint8).numpy().tobytes()
+    assert len(held(holder, store, keys[0] + "@0/1")) == LAYERS  # v1's KV block
+
+    # What SGLang's own backends refuse, or what no holder has, is a miss.
+    unknown = PoolTransfer(name=PoolName.INDEXER, host_indices=dst[0][:PAGE], keys=keys[:1])
+    short = PoolTransfer(name=MAMBA, host_indices=dst[1][:1], keys=keys[:2])
+    assert store.batch_get_v2([unknown, short]) == {PoolName.INDEXER: [False],
+                                                    MAMBA: [False, False]}  # fmt: skip
+    assert store.batch_set_v2([unknown]) == {PoolName.INDEXER: [False]}
+    some = PoolTransfer(name=MAMBA, host_indices=dst[1][:2], keys=[keys[0], "0" * 64])
+    assert store.batch_get_v2([some]) == {MAMBA: [True, False]}
+
+
+def test_v1_pages_and_v2_kv_pages_are_the_same_blocks(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    torch.manual_seed(5)
+    pool = host_pool("page_first")
+    store = backend(holder, pool)
+    made.append(store)
+    store.register_mem_host_pool_v2(pool, KV)
+    keys = get_storage_hash_str(list(range(400, 400 + PAGES * PAGE)), None, page_size=PAGE)
+    src = pool.alloc(PAGES * PAGE)
+    written = fill_pages(pool, src)
+    half = PAGES // 2
+    assert store.batch_set_v1(keys[:half], src[: half * PAGE]) == [True] * half
+    assert store.batch_set_v2([PoolTransfer(name=KV, host_indices=src[half * PAGE :],
+                                            keys=keys[half:])]) == {KV: [True] * half}  # fmt: skip
+    found = store.batch_exists_v2(keys, [])
+    assert (found.kv_hit_pages, found.extra_pool_hit_pages, found.restorable_prefix_pages) == (
+        PAGES, {KV: PAGES}, list(range(1, PAGES + 1)))  # fmt: skip
+    assert store.batch_exists(keys) == PAGES
+    dst = pool.alloc(PAGES * PAGE)
+    assert store.batch_get_v2([PoolTransfer(name=KV, host_indices=dst[: half * PAGE],
+                                            keys=keys[:half])]) == {KV: [True] * half}  # fmt: skip
+    assert store.batch_get_v1(keys[half:], dst[half * PAGE :]) == [True] * (PAGES - half)
+    assert all(torch.equal(a, b) for a, b in zip(written, pages_of(pool, dst), strict=True))
+
+
+def test_v2_hit_policies_count_as_sglangs_file_backend(
+    holder: Holder, made: list[KvstoreHiCacheStorage], tmp_path: Any
+) -> None:
+    # KV pages 0-3 held; Mamba states at pages 1 and 3 only (as SGLang backs
+    # up a state at some nodes); the sliding window at pages 0-2. The same
+    # pages go into SGLang's own HiCacheFile, whose counts are the reference.
+    torch.manual_seed(6)
+    store, pool, mamba, swa = hybrid(holder, made)
+    files = {"file_storage_path": str(tmp_path / "file")}
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                  attn_cp_size=1, is_mla_model=False,
+                                  enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="toy-model", extra_config=files)  # fmt: skip
+    reference = HiCacheFile(config)
+    for found, name in ((pool, KV), (mamba, MAMBA), (swa, SWA)):
+        reference.register_mem_host_pool_v2(found, name)
+    keys = get_storage_hash_str(list(range(500, 500 + PAGES * PAGE)), None, page_size=PAGE)
+    kv, states, window = pool.alloc(PAGES * PAGE), mamba.alloc(2), swa.alloc(3 * PAGE)
+    for p, i in ((pool, kv), (mamba, states), (swa, window)):
+        fill_pages(p, i)
+    stored = [PoolTransfer(name=KV, host_indices=kv, keys=keys),
+              PoolTransfer(name=MAMBA, host_indices=states, keys=[keys[1], keys[3]]),
+              PoolTransfer(name=SWA, host_indices=window, keys=keys[:3])]  # fmt: skip
+    for backend_ in (store, reference):
+        assert all(all(x) for x in backend_.batch_set_v2(stored).values())
+
+    def asking(name: PoolName, policy: PoolHitPolicy, trailing: int = 1) -> PoolTransfer:
+        tail = keys[-trailing:] if policy == TRAILING else keys
+        return PoolTransfer(name=name, keys=tail, hit_policy=policy)
+
+    cases = [
+        (keys, [], (4, {KV: 4}, [1, 2, 3, 4])),
+        (keys, [asking(MAMBA, TRAILING)], (4, {KV: 4, MAMBA: 4}, [2, 4])),
+        (keys, [asking(SWA, ALL)], (3, {KV: 4, SWA: 3}, [1, 2, 3])),
+        (keys, [asking(MAMBA, TRAILING), asking(SWA, ALL)], (2, {KV: 4, MAMBA: 4, SWA: 3}, [2])),
+        (keys, [asking(SWA, TRAILING, 2)], (3, {KV: 4, SWA: 3}, [1, 2, 3])),
+        (keys, [asking(MAMBA, TRAILING, 2)], (0, {KV: 4}, [])),
+        (keys, [asking(MAMBA, TRAILING, 2), asking(SWA, ALL)], (0, {KV: 4}, [])),
+        (keys, [asking(MAMBA, ALL)], (0, {KV: 4}, [])),
+        (keys, [asking(PoolName.INDEXER, ALL)], (0, {KV: 4}, [])),  # registered nowhere
+        ([*keys[:2], "f" * 64, keys[3]], [asking(MAMBA, TRAILING)], (2, {KV: 2, MAMBA: 2}, [2])),
+        (["f" * 64, *keys[1:]], [asking(MAMBA, TRAILING)], (0, {}, [])),
+    ]
+    for asked, transfers, want in cases:
+        for backend_ in (store, reference):
+            got = backend_.batch_exists_v2(asked, transfers, HiCacheStorageExtraInfo())
+            assert (got.kv_hit_pages, got.extra_pool_hit_pages,
+                    got.restorable_prefix_pages) == want, (backend_, transfers)  # fmt: skip
+
+    # BLOCK_GROUPS (no SGLang backend counts it in 0.5.23): the pool's own
+    # verdict, whole groups from the start, never gating the KV hit.
+    groups = PoolTransfer(name=SWA, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS,
+                          block_pages=2, group_pages=2)  # fmt: skip
+    got = store.batch_exists_v2(keys, [groups])
+    assert (got.kv_hit_pages, got.extra_pool_hit_pages) == (4, {KV: 4, SWA: 2})
+    groups.group_pages = 0  # no geometry: no verdict
+    assert store.batch_exists_v2(keys, [groups]).extra_pool_hit_pages == {KV: 4}
+
+
+def test_v2_with_the_holder_down_misses(holder: Holder, made: list[KvstoreHiCacheStorage]) -> None:
+    torch.manual_seed(7)
+    store, pool, mamba, _ = hybrid(holder, made)
+    keys = get_storage_hash_str(list(range(600, 600 + PAGES * PAGE)), None, page_size=PAGE)
+    src = (pool.alloc(PAGES * PAGE), mamba.alloc(PAGES))
+    fill_pages(pool, src[0])
+    fill_pages(mamba, src[1])
+
+    def transfers(indices: tuple[torch.Tensor, ...]) -> list[PoolTransfer]:
+        return [PoolTransfer(name=KV, host_indices=indices[0], keys=keys),
+                PoolTransfer(name=MAMBA, host_indices=indices[1], keys=keys,
+                             hit_policy=TRAILING)]  # fmt: skip
+
+    assert store.batch_set_v2(transfers(src)) == {KV: [True] * PAGES, MAMBA: [True] * PAGES}
+    tail = [PoolTransfer(name=MAMBA, keys=keys[-1:], hit_policy=TRAILING)]
+    assert store.batch_exists_v2(keys, tail).kv_hit_pages == PAGES
+    holder.kill()
+    started = time.monotonic()
+    found = store.batch_exists_v2(keys, tail)
+    assert (found.kv_hit_pages, found.extra_pool_hit_pages, found.restorable_prefix_pages) == (
+        0, {}, [])  # fmt: skip
+    dst = (pool.alloc(PAGES * PAGE), mamba.alloc(PAGES))
+    before = (pages_of(pool, dst[0]), pages_of(mamba, dst[1]))
+    assert store.batch_get_v2(transfers(dst)) == {KV: [False] * PAGES, MAMBA: [False] * PAGES}
+    after = (pages_of(pool, dst[0]), pages_of(mamba, dst[1]))
+    assert all(torch.equal(a, b) for x, y in zip(before, after, strict=True)
+               for a, b in zip(x, y, strict=True))  # fmt: skip
+    assert store.batch_set_v2(transfers(src)) == {KV: [False] * PAGES, MAMBA: [False] * PAGES}
+    assert time.monotonic() - started < 10
+    assert store.store is not None and store.store.stats.errors >= 1
+
+
+def test_sglangs_hybrid_controller_moves_a_mamba_state_through_v2(
+    holder: Holder, made: list[KvstoreHiCacheStorage]
+) -> None:
+    # The hybrid controller's own backup, hit query and sidecar prefetch
+    # (built without a scheduler, as above): a request's KV pages (v1) and
+    # the Mamba state at its last page (batch_set_v2, TRAILING_PAGES) are
+    # stored; the query finds the whole prefix restorable; the prefetch
+    # reads the state back into another slot.
+    from queue import Queue
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+        PrefetchOperation,
+        StorageOperation,
+    )
+
+    torch.manual_seed(8)
+    store, pool, mamba, _ = hybrid(holder, made)
+    controller: Any = object.__new__(HybridCacheController)
+    controller.storage_backend = store
+    controller.page_size = PAGE
+    controller.storage_config = store.storage_config  # a storage writer: backs up
+    controller.page_set_func = controller._page_set_zero_copy
+    controller.mem_pool_host = SimpleNamespace(entry_map={MAMBA: SimpleNamespace(host_pool=mamba)})
+    controller.prefetch_sync_queue = Queue()
+    tokens = list(range(700, 700 + PAGES * PAGE))
+    keys = get_storage_hash_str(tokens, None, page_size=PAGE)
+    kv, state = pool.alloc(PAGES * PAGE), mamba.alloc(1)
+    fill_pages(pool, kv)
+    written = fill_pages(mamba, state)
+
+    last = PoolTransfer(name=MAMBA, host_indices=state, keys=keys[-1:], hit_policy=TRAILING)
+    backup = StorageOperation(kv, tokens, hash_value=keys, prefix_keys=[], pool_transfers=[last])
+    controller._page_backup_with_stable_layout(backup)
+    assert backup.completed_tokens == PAGES * PAGE
+    assert backup.pool_storage_result.extra_pool_hit_pages == {MAMBA: 1}
+
+    def prefetch(name: str) -> Any:
+        return PrefetchOperation(SimpleNamespace(rid=name), tokens, pool_transfers=[
+            PoolTransfer(name=MAMBA, keys=keys[-1:], hit_policy=TRAILING)])  # fmt: skip
+
+    query = prefetch("r1")
+    assert controller._storage_hit_query(query) == (keys, PAGES * PAGE)
+    assert query.query_pool_hit_pages == {KV: PAGES, MAMBA: PAGES}
+    assert query.pool_storage_result.restorable_prefix_pages == [PAGES]
+
+    load = prefetch("r2")
+    load.hash_value = keys
+    load.pool_transfers[0].host_indices = into = mamba.alloc(1)
+    controller._page_transfer_sidecar(load, PAGES)
+    assert controller.prefetch_sync_queue.get_nowait().pool_hits == {MAMBA: 1}
+    assert torch.equal(pages_of(mamba, into)[0], written[0])
