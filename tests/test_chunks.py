@@ -274,3 +274,41 @@ async def test_a_chunk_that_fails_to_convert_is_a_miss_and_cancelling_gives_back
     await asyncio.sleep(0.2)  # the lease release in finally ran
     assert all(len(h.store.leases) == 0 for h in holders)
     await store.close()
+
+
+async def test_pinned_chunks_are_leased_where_they_are_renewed_and_read_under_that_lease(
+    holders: list[Holder],
+) -> None:
+    # LMCache's MP mode locks chunks at lookup and loads them later
+    # (kvstore.integrations.lmcache_mp): pin_many is that lock, a lease.
+    store = ChunkStore(settings(holders, lease_ms=5_000))
+    names = [f"pin-{n}" for n in range(10)]
+    bodies = {n: block() for n in names}
+    assert all(await asyncio.gather(*(store.put(n, bodies[n]) for n in names)))
+    pins = await store.pin_many([*names, "absent"])
+    assert pins[-1] is None and all(p is not None and p.lease for p in pins[:-1])
+    assert store.stats.leases == 2  # one per holder, for the whole batch
+    by_holder = {h.uri: h for h in holders}
+    for name, pin in zip(names, pins, strict=False):
+        assert pin is not None
+        assert pin.holder == store.holders_for(store.block_key(name))[0]
+        assert len(by_holder[pin.holder].store.leases) == 1  # held until released
+    # Read under the pins: no lease of its own.
+    got = await store.fetch_many(names, lambda _, body: body, pinned=pins[:-1])
+    assert got == [bodies[n] for n in names] and store.stats.leases == 2
+    first = pins[0]
+    assert first is not None
+    assert 19_000 <= (await store.renew(first, 20_000) or 0) <= 20_000
+    for pin in {p for p in pins if p is not None}:
+        await store.release(pin)
+    assert all(len(h.store.leases) == 0 for h in holders)
+    assert await store.renew(first, 1_000) is None  # released: gone, not an error
+    # A holder that is down: its chunks are not found, the others are.
+    on_b = [store.holders_for(store.block_key(n))[0] == holders[1].uri for n in names]
+    assert any(on_b) and not all(on_b)
+    await holders[0].stop()
+    again = await store.pin_many(names)
+    assert [p is not None for p in again] == on_b
+    for pin in {p for p in again if p is not None}:
+        await store.release(pin)
+    await store.close()
