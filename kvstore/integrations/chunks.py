@@ -199,7 +199,10 @@ class ChunkStore:
                     continue
                 try:
                     if data is None:
-                        data = container() if callable(container) else container
+                        # Built (a copy, the layer digests) off the loop, which
+                        # meanwhile sends other chunks and serves loads.
+                        data = (await asyncio.to_thread(container)
+                                if callable(container) else container)  # fmt: skip
                     await self._http().put_block(holder, self.compat_id, self.scope_id,
                                                  block_key, data)  # fmt: skip
                 except PreconditionFailed:
