@@ -370,16 +370,19 @@ class ChunkStore:
             return False
 
     async def renew(self, pin: Pin, ttl_ms: int) -> int | None:
-        """Extend a lease of :meth:`pin_many` (LE1); its new TTL in ms, or
-        None when it is gone (expired, the holder restarted or failed)."""
+        """Extend a lease of :meth:`pin_many` (LE1): its new TTL in ms; 0
+        when it is gone (expired, released, its holder restarted); None
+        when the holder did not answer (it may still hold it: ask again).
+        Not behind the request limit: a flood of puts must not hold a
+        renewal back until its lease has expired."""
         if pin.lease is None:
-            return None
+            return 0
         try:
-            async with self._slot():
-                grant = await self._http().renew_lease(pin.holder, pin.lease, ttl_ms)
+            grant = await self._http().renew_lease(pin.holder, pin.lease, ttl_ms)
+        except NotFound:
+            return 0
         except Exception as exc:
-            if not isinstance(exc, NotFound):
-                self._failed(pin.holder, "a lease renewal", exc)
+            self._failed(pin.holder, "a lease renewal", exc)
             return None
         return grant.ttl_ms
 

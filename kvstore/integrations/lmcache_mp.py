@@ -160,6 +160,8 @@ class _Lease:
     keys: list[ObjectKey]
     since: float
     renew_at: float
+    #: When the holder lets it go unless renewed (monotonic seconds).
+    expires_at: float
     refs: int = 0
     gone: bool = False
 
@@ -210,6 +212,7 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._sizes: dict[ObjectKey, int] = {}
         self._warned: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
         self._renewer = asyncio.run_coroutine_threadsafe(self._renew_forever(), self._loop.loop)
         log.info("kvstore L2 adapter: holders %s, scope %s, compat %s",
                  ",".join(settings.holders), self.store.scope_id,
@@ -235,6 +238,9 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         raises) is posted under a new task id and the descriptor signalled."""
         with self._lock:
             task_id = next(self._ids)
+            if self._closed:  # too late: a failed task, never an exception
+                tasks.done[task_id] = failed()
+                return task_id
 
         async def run() -> None:
             try:
@@ -371,7 +377,8 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                     if pin.lease is not None:
                         lease = made.get((pin.holder, pin.lease))
                         if lease is None:
-                            lease = _Lease(store, pin, [], now, now + pin.ttl_ms / 2000)
+                            lease = _Lease(store, pin, [], now, now + pin.ttl_ms / 2000,
+                                           now + pin.ttl_ms / 1000)  # fmt: skip
                             made[(pin.holder, pin.lease)] = lease
                             self._leases.add(lease)
                         lease.refs += 1
@@ -382,11 +389,17 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         done = []
         with self._lock:
+            if self._closed:
+                return  # every lease was released by close
             for key in keys:
                 held = self._locks.get(key)
                 if not held:
-                    continue  # never locked (a miss), or its lease is gone
-                lease = held.pop()
+                    continue  # never locked (a miss)
+                # Which request unlocks is not said: a lock that protects
+                # nothing any more (its lease gone, or none granted) is taken
+                # first, so no live lease is released under another lock.
+                spent = [i for i, x in enumerate(held) if x is None or x.gone]
+                lease = held.pop(spent[-1] if spent else -1)
                 if not held:
                     del self._locks[key]
                 if lease is not None and not lease.gone:
@@ -413,32 +426,34 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         now = time.monotonic()
         with self._lock:
             due = [x for x in self._leases if now >= x.renew_at]
-        for lease in due:
-            if lease.gone:
-                continue  # unlocked meanwhile
-            ttl = None
-            if now - lease.since < self.config.max_lock_s:
-                ttl = await lease.store.renew(lease.pin, self.config.settings.lease_ms)
-            else:
-                log.warning("kvstore: %d keys locked for over %.0f s; their lease is given up",
-                            len(lease.keys), self.config.max_lock_s)  # fmt: skip
-                await lease.store.release(lease.pin)
-            if ttl is not None:
-                lease.renew_at = time.monotonic() + ttl / 2000
-            else:
-                self._forget(lease)
+        # All at once: a holder that does not answer delays only its own.
+        await asyncio.gather(*(self._renew(lease, now) for lease in due))
+
+    async def _renew(self, lease: _Lease, now: float) -> None:
+        if now - lease.since >= self.config.max_lock_s:
+            log.warning("kvstore: %d keys locked for over %.0f s; their lease is given up",
+                        len(lease.keys), self.config.max_lock_s)  # fmt: skip
+            self._forget(lease)
+            await lease.store.release(lease.pin)
+            return
+        ttl = await lease.store.renew(lease.pin, self.config.settings.lease_ms)
+        if lease.gone:
+            return  # unlocked (and released) meanwhile
+        if ttl:
+            done = time.monotonic()
+            lease.renew_at, lease.expires_at = done + ttl / 2000, done + ttl / 1000
+        elif ttl is None and time.monotonic() < lease.expires_at:
+            lease.renew_at = time.monotonic() + 0.5  # not answered: asked again while it lasts
+        else:
+            self._forget(lease)  # gone at its holder, or expired unrenewed
 
     def _forget(self, lease: _Lease) -> None:
-        """A lease that is gone: its keys are no longer locked by it."""
+        """A lease that is gone. Its keys' entries stay (each unlock still
+        takes exactly one, and skips it): removing them would let an unlock
+        of this lease's request release another request's live lease."""
         with self._lock:
             lease.gone = True
             self._leases.discard(lease)
-            for key in lease.keys:
-                held = self._locks.get(key)
-                if held is not None and lease in held:
-                    held.remove(lease)
-                    if not held:
-                        del self._locks[key]
 
     # --- load -------------------------------------------------------------------
 
@@ -484,9 +499,10 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return loaded
 
     def _pin_of(self, key: ObjectKey) -> Pin | None:
-        held = self._locks.get(key)
-        lease = held[-1] if held else None
-        return lease.pin if lease is not None and not lease.gone else None
+        for lease in reversed(self._locks.get(key, ())):
+            if lease is not None and not lease.gone:
+                return lease.pin
+        return None
 
     # --- eviction, status, close ----------------------------------------------------
 
@@ -519,12 +535,23 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._renewer.cancel()
             if self._background:  # tasks in flight, releases of unlocked leases
                 await asyncio.wait(self._background, timeout=5)
+            for task in list(self._background):  # not to use a closed client later
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
             with self._lock:
                 held, self._leases = list(self._leases), set()
                 self._locks.clear()
-            await asyncio.gather(*(x.store.release(x.pin) for x in held))
+            if held:  # bounded: a lease not released expires by itself
+                _, late = await asyncio.wait([asyncio.ensure_future(x.store.release(x.pin))
+                                              for x in held], timeout=3)  # fmt: skip
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
             for store in (self.store, *self._salted.values()):
                 await store.close()
+
+        with self._lock:
+            self._closed = True
 
         try:
             self._loop.run(shutdown(), timeout_s=10)

@@ -478,3 +478,42 @@ def test_adapter_params_are_checked_with_clear_errors(holder: Holder, tmp_path: 
     assert config.settings.descriptor.layers == LAYERS
     assert "holders" in KvstoreL2AdapterConfig.help()
     assert os.environ.get("LMCACHE_TRACK_USAGE") == "false"  # no telemetry from the tests
+
+
+def test_a_lease_lost_at_its_holder_does_not_cost_another_requests_lock(
+    holder: Holder, adapters: list[KvstoreL2Adapter]
+) -> None:
+    # Two requests lock the same key (two leases). The first lease is lost
+    # at the holder (released behind the adapter's back, as a restart would);
+    # the first request's unlock must not release the second's live lease.
+    adapter = adapter_for(adapters, holder, lease_ms=600)
+    k = key(3)
+    assert store(adapter, [k], [chunk(payload(3))]).is_successful()
+    assert lookup(adapter, [k]) == [True]
+    (first,) = list(adapter._leases)  # white-box: the first request's lease
+    assert lookup(adapter, [k]) == [True]
+    import asyncio
+
+    asyncio.run_coroutine_threadsafe(first.store.release(first.pin), adapter._loop.loop).result(5)
+    deadline = time.monotonic() + 5
+    while not first.gone:  # its renewal finds it gone
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert adapter.report_status()["leases_held"] == 1
+    adapter.submit_unlock([k])  # the first request's unlock
+    time.sleep(1.0)  # past the second lease's TTL: kept by renewal, not released
+    assert adapter.report_status()["leases_held"] == 1
+    out = [chunk()]
+    assert load(adapter, [k], out) == [True] and torch.equal(out[0].tensor, payload(3))
+    adapter.submit_unlock([k])  # the second's: now released
+    assert adapter.report_status()["leases_held"] == 0
+
+
+def test_calls_after_close_fail_their_task_and_raise_nothing(holder: Holder) -> None:
+    adapter = KvstoreL2Adapter(params(holder))
+    adapter.close()
+    task = adapter.submit_store_task([key(1)], [chunk(payload(1))])
+    assert not adapter.pop_completed_store_tasks()[task].is_successful()
+    task = adapter.submit_lookup_and_lock_task([key(1)], {0: LAYOUT})
+    assert not adapter.query_lookup_and_lock_result(task).test(0)
+    adapter.submit_unlock([key(1)])
