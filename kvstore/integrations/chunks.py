@@ -220,16 +220,8 @@ class ChunkStore:
         block_key = self.block_key(name)
         await self._discover()
         for holder in self.holders_for(block_key):
-            if not self._up(holder):
-                continue
-            try:
-                async with self._slot():
-                    held = await self._http().has_block(holder, self.compat_id, self.scope_id,
-                                                        block_key)  # fmt: skip
-                if held:
-                    return True
-            except Exception as exc:
-                self._failed(holder, "a lookup", exc)
+            if self._up(holder) and await self._has(holder, block_key):
+                return True
         return False
 
     async def contains_prefix(self, names: Sequence[str]) -> int:

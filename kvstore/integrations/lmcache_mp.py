@@ -58,7 +58,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
@@ -71,10 +70,10 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import create_event_notifier
 
 from ..config import ConfigError
-from ..protocol.keys import scope_id
 from ..protocol.tensors import torch_dtype
 from .chunks import ChunkSettings, ChunkStore, Geometry, LoopThread, Pin
 from .kv2ltd import chunk_container, chunk_of, copy_chunk
+from .options import read_scope_key
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,8 @@ class KvstoreL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         scopes = options.get("salt_scopes") or {}
         if not isinstance(scopes, dict):
             raise ConfigError("kvstore.salt_scopes: a map of cache_salt to scope key file")
-        salt_scopes = {str(salt): _scope_key(str(file)) for salt, file in scopes.items()}
+        salt_scopes = {str(salt): read_scope_key(str(file), "salt_scopes")
+                       for salt, file in scopes.items()}  # fmt: skip
         capacity_gb = float(options.get("max_capacity_gb", 0) or 0)
         return cls(settings, salt_scopes=salt_scopes,
                    salt_scopes_only=bool(options.get("salt_scopes_only", False)),
@@ -140,15 +140,6 @@ class KvstoreL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- timeout_s (5), lease_ms (10000), down_backoff_s (5), max_lock_s (300),\n"
             "  max_capacity_gb (0: no aggregate eviction by LMCache)"
         )
-
-
-def _scope_key(file: str) -> bytes:
-    try:
-        key = bytes.fromhex(Path(file).read_text().strip())
-        scope_id(key)  # K1: at least 32 octets
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"kvstore.salt_scopes: {file}: {exc}") from exc
-    return key
 
 
 @dataclass(eq=False)
@@ -192,7 +183,7 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         super().__init__(max_capacity_bytes=config.max_capacity_bytes)
         self.config = config
         settings = config.settings
-        self.geometry = geometry = settings_geometry(settings)
+        self.geometry = geometry = Geometry.of(settings.descriptor)
         self.dtype = torch_dtype(geometry.kv_dtype)
         self.row_octets = geometry.kv_heads * geometry.head_dim * self.dtype.itemsize
         self._dtype_name = str(TORCH_DTYPE_TO_STR_DTYPE[self.dtype])  # as LMCache names it
@@ -560,11 +551,6 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._loop.stop()
         for tasks in (self._stores, self._lookups, self._loads):
             tasks.notifier.close()
-
-
-def settings_geometry(settings: ChunkSettings) -> Geometry:
-    d = settings.descriptor
-    return Geometry(d.layers, d.kv_heads, d.head_dim, d.kv_dtype, d.block_tokens)
 
 
 __all__ = ("KvstoreL2Adapter", "KvstoreL2AdapterConfig", "chunk_name")

@@ -53,9 +53,13 @@ class Geometry:
         if not options.get("descriptor_file"):
             raise ConfigError("kvstore: the KV geometry (layers, kv_heads, head_dim, kv_dtype, "
                               "chunk_size) or a descriptor_file is required")  # fmt: skip
-        found = _descriptor_file(str(options["descriptor_file"]))
-        return cls(found.layers, found.kv_heads, found.head_dim, found.kv_dtype,
-                   found.block_tokens)  # fmt: skip
+        return cls.of(_descriptor_file(str(options["descriptor_file"])))
+
+    @classmethod
+    def of(cls, descriptor: CompatibilityDescriptor) -> Geometry:
+        """A descriptor's geometry."""
+        d = descriptor
+        return cls(d.layers, d.kv_heads, d.head_dim, d.kv_dtype, d.block_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +97,7 @@ class ChunkSettings:
         * ``timeout_s`` (5), ``lease_ms`` (10000), ``down_backoff_s`` (5).
         """
         holders = _holders(options.get("holders"))
-        key_file = _text(options, "scope_key_file")
-        try:
-            scope_key = bytes.fromhex(Path(key_file).read_text().strip())
-            scope_id(scope_key)  # K1: at least 32 octets
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"kvstore.scope_key_file: {key_file}: {exc}") from exc
+        scope_key = read_scope_key(_text(options, "scope_key_file"))
         context = None
         if any(h.startswith("http://") for h in holders):
             log.warning("kvstore.holders: plain http: no TLS, no client identity (the holder "
@@ -121,6 +120,16 @@ class ChunkSettings:
             lease_ms=int(_number(options, "lease_ms", 10_000)),
             down_backoff_s=_number(options, "down_backoff_s", 5.0),
         )
+
+
+def read_scope_key(file: str, option: str = "scope_key_file") -> bytes:
+    """A scope key from a file of hex (K1: at least 32 octets)."""
+    try:
+        key = bytes.fromhex(Path(file).read_text().strip())
+        scope_id(key)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"kvstore.{option}: {file}: {exc}") from exc
+    return key
 
 
 def _text(options: Mapping[str, Any], name: str) -> str:
