@@ -312,3 +312,18 @@ async def test_pinned_chunks_are_leased_where_they_are_renewed_and_read_under_th
     for pin in {p for p in again if p is not None}:
         await store.release(pin)
     await store.close()
+
+
+async def test_a_lease_refused_by_the_quota_still_finds_the_chunks_unpinned(
+    holders: list[Holder],
+) -> None:
+    # LE3: a lease over the holder's quota (here its longest TTL, 60 s) is
+    # refused with 429; the chunks are then found by HEAD, without a lease.
+    store = ChunkStore(settings(holders[:1], lease_ms=120_000))
+    assert await store.put("q-1", block())
+    pins = await store.pin_many(["q-1", "q-absent"])
+    assert pins[0] is not None and pins[0].lease is None and pins[1] is None
+    assert store.stats.errors >= 1 and store.stats.leases == 0
+    assert len(holders[0].store.leases) == 0
+    assert await store.renew(pins[0], 1_000) == 0  # nothing to renew
+    await store.close()
