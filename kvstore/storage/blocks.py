@@ -69,9 +69,6 @@ class Segment:
     last: int
     slot: int
     stored_octets: int
-    #: CRC-32 of the stored octets, kept for persistent tiers that store
-    #: plaintext (no AES-GCM tag to catch changes made behind our back).
-    crc: int | None = None
 
     @property
     def id(self) -> tuple[BlockRef, int]:
@@ -134,6 +131,13 @@ class BlockInfo:
         return first <= last and covered == last - first + 1
 
     @property
+    def complete(self) -> bool:
+        """Segments hold every layer the block was stored with."""
+        return bool(self.layers and self.segments) and self.holds(
+            min(self.layers), max(self.layers)
+        )
+
+    @property
     def layer_digests(self) -> list[bytes]:
         """Digests of every layer of the block, held or not, in layer order (B3)."""
         return [self.layers[i][2] for i in sorted(self.layers)]
@@ -155,6 +159,9 @@ class BlockInfo:
                 "token_count": self.token_count,
                 "layers": [[i, k, v, d.hex()] for i, (k, v, d) in sorted(self.layers.items())],
                 "stored_at": self.stored_at,
+                # BL4: the whole block's Repr-Digest as its PUT took it, so
+                # that a restart serves the one taken from what was sent.
+                "repr_digest": self.whole_repr_digest if self.complete else None,
             },
             separators=(",", ":"),
         ).encode()
@@ -166,6 +173,9 @@ class BlockInfo:
             layers = {int(i): (int(k), int(v), bytes.fromhex(d)) for i, k, v, d in data["layers"]}
             codec, tokens = int(data["codec"]), int(data["token_count"])
             stored_at = float(data.get("stored_at", 0.0))
+            repr_digest = data.get("repr_digest")
+            if repr_digest is not None and not isinstance(repr_digest, str):
+                raise ValueError("repr_digest is not a string")
             if stored_at != stored_at or stored_at in (float("inf"), float("-inf")):
                 raise ValueError("stored_at is not a finite time")
         except (ValueError, KeyError, TypeError) as exc:
@@ -179,6 +189,8 @@ class BlockInfo:
         self.layers.update(layers)
         if stored_at > 0:
             self.stored_at = stored_at
+        if repr_digest is not None:
+            self.whole_repr_digest = repr_digest
 
     def verify_segment(self, segment: Segment, plain: BytesLike) -> None:
         """Check a segment's layers against the layer digests taken at put (B3)."""

@@ -1,6 +1,12 @@
-"""Encryption at rest for persistent tiers (SEC4): AES-256-GCM, optional zstd.
+"""How persistent tiers store a segment (SEC4, integrity at rest): sealed with
+AES-256-GCM when a key is configured, else checksummed; optionally zstd.
 
-Sealed segment layout::
+Every octet a persistent tier holds is checked, when it is read back, against
+a value written with it when it was stored: the AES-GCM tag, or a CRC-32
+taken at store time. Never against a value re-derived from what was read
+(a bad disk, bit rot or a careless copy must fail, not be served).
+
+Sealed form (a key is configured)::
 
     offset  size  field
     0       4     magic "KVE1"
@@ -11,11 +17,24 @@ Sealed segment layout::
 The associated data is the segment's name (block resource name plus layer
 range) and the flags octet, so a segment copied under another key, or with its
 flags flipped, fails to open: tampering is an error, never garbage.
+
+Checksummed form (no key)::
+
+    offset  size  field
+    0       4     magic "KVC1"
+    4       1     flags (as above)
+    5       4     CRC-32 (network byte order) of name, flags octet and body
+    9       ...   body: the plaintext, or its zstd frame
+
+The CRC covers the name as well, so a segment copied under another key fails
+too. It detects corruption, not a forger: turn encryption on against one.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 
 import zstandard
 from cryptography.exceptions import InvalidTag
@@ -25,14 +44,23 @@ from ..protocol._bytes import BytesLike
 from ..protocol.problems import CorruptData
 
 MAGIC = b"KVE1"
+CHECKED = b"KVC1"
 FLAG_ZSTD = 0x01
 _NONCE = 12
 _HEAD = len(MAGIC) + 1 + _NONCE
 _TAG = 16
+_CRC = struct.Struct("!I")
+_CHECKED_HEAD = len(CHECKED) + 1 + _CRC.size
+#: Octets a checksummed segment takes beyond its body (capacity planning).
+CHECKSUM_OVERHEAD = _CHECKED_HEAD
+
+
+def _crc(name: bytes, flags: int, body: BytesLike) -> int:
+    return zlib.crc32(body, zlib.crc32(name + bytes([flags])))
 
 
 class SegmentSealer:
-    """Seals and opens segments of persistent tiers; ``key=None`` means no encryption."""
+    """Seals and opens what persistent tiers store; ``key=None``: checksummed, not encrypted."""
 
     def __init__(
         self,
@@ -53,57 +81,70 @@ class SegmentSealer:
 
     @property
     def authenticates(self) -> bool:
-        """True when opening a segment proves it unaltered (AES-GCM is on)."""
+        """True when opening a segment proves it unaltered against a forger
+        (AES-GCM is on); a checksum alone catches accidents only."""
         return self._aead is not None
-
-    @property
-    def active(self) -> bool:
-        return self._aead is not None or self._compress
 
     def seal(self, name: bytes, plaintext: BytesLike) -> BytesLike:
         """The octets to store for segment ``name``."""
-        if not self.active:
-            return plaintext
         flags = 0
         data: BytesLike = plaintext
         if self._compress:
             data = zstandard.ZstdCompressor(level=self._level).compress(plaintext)
             flags |= FLAG_ZSTD
+        size = len(memoryview(data))
         if self._aead is None:
-            return MAGIC + bytes([flags]) + bytes(_NONCE) + bytes(data)
+            out = bytearray(_CHECKED_HEAD + size)
+            out[:5] = CHECKED + bytes([flags])
+            _CRC.pack_into(out, 5, _crc(name, flags, data))
+            out[_CHECKED_HEAD:] = data
+            return out
         nonce = os.urandom(_NONCE)
         # One pass, no intermediate copies: encrypt straight into the output.
-        out = bytearray(_HEAD + len(memoryview(data)) + _TAG)
+        out = bytearray(_HEAD + size + _TAG)
         out[:_HEAD] = MAGIC + bytes([flags]) + nonce
         self._aead.encrypt_into(nonce, data, name + bytes([flags]), memoryview(out)[_HEAD:])
         return out
 
     def open(self, name: bytes, stored: BytesLike) -> BytesLike:
-        """The plaintext of a stored segment; :class:`CorruptData` if it was altered."""
-        if not self.active:
-            return stored
+        """The plaintext of a stored segment; :class:`CorruptData` if it was
+        altered, or is not in the form this sealer writes (another key
+        configuration, an older kvstore)."""
         view = memoryview(stored)
-        if len(view) < _HEAD or bytes(view[:4]) != MAGIC:
-            raise CorruptData(f"segment {name.decode()} is not a sealed segment")
-        flags = view[4]
-        body: BytesLike = view[_HEAD:]
+        what = name.decode(errors="replace")
         if self._aead is not None:
-            if len(view) < _HEAD + _TAG:
-                raise CorruptData(f"segment {name.decode()} is truncated")
+            if len(view) < _HEAD + _TAG or bytes(view[:4]) != MAGIC:
+                raise CorruptData(f"segment {what} is not a sealed segment (encryption was on "
+                                  "when it was stored?)" if bytes(view[:4]) == CHECKED else
+                                  f"segment {what} is not a sealed segment")  # fmt: skip
+            flags = view[4]
             plain = bytearray(len(view) - _HEAD - _TAG)
             try:
-                self._aead.decrypt_into(bytes(view[5:_HEAD]), body, name + bytes([flags]), plain)
-                body = plain
+                self._aead.decrypt_into(
+                    bytes(view[5:_HEAD]), view[_HEAD:], name + bytes([flags]), plain
+                )
             except InvalidTag:
                 raise CorruptData(
-                    f"segment {name.decode()} failed authentication (altered or misplaced)"
+                    f"segment {what} failed authentication (altered or misplaced)"
                 ) from None
+            body: BytesLike = plain
+        else:
+            if len(view) < _CHECKED_HEAD or bytes(view[:4]) != CHECKED:
+                hint = " (stored encrypted: configure its key)" if bytes(view[:4]) == MAGIC else ""
+                raise CorruptData(f"segment {what} is not a checksummed segment{hint}")
+            flags = view[4]
+            body = view[_CHECKED_HEAD:]
+            (crc,) = _CRC.unpack_from(view, 5)
+            if _crc(name, flags, body) != crc:
+                raise CorruptData(f"segment {what} fails its checksum (altered or misplaced)")
+        if flags & ~FLAG_ZSTD:
+            raise CorruptData(f"segment {what}: unknown flags {flags:#x}")
         if flags & FLAG_ZSTD:
             try:
                 size = zstandard.frame_content_size(body)
                 if not 0 <= size <= self.max_plain_octets:
-                    raise CorruptData(f"segment {name.decode()}: bad decompressed size {size}")
+                    raise CorruptData(f"segment {what}: bad decompressed size {size}")
                 body = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
             except (zstandard.ZstdError, MemoryError) as exc:
-                raise CorruptData(f"segment {name.decode()}: {exc!r}") from exc
+                raise CorruptData(f"segment {what}: {exc!r}") from exc
         return body

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -112,8 +111,8 @@ class TieredStore:
         the rest in the second (the draft's device 0-15 / host 16-31 split).
         ``verify_reads``: True re-checks layer digests on every read of a
         persistent tier. By default (None) reads are checked by what is cheap:
-        the AES-GCM tag when encryption is on, else a CRC-32 of the stored
-        octets kept in memory (detects corruption, not a forger; turn
+        the AES-GCM tag when encryption is on, else a CRC-32 stored with the
+        segment when it was written (detects corruption, not a forger; turn
         encryption on against one).
         ``retention_s``: blocks stored longer ago than this are removed by
         :meth:`expire` (SEC4: the retention limit of the originating service).
@@ -460,11 +459,8 @@ class TieredStore:
         checked = segment
 
         def check_and_open() -> BytesLike:
-            if checked.crc is not None and zlib.crc32(stored) != checked.crc:
-                raise CorruptData(
-                    f"segment {checked.first}-{checked.last} of {info.ref.block_key} "
-                    f"in {slot.kind} fails its checksum"
-                )
+            # The AES-GCM tag or the CRC-32 written with the segment (never a
+            # value taken from what was read): see .crypto.
             plain = self.sealer.open(info.ref.segment_name(checked.first, checked.last), stored)
             if self.verify_reads:
                 info.verify_segment(checked, plain)

@@ -175,12 +175,12 @@ class Placement:
             if self.io.degraded(index):
                 errors.append(f"{slot.kind}: degraded")
                 continue
-            stored, crc = await self.io.stored_form(slot, info.ref, first, last, plain)
+            stored = await self.io.stored_form(slot, info.ref, first, last, plain)
             size = len(memoryview(stored))
             if not await self.make_room(index, size, exclude=info.ref):
                 errors.append(f"{slot.kind}: full")
                 continue
-            segment = Segment(info.ref, first, last, index, size, crc)
+            segment = Segment(info.ref, first, last, index, size)
             try:
                 await self.io.call(slot, slot.tier.put(segment.key, stored), [segment.key])
             except (TierUnavailable, TierFull) as exc:
@@ -351,7 +351,7 @@ class Placement:
             dst = self.slots[index]
             if self.io.degraded(index):
                 continue
-            stored, crc = await self.io.stored_form(dst, info.ref, segment.first, segment.last,
+            stored = await self.io.stored_form(dst, info.ref, segment.first, segment.last,
                                                     plain)  # fmt: skip
             size = len(memoryview(stored))
             if make_room:
@@ -359,7 +359,7 @@ class Placement:
                     continue
             elif not self.table.reserve(index, size):
                 continue
-            moved = Segment(info.ref, segment.first, segment.last, index, size, crc)
+            moved = Segment(info.ref, segment.first, segment.last, index, size)
             items = [(moved.key, stored)]
             if dst.tier.persistent and index not in info.meta_slots:
                 # The layer table goes with the segment, in one batch call
@@ -422,13 +422,13 @@ class Placement:
             top = self.slots[0]
             if not self.holds(info, segment) or self.io.degraded(0):
                 return
-            stored, crc = await self.io.stored_form(top, info.ref, segment.first, segment.last,
+            stored = await self.io.stored_form(top, info.ref, segment.first, segment.last,
                                                     plain)  # fmt: skip
             size = len(memoryview(stored))
             if not await self.make_room(0, size, exclude=info.ref, wait=False):
                 self.stats.promotions_dropped += 1
                 return
-            moved = Segment(info.ref, segment.first, segment.last, 0, size, crc)
+            moved = Segment(info.ref, segment.first, segment.last, 0, size)
             try:
                 await self.io.call(top, top.tier.put(moved.key, stored), [moved.key])
             except (TierUnavailable, TierFull):

@@ -1,11 +1,19 @@
 """What a store does when it starts: find its segments again, measure its tiers.
 
-Restart recovery rebuilds the block table from what persistent tiers hold.
+Restart recovery rebuilds the block table from what persistent tiers hold,
+trusting only what was written when a block was stored (integrity at rest):
 
-Each stored segment is opened (decrypted, checked) and decoded, so a tampered
-segment is skipped, not trusted; a segment that cannot be opened is left in
-place, because a wrong key in the configuration must not destroy the data it
-cannot read. Runs before the store serves.
+1. every block's layer table (``meta``: layer lengths and digests, codec,
+   tokens, the whole block's Repr-Digest, all taken at PUT) is read first,
+   opened against its own AES-GCM tag or CRC-32;
+2. then every segment, opened against its own tag or CRC-32, and each of
+   its layers checked against the digest its layer table holds.
+
+A segment whose block has no readable layer table is not adopted and left in
+place (a wrong key in the configuration must not destroy the data it cannot
+read). A segment that fails once its layer table opened (so the key is right)
+is corrupt: counted, logged, and deleted. Runs before the store serves, so
+nothing of it was advertised yet.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
 from ..protocol import container as kc
@@ -32,112 +40,124 @@ RECOVER_BATCH = 8
 
 
 async def recover(store: TieredStore) -> int:
-    for index, slot in enumerate(store.slots):
-        if not slot.tier.persistent:
-            continue
-        batch: list[str] = []
-        async for key in slot.tier.keys():
-            if parse_segment_key(key) is None:
-                continue  # not ours (a shared bucket or Redis database)
-            batch.append(key)
-            if len(batch) == RECOVER_BATCH:
-                await _recover_batch(store, index, slot, batch)
-                batch = []
-        await _recover_batch(store, index, slot, batch)
+    persistent = [(i, s) for i, s in enumerate(store.slots) if s.tier.persistent]
+    for index, slot in persistent:
+        async for keys, values in _stored(store, slot, metas=True):
+            for key, stored in zip(keys, values, strict=True):
+                _recover_meta(store, index, slot, key, stored)
+    unchecked = 0
+    for index, slot in persistent:
+        async for keys, values in _stored(store, slot, metas=False):
+            for key, stored in zip(keys, values, strict=True):
+                unchecked += not await _recover_segment(store, index, slot, key, stored)
+    if unchecked:
+        log.warning("%d segments not adopted: their blocks have no readable layer table "
+                    "(left in place)", unchecked)  # fmt: skip
     for info in store.blocks():
         known = sorted(info.layers)
         # A block is kept only if its record can list every layer (R2) and
         # something of it survived; what is dropped here stays on disk.
         if not info.segments or known != list(range(len(known))):
-            log.warning("not adopting %s: layers %s known, %d segments", info.ref.block_key,
-                        known[:3], len(info.segments))  # fmt: skip
+            if info.segments:
+                log.warning("not adopting %s: layers %s known, %d segments", info.ref.block_key,
+                            known[:3], len(info.segments))  # fmt: skip
             store.table.unregister(info)
+        elif not info.complete:
+            info.whole_repr_digest = None  # taken over layers no longer held
     return len(store)
 
 
-def _info(store: TieredStore, ref: BlockRef, codec: int, token_count: int) -> BlockInfo:
-    info = store.table.entry(ref)
-    if info is None:
-        info = BlockInfo(ref, codec, token_count, {}, [])
-        store.table.adopt(info)
-    return info
+async def _stored(
+    store: TieredStore, slot: TierSlot, metas: bool
+) -> AsyncIterator[tuple[list[str], list[Any]]]:
+    """The tier's layer tables (``metas``) or its segments, in batches."""
+    batch: list[str] = []
+    async for key in slot.tier.keys():
+        parsed = parse_segment_key(key)
+        if parsed is None or (parsed[1] is None) != metas:
+            continue  # not ours (a shared bucket or Redis database), or the other pass
+        batch.append(key)
+        if len(batch) == RECOVER_BATCH:
+            yield batch, cast(list[Any], await store.io.call(slot, slot.tier.get_many(batch)))
+            batch = []
+    if batch:
+        yield batch, cast(list[Any], await store.io.call(slot, slot.tier.get_many(batch)))
 
 
-async def _recover_batch(store: TieredStore, index: int, slot: TierSlot, keys: list[str]) -> None:
-    if not keys:
+def _failed(store: TieredStore, key: str, slot: TierSlot, why: object) -> None:
+    store.stats.integrity_failures += 1
+    log.warning("integrity: %s in %s fails: %s", key, slot.kind, why)
+
+
+def _recover_meta(store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any) -> None:
+    if stored is None:
         return
-    values = cast(list[Any], await store.io.call(slot, slot.tier.get_many(keys)))
-    for key, stored in zip(keys, values, strict=True):
-        if stored is not None:
-            await _recover_key(store, index, slot, key, stored)
-
-
-async def _recover_key(
-    store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any
-) -> None:
-    parsed = parse_segment_key(key)
-    assert parsed is not None
-    ref, span = parsed
-    name = ref.meta_name if span is None else ref.segment_name(*span)
+    ref, _ = cast(tuple[BlockRef, None], parse_segment_key(key))
     try:
-        plain = store.sealer.open(name, stored)
-        if span is None:
-            info = _info(store, ref, 0, 0)  # a new entry takes codec and tokens from the table
+        plain = store.sealer.open(ref.meta_name, stored)
+        info = store.table.entry(ref)
+        if info is None:
+            # Codec and tokens come from the table; a bad one adds no entry.
+            info = BlockInfo(ref, 0, 0, {}, [])
             info.load_meta(plain)
-            info.meta_slots.add(index)
-            return
-        container = kc.decode(plain)
-        if (container.first_layer, container.last_layer) != span:
-            raise ValueError("segment holds other layers than its key says")
+            store.table.adopt(info)
+        else:
+            info.load_meta(plain)  # the same table in another tier
     except Exception as exc:
-        store.stats.integrity_failures += 1
-        log.warning("skipping unreadable %s in %s: %s", key, slot.kind, exc)
+        # Left in place: it may be a wrong key, not a bad disk.
+        _failed(store, key, slot, exc)
         return
-    info = _info(store, ref, container.codec, container.token_count)
+    info.meta_slots.add(index)
+
+
+async def _recover_segment(
+    store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any
+) -> bool:
+    """Adopt one stored segment; False when it has no layer table to be checked against."""
+    if stored is None:
+        return True
+    ref, span = cast(tuple[BlockRef, tuple[int, int]], parse_segment_key(key))
+    info = store.table.entry(ref)
+    if info is None or not info.layers:
+        return False
+    try:
+        _check(store, info, ref.segment_name(*span), stored, span)
+    except Exception as exc:
+        # Its layer table opened, so the configuration's key is right: this
+        # segment was altered (bit rot, a bad disk, a careless copy). Dropped.
+        _failed(store, key, slot, exc)
+        await store.io.delete_quietly(slot, key)
+        return True
     first, last = span
-    same = any((x.first, x.last) == span for x in [*info.segments, *info.copies])
-    if info.codec == container.codec and same:
+    segment = Segment(ref, first, last, index, len(memoryview(stored)))
+    if any((x.first, x.last) == span for x in [*info.segments, *info.copies]):
         # The same layers in a slower persistent tier: tiers are inclusive,
         # so it is a copy kept below the faster one (tiers are read fastest
         # first). Checked like a segment, then kept as a copy.
-        copy = _checked(store, info, container, key, slot, index, stored, span)
-        if copy is not None:
-            store.table.found(info, copy, copy=True)
-        return
-    if any(x.first <= last and first <= x.last for x in info.segments) or (
-        info.codec != container.codec
-    ):
+        store.table.found(info, segment, copy=True)
+    elif any(x.first <= last and first <= x.last for x in info.segments):
         # Overlapping other layers (e.g. a demotion interrupted between its
         # write and delete, under another split): not kept.
         await store.io.delete_quietly(slot, key)
-        return
-    segment = _checked(store, info, container, key, slot, index, stored, span)
-    if segment is not None:
+    else:
         store.table.found(info, segment)
+    return True
 
 
-def _checked(
-    store: TieredStore,
-    info: BlockInfo,
-    container: kc.Container,
-    key: str,
-    slot: TierSlot,
-    index: int,
-    stored: Any,
-    span: tuple[int, int],
-) -> Segment | None:
-    """The segment of ``stored`` once every layer matches the known digests."""
+def _check(
+    store: TieredStore, info: BlockInfo, name: bytes, stored: Any, span: tuple[int, int]
+) -> None:
+    """Raise unless the segment's tag or checksum, and every layer's lengths
+    and digest, match what was stored with the block."""
+    container = kc.decode(store.sealer.open(name, stored))
+    if (container.first_layer, container.last_layer) != span:
+        raise ValueError("the segment holds other layers than its key says")
+    if (container.codec, container.token_count) != (info.codec, info.token_count):
+        raise ValueError("the segment's codec or token count is not its block's")
     for layer in container:
         known = info.layers.get(layer.index)
-        digest = layer.digest()
-        if known is not None and known[2] != digest:
-            store.stats.integrity_failures += 1
-            log.warning("skipping %s in %s: layer %d fails its digest", key, slot.kind, layer.index)
-            return None
-        info.layers[layer.index] = (len(layer.k), len(layer.v), digest)
-    size = len(memoryview(stored))
-    crc = None if store.sealer.authenticates else zlib.crc32(stored)
-    return Segment(info.ref, span[0], span[1], index, size, crc)
+        if known is None or known != (len(layer.k), len(layer.v), layer.digest()):
+            raise ValueError(f"layer {layer.index} fails its digest")
 
 
 async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int) -> None:

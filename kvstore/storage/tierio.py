@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..protocol._bytes import BytesLike
@@ -153,17 +152,14 @@ class TierIO:
 
     async def stored_form(
         self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike
-    ) -> tuple[BytesLike, int | None]:
-        """What a tier stores for a segment, and its CRC-32 when no tag protects it."""
+    ) -> BytesLike:
+        """What a tier stores for a segment: a persistent tier's is sealed or
+        checksummed (see :mod:`.crypto`), so that what it gives back is checked
+        against what was written, even after a restart."""
         if not slot.tier.persistent:
-            return plain, None
-
-        def seal() -> tuple[BytesLike, int | None]:
-            stored = self.sealer.seal(ref.segment_name(first, last), plain)
-            crc = None if self.sealer.authenticates else zlib.crc32(stored)
-            return stored, crc
-
+            return plain
+        name = ref.segment_name(first, last)
         # Large segments are sealed off the event loop (AES-GCM, zstd, CRC).
         if len(memoryview(plain)) >= OFFLOAD_OCTETS:
-            return await asyncio.to_thread(seal)
-        return seal()
+            return await asyncio.to_thread(self.sealer.seal, name, plain)
+        return self.sealer.seal(name, plain)

@@ -16,7 +16,7 @@ from kvstore.holder import HolderSettings, create_app
 from kvstore.storage import TieredStore
 
 from ..conftest import RedisServer
-from ..storage.helpers import COMPAT, SCOPE, block, ref, size_of
+from ..storage.helpers import COMPAT, SCOPE, block, ref, size_of, stored_size
 from .conftest import HOLDER, POLICY, AsPrincipal, pem
 
 HEADERS = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
@@ -31,7 +31,7 @@ async def test_redis_down_and_back_under_http(
 ) -> None:
     redis = RedisTier(url=own_redis.url, prefix="fault:", timeout_s=1.0)
     store = TieredStore(
-        [(HostTier(), 2 * size_of()), (redis, 2 * size_of()),
+        [(HostTier(), 2 * size_of()), (redis, 2 * stored_size()),
          (LmdbTier(str(tmp_path / "lmdb")), 20 * size_of())],
         promote=False, retry_after_s=0.2,
     )  # fmt: skip

@@ -10,6 +10,7 @@ from typing import Any
 from backends.host import HostTier
 from kvstore.protocol import container as kc
 from kvstore.storage import BlockRef
+from kvstore.storage.crypto import CHECKSUM_OVERHEAD
 from kvstore.storage.tier import Tier
 
 COMPAT = hashlib.sha256(b"compat").hexdigest()
@@ -28,6 +29,11 @@ def block(layers: int = 8, section: int = 256, first: int = 0) -> bytes:
 
 def size_of(layers: int = 8, section: int = 256) -> int:
     return 20 + 16 * layers + 2 * section * layers
+
+
+def stored_size(layers: int = 8, section: int = 256) -> int:
+    """Octets a persistent tier holds for such a block, unencrypted (its checksum added)."""
+    return size_of(layers, section) + CHECKSUM_OVERHEAD
 
 
 class Recorder:

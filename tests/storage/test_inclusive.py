@@ -16,10 +16,11 @@ from backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage
 from kvstore.storage import TieredStore
 
-from .helpers import Recorder, block, ref, size_of
+from .helpers import Recorder, block, ref, size_of, stored_size
 from .test_concurrency import accounting
 
 SIZE = size_of()
+PSIZE = stored_size()
 
 
 async def settled(store: TieredStore, r: Any) -> bytes:
@@ -82,7 +83,7 @@ async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
 
 async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path: Path) -> None:
     recorder = Recorder()
-    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * SIZE)],
+    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * PSIZE)],
                         on_evict=recorder)  # fmt: skip
     recorder.store = store
     data = {n: block() for n in (1, 2, 3, 4)}
@@ -129,7 +130,7 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
     async def hook(r: Any, reason: str) -> None:
         evicted.append((r, reason))
 
-    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * SIZE)],
+    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)],
                         on_evict=hook)  # fmt: skip
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3, 4):
@@ -138,7 +139,7 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
     await store.spill()
     await store.close()
     assert evicted == []
-    again = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * SIZE)])
+    again = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)])
     await again.recover()
     assert ref(1) in again and ref(2) in again
     await again.close()

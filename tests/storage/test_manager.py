@@ -21,7 +21,7 @@ from kvstore.protocol.wire import parse_repr_digest
 from kvstore.storage import TieredStore
 from kvstore.storage.policy import FIFO
 
-from .helpers import Recorder, block, ref, size_of
+from .helpers import Recorder, block, ref, size_of, stored_size
 
 SIZE = size_of()
 
@@ -164,7 +164,8 @@ async def test_demotion_chain_skips_to_the_end(lmdb_path: str, redis_server: obj
 
     redis = RedisTier(url=redis_server.url, prefix="chain:")  # type: ignore[attr-defined]
     store = TieredStore(
-        [(HostTier(), SIZE), (LmdbTier(lmdb_path), 2 * SIZE), (redis, 10 * SIZE)], promote=False
+        [(HostTier(), SIZE), (LmdbTier(lmdb_path), 2 * stored_size()), (redis, 10 * SIZE)],
+        promote=False,
     )
     for n in range(1, 5):
         await store.put(ref(n), block())

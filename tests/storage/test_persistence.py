@@ -25,7 +25,7 @@ from kvstore.storage import SegmentSealer, TieredStore
 from kvstore.storage.tier import Tier
 
 from ..conftest import S3_CREDENTIALS, RedisServer, free_port
-from .helpers import FlakyTier, Recorder, block, ref, size_of
+from .helpers import FlakyTier, Recorder, block, ref, size_of, stored_size
 from .tiers import make_tier
 
 SIZE = size_of()
@@ -167,7 +167,9 @@ async def test_wrong_key_at_restart_keeps_the_data(lmdb_path: str) -> None:
     await store.close()
     wrong = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(bytes(32)))
     assert await wrong.recover() == 0
-    assert wrong.stats.integrity_failures == 2  # the segment and the block's layer table
+    # The block's layer table fails; its segment, with nothing to be checked
+    # against, is not even opened: both stay on disk.
+    assert wrong.stats.integrity_failures == 1
     await wrong.close()
     right = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(KEY))
     assert await right.recover() == 1
@@ -345,7 +347,7 @@ async def test_s3_tier_can_make_its_bucket(s3_endpoint: str) -> None:
 async def test_spill_uses_free_room_only_and_the_most_recent_first(lmdb_path: str) -> None:
     # Nothing already durable is evicted for memory-only blocks; when room is
     # short, the most recently used memory-only blocks are the ones kept.
-    store = TieredStore([(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * size_of())])
+    store = TieredStore([(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * stored_size())])
     for n in range(8):  # 0-3 pushed down to LMDB by 4-7
         await store.put(ref(n), block())
     durable = {n for n in range(8) if store.residency(ref(n))[0].tier == "local-storage"}
@@ -570,4 +572,71 @@ async def test_a_put_whose_layer_table_cannot_be_stored_is_not_acknowledged(
     again = TieredStore([(LmdbTier(lmdb_path), 10 * size_of())])
     assert await again.recover() == 1 and ref(1) in again
     assert [k async for k in again.slots[0].tier.keys() if ref(2).block_key in k] == []
+    await again.close()
+
+
+async def test_restart_checks_segments_against_what_their_put_stored(lmdb_path: str) -> None:
+    # Issue 33: recovery used to take a layer's digest from what it read. A
+    # segment rewritten with a valid checksum (a copy of other data, a stale
+    # version) still fails: its layers are checked against the digests the
+    # block's PUT took, kept in its layer table. It is dropped, not adopted.
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
+    await store.put(ref(1), block())
+    await store.put(ref(2), block())
+    await store.close()
+    tier = LmdbTier(lmdb_path)
+    other = SegmentSealer().seal(ref(1).segment_name(0, 7), block())
+    await tier.put(ref(1).segment_key(0, 7), other)
+    await tier.close()
+
+    again = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
+    assert await again.recover() == 1
+    assert ref(1) not in again and ref(2) in again
+    assert again.stats.integrity_failures == 1
+    assert await again.slots[0].tier.get(ref(1).segment_key(0, 7)) is None  # dropped
+    await again.close()
+
+
+async def test_restart_serves_the_repr_digest_its_put_took(lmdb_path: str) -> None:
+    # BL4 after a restart: the Repr-Digest comes from the layer table, as the
+    # PUT took it, not from the octets read after the restart.
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
+    data = block()
+    await store.put(ref(1), data)
+    taken = store.info(ref(1)).whole_repr_digest
+    await store.close()
+    again = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
+    assert await again.recover() == 1
+    assert again.read(ref(1)).known_repr_digest() == taken is not None
+    await again.close()
+
+
+async def test_a_segment_stored_without_its_checksum_is_not_adopted(lmdb_path: str) -> None:
+    # The plain container an older kvstore stored has no checksum written
+    # with it: nothing to check it against, so it is not served (dropped).
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
+    data = block()
+    await store.put(ref(1), data)
+    await store.close()
+    tier = LmdbTier(lmdb_path)
+    await tier.put(ref(1).segment_key(0, 7), data)
+    await tier.close()
+    again = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
+    assert await again.recover() == 0
+    assert again.stats.integrity_failures == 1
+    await again.close()
+
+
+@pytest.mark.parametrize("encrypted", [True, False], ids=["aes-gcm", "plain"])
+async def test_a_flipped_layer_table_is_not_trusted(lmdb_path: str, encrypted: bool) -> None:
+    sealer = SegmentSealer(KEY if encrypted else None)
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=sealer)
+    await store.put(ref(1), block())
+    await store.close()
+    tier = LmdbTier(lmdb_path)
+    await flip_stored_byte(tier, ref(1).meta_key, 30)
+    await tier.close()
+    again = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], sealer=sealer)
+    assert await again.recover() == 0
+    assert again.stats.integrity_failures == 1
     await again.close()
