@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import lmdb
 
 from kvstore.protocol._bytes import BytesLike
 from kvstore.protocol.problems import TierFull, TierUnavailable
-from kvstore.storage.tier import Tier
+from kvstore.storage.tier import StorageInUse, Tier
 
 T = TypeVar("T")
 
@@ -76,6 +77,39 @@ class LmdbTier(Tier):
         with _translated(path):
             # sync=True: a put is on disk when it returns (nothing acknowledged is lost).
             self._env = lmdb.open(path, map_size=map_size, sync=sync, max_dbs=0, readahead=False)
+        #: The owner lock's file, held (flock) for the process's life once claimed.
+        self._owner_fd: int | None = None
+
+    #: The file whose advisory lock says who owns the directory.
+    OWNER_FILE = "kvstore.owner"
+
+    async def claim(self, owner: str, ttl_s: float) -> None:
+        """An advisory lock on ``<path>/kvstore.owner`` for the process's life
+        (the kernel drops it when the process dies, however it dies), the
+        holding pid written in it for the refusal."""
+        if self._owner_fd is not None:
+            return  # held since the first claim: nothing expires
+        file = Path(self.path) / self.OWNER_FILE
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise TierUnavailable(f"LMDB at {self.path}: {file}: {exc.strerror}",
+                                  tier=self.kind) from exc  # fmt: skip
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StorageInUse(f"{self.path} is in use by {held}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{owner}\n".encode(), 0)
+        self._owner_fd = fd
+
+    async def release(self, owner: str) -> None:
+        if self._owner_fd is not None:
+            os.ftruncate(self._owner_fd, 0)
+            os.close(self._owner_fd)  # the lock goes with it
+            self._owner_fd = None
 
     async def _run(self, fn: Callable[[], T], writing: int = 0) -> T:
         def call() -> T:
@@ -148,4 +182,5 @@ class LmdbTier(Tier):
             yield key
 
     async def close(self) -> None:
+        await self.release("")
         self._env.close()

@@ -25,9 +25,24 @@ from redis import exceptions as redis_errors
 from kvstore.protocol._bytes import BytesLike
 from kvstore.protocol.problems import TierFull, TierUnavailable
 from kvstore.redis_client import ERRORS, connect
-from kvstore.storage.tier import Tier
+from kvstore.storage.tier import StorageInUse, Tier
 
 _PREFIX = re.compile(r"[A-Za-z0-9:_.-]*")
+
+# One owner per prefix: taken if free, kept if ours (its TTL renewed), else
+# the owner's name comes back. One script, so no other holder comes between.
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return ARGV[1]
+end
+return held
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @contextlib.contextmanager
@@ -85,6 +100,21 @@ class RedisTier(Tier):
     def _unkey(self, stored: bytes) -> str:
         text = stored.decode()[len(self.prefix) :]
         return text[1:65] + text[66:]
+
+    async def claim(self, owner: str, ttl_s: float) -> None:
+        """``<prefix>owner``, set if absent with a TTL this holder renews, so
+        that a crashed owner's prefix frees itself after ``ttl_s``."""
+        with _translated(self.url):
+            held = await self._client.eval(_CLAIM, 1, self.prefix + "owner", owner,
+                                           max(1, int(ttl_s * 1000)))  # fmt: skip
+        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+        if held != owner:
+            raise StorageInUse(f"{self.url} prefix {self.prefix!r} is in use by {held} "
+                               f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip
+
+    async def release(self, owner: str) -> None:
+        with _translated(self.url):
+            await self._client.eval(_RELEASE, 1, self.prefix + "owner", owner)
 
     async def get(self, key: str) -> BytesLike | None:
         with _translated(self.url):

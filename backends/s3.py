@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -20,9 +22,15 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.protocol._bytes import BytesLike
 from kvstore.protocol.problems import TierUnavailable
-from kvstore.storage.tier import Tier
+from kvstore.storage.tier import StorageInUse, Tier
 
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+#: A conditional write lost its race (If-Match / If-None-Match).
+_CONDITION = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 @contextlib.contextmanager
@@ -73,6 +81,8 @@ class S3Tier(Tier):
         self._client: Any = None
         self._opening = asyncio.Lock()
         self._where = f"s3://{bucket}/{prefix}"
+        #: ETag of the owner record this tier wrote last (its claim), or None.
+        self._owner_etag: str | None = None
 
     async def _s3(self) -> Any:
         async with self._opening:  # one client, even when the first calls race
@@ -98,6 +108,67 @@ class S3Tier(Tier):
                 self._client = client
                 self._context = context
         return self._client
+
+    async def claim(self, owner: str, ttl_s: float) -> None:
+        """``<prefix>owner``, an object written only if absent (If-None-Match)
+        or if it is still the one this holder wrote (If-Match), holding its
+        owner and when it expires; one expired (a crashed owner, by the wall
+        clock) is taken over, conditionally too."""
+        key = self.prefix + "owner"
+        body = json.dumps({"owner": owner, "expires_at": time.time() + ttl_s}).encode()
+        with _translated(self._where):
+            client = await self._s3()
+            condition = ({"IfMatch": self._owner_etag} if self._owner_etag is not None
+                         else {"IfNoneMatch": "*"})  # fmt: skip
+            try:
+                answer = await client.put_object(Bucket=self.bucket, Key=key, Body=body,
+                                                 **condition)  # fmt: skip
+            except ClientError as exc:
+                if _code(exc) not in _CONDITION | _MISSING:
+                    raise
+                answer = await self._take_over(client, key, owner, body, ttl_s)
+            self._owner_etag = answer["ETag"]
+
+    async def _take_over(self, client: Any, key: str, owner: str, body: bytes, ttl_s: float) -> Any:
+        try:
+            found = await client.get_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if _code(exc) not in _MISSING:
+                raise
+            return await client.put_object(Bucket=self.bucket, Key=key, Body=body,
+                                            IfNoneMatch="*")  # fmt: skip
+        async with found["Body"] as stream:
+            raw = await stream.read()
+        try:
+            record = json.loads(raw)
+            held, expires_at = str(record["owner"]), float(record["expires_at"])
+        except (ValueError, KeyError, TypeError):
+            held, expires_at = "an unreadable owner record", 0.0
+        if held != owner and expires_at > time.time():
+            raise StorageInUse(f"{self._where} is in use by {held} "
+                               f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip
+        try:
+            return await client.put_object(Bucket=self.bucket, Key=key, Body=body,
+                                            IfMatch=found["ETag"])  # fmt: skip
+        except ClientError as exc:
+            if _code(exc) in _CONDITION | _MISSING:
+                raise StorageInUse(f"{self._where} was just claimed by another holder") from exc
+            raise
+
+    async def release(self, owner: str) -> None:
+        if self._owner_etag is None:
+            return
+        key = self.prefix + "owner"
+        with _translated(self._where):
+            client = await self._s3()
+            try:
+                head = await client.head_object(Bucket=self.bucket, Key=key)
+                if head["ETag"] == self._owner_etag:
+                    await client.delete_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if _code(exc) not in _MISSING:
+                    raise
+        self._owner_etag = None
 
     async def get(self, key: str) -> BytesLike | None:
         with _translated(self._where):

@@ -183,6 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> Any:
     from .config import ConfigError, apply_environment, load
     from .serve import run
+    from .storage.tier import StorageInUse
 
     try:
         if args.config is None:
@@ -214,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> Any:
         status = run(config, tuple(r.strip() for r in roles.split(",")))
         if status:
             raise SystemExit(status)
-    except ConfigError as exc:
+    except (ConfigError, StorageInUse) as exc:
         raise CliError(str(exc)) from exc
     except KeyboardInterrupt:
         pass

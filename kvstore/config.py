@@ -121,6 +121,7 @@ their defaults::
     lease_max_ttl_ms = 60000
     lease_max_octets_per_client = 8589934592
     retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
+    owner_ttl_s = 30.0                # a crashed holder's Redis/S3 prefix frees after this
 
     [[storage.tiers]]                 # fastest first
     backend = "host"                  # device | host | lmdb | redis | s3
@@ -214,6 +215,9 @@ class StorageConfig:
     lease_max_ttl_ms: int = 60_000
     lease_max_octets_per_client: int = 8 << 30
     retention_s: float = 0.0
+    #: One owner per storage: a Redis or S3 owner record lapses this long
+    #: after its holder stops renewing it (a crash); renewed every third.
+    owner_ttl_s: float = 30.0
     tiers: tuple[TierConfig, ...] = ()
 
 
@@ -433,6 +437,8 @@ def _check_storage(cfg: StorageConfig) -> list[str]:
             isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0
         ):
             out.append(f"storage.tiers[{index}].deadline_s: a positive number of seconds")
+    if not cfg.owner_ttl_s > 0:
+        out.append("storage.owner_ttl_s: a positive number of seconds")
     if not 0 <= cfg.demote_above < 1:
         out.append("storage.demote_above: a fraction of a tier's capacity, 0 <= x < 1 (0: off)")
     if cfg.write_through and not any(t.backend in PERSISTENT_BACKENDS for t in cfg.tiers[1:]):

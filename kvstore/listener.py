@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -193,6 +194,55 @@ def bind_proxy_port(trusted: str, port: int) -> tuple[socket.socket, str]:
     sock.listen(2048)
     sock.setblocking(False)
     return sock, f"{'[::1]' if family == socket.AF_INET6 else host}:{port}"
+
+
+def check_tls_files(config: Config) -> None:
+    """Read the server's certificate, key and CA now, so that a missing or
+    bad file is one line naming it (a ConfigError) before anything else
+    starts; nothing to read in plain-HTTP development mode."""
+    from .tls import server_context
+
+    server = config.server
+    if server.insecure_http:
+        return
+    for name in ("certfile", "keyfile", "cafile"):
+        path = getattr(server, name)
+        if not path:
+            raise ConfigError(f"server.{name}: required for TLS")
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"server.{name}: {path}: {exc.strerror}") from None
+    try:
+        server_context(server.certfile, server.keyfile, server.cafile)
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"server.certfile/keyfile/cafile ({server.certfile}, "
+                          f"{server.keyfile}, {server.cafile}): {exc}") from None  # fmt: skip
+
+
+def bind_listener(config: Config) -> socket.socket:
+    """The main listening socket, bound before any role or tier is built: a
+    port in use is one line (a ConfigError), and nothing was touched."""
+    host, port = config.server.host, config.server.port
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)  # fmt: skip
+    except socket.gaierror as exc:
+        raise ConfigError(f"server.host: {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = " (another server there? --port or KVSTORE_SERVER__PORT picks another)"
+        raise ConfigError(f"server.port: cannot listen on {host}:{port}: {exc.strerror}"
+                          + (hint if exc.errno == errno.EADDRINUSE else "")) from None  # fmt: skip
+    sock.set_inheritable(True)
+    return sock
 
 
 def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:

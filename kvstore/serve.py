@@ -22,8 +22,10 @@ from .holder import create_app
 from .http import EXCEPTION_HANDLERS
 from .lifespan import Listening, Service, Shutdown, Step, run_steps, running
 from .listener import (
+    bind_listener,
     bind_proxy_port,
     bind_unix_socket,
+    check_tls_files,
     close_socket,
     server_class,
     uvicorn_config,
@@ -407,6 +409,11 @@ async def serve(
         raise ConfigError(problems[0])
     listening, shutdown = Listening(False), Shutdown(config.server.shutdown_grace_s)
     closing: list[Step] = []
+    # Every file the start needs is read, and the listener bound, before any
+    # tier is opened or recovered: a failed start touches no storage.
+    check_tls_files(config)
+    listener = bind_listener(config)
+    closing.append(lambda: close_socket(listener))
     try:
         app: ASGIApp = await _build(config, roles, listening, shutdown, closing, seat)
         if config.server.trusted_proxy:
@@ -434,7 +441,7 @@ async def serve(
     scheme = "http" if config.server.insecure_http else "https"
     log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
              config.server.port)  # fmt: skip
-    await server.serve()
+    await server.serve(sockets=[listener])
 
 
 async def _build(
@@ -447,9 +454,19 @@ async def _build(
     services: list[Service] = []
     if "holder" in roles or "instance" in roles:
         store = build_store(config)
-        # The store's own stop: a spill the holder did not do already, then
-        # closing its tiers (the roles that use it stopped before).
-        closing += [lambda: store.spill(shutdown.share(0.6)), store.close]
+        # One owner per storage: every persistent tier is claimed before any
+        # of it is read (a second holder on the same LMDB directory, Redis or
+        # S3 prefix is refused here with one line), and kept while serving.
+        from .storage.owner import Ownership, owner_name
+
+        ownership = Ownership(store, owner_name(_serving(config, roles)),
+                              config.storage.owner_ttl_s)  # fmt: skip
+        # The store's own stop: a spill the holder did not do already, the
+        # claims given back, then its tiers closed (the roles that use it
+        # stopped before).
+        closing += [lambda: store.spill(shutdown.share(0.6)), ownership.release, store.close]
+        await ownership.claim()
+        services.append(ownership)
         found = await store.recover()
         await store.measure_read_rates()
         if config.storage.retention_s > 0:
@@ -497,6 +514,13 @@ async def _build(
             role_app.state.metrics.labels = {"worker": str(seat.index)}
     return compose(apps, store, publisher, closing, services=services, listening=listening,
                    shutdown=shutdown, seat=seat)  # fmt: skip
+
+
+def _serving(config: Config, roles: Sequence[str]) -> str:
+    """What this process serves, as an owner record names it."""
+    if "holder" in roles:
+        return f"holder {config.holder.uri or config.server.port}"
+    return f"instance {config.instance.uri or config.server.port}"
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",), seat: Seat | None = None) -> int:

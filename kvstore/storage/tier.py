@@ -26,6 +26,11 @@ from ..protocol._bytes import BytesLike
 TIER_ORDER = ("device", "host", "local-storage", "remote-memory", "remote-storage")
 
 
+class StorageInUse(RuntimeError):
+    """Another live process owns a tier's storage: one owner per storage
+    (an LMDB directory, a Redis or S3 key prefix). The message names it."""
+
+
 class Tier(ABC):
     """One storage tier. Subclasses set :attr:`kind` and implement five methods."""
 
@@ -58,6 +63,15 @@ class Tier(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release connections and handles."""
+
+    async def claim(self, owner: str, ttl_s: float) -> None:  # noqa: B027 - optional hook
+        """Take this tier's storage for ``owner`` (this process), or raise
+        :class:`StorageInUse` naming the live process that has it. Called
+        again every ``ttl_s`` / 3 to keep it: a claim not kept for ``ttl_s``
+        frees itself (a crashed owner). Memory tiers own nothing to claim."""
+
+    async def release(self, owner: str) -> None:  # noqa: B027 - optional hook
+        """Give up what :meth:`claim` took (a clean stop)."""
 
     def provision(self, capacity: int) -> None:  # noqa: B027 - optional hook
         """Told once, before use, the octets the store may keep here (a
