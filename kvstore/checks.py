@@ -20,7 +20,8 @@ def cmd_config_check(args: argparse.Namespace) -> Any:
 
     try:
         config = load(args.file)
-        roles = tuple(r.strip() for r in args.roles.split(","))
+        roles = (tuple(r.strip() for r in args.roles.split(",")) if args.roles
+                 else config.roles_of_sections() or ("holder",))  # fmt: skip
         problems = check_roles(config, roles)
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
@@ -74,6 +75,7 @@ def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
 
     out: list[str] = []
     if "holder" in roles or "instance" in roles:
+        out += _check_tier_paths(config)
         key = config.storage.encryption_key_file
         if key:
             try:
@@ -102,6 +104,25 @@ def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
             server_context(server.certfile, server.keyfile, server.cafile)
         except (OSError, ssl.SSLError) as exc:
             out.append(f"server.certfile / keyfile / cafile: {exc}")
+    return out
+
+
+def _check_tier_paths(config: Any) -> list[str]:
+    """Each LMDB directory writable (or makeable where it does not exist yet)."""
+    import os
+
+    out = []
+    for index, tier in enumerate(config.storage.tiers):
+        path = tier.options.get("path")
+        if tier.backend != "lmdb" or not isinstance(path, str):
+            continue
+        where = Path(path)
+        while not where.exists() and where != where.parent:
+            where = where.parent  # the directory it would be made in
+        if not where.is_dir():
+            out.append(f"storage.tiers[{index}].path: {where} is not a directory")
+        elif not os.access(where, os.W_OK | os.X_OK):
+            out.append(f"storage.tiers[{index}].path: {where} is not writable")
     return out
 
 

@@ -181,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> Any:
-    from .config import ConfigError, apply_environment, load
+    from .config import ROLE_SECTIONS, ConfigError, apply_environment, load
     from .serve import run
     from .storage.tier import StorageInUse
 
@@ -210,8 +210,21 @@ def cmd_serve(args: argparse.Namespace) -> Any:
             config = load(str(first.config), environ)
             roles = args.roles or "holder,index,pc"
         else:
-            config = load(args.config)
+            # --host/--port win over the file and KVSTORE_SERVER__HOST/PORT,
+            # as redis-server --port does over its file.
+            environ = dict(os.environ)
+            for name, flag in (("HOST", args.host), ("PORT", args.port)):
+                if flag is not None:
+                    environ[f"KVSTORE_SERVER__{name}"] = str(flag)
+            config = load(args.config, environ)
             roles = args.roles or "holder"
+            unserved = [f"[{s}]" for r, s in ROLE_SECTIONS.items()
+                        if s in config.sections and r not in roles.split(",")]  # fmt: skip
+            if unserved:
+                served = ",".join(dict.fromkeys([*roles.split(","), *config.roles_of_sections()]))
+                print(f"kvstore: warning: {args.config} has {', '.join(unserved)}, not "
+                      f"served with --roles {roles} (--roles {served} serves them)",
+                      file=sys.stderr)  # fmt: skip
         status = run(config, tuple(r.strip() for r in roles.split(",")))
         if status:
             raise SystemExit(status)
@@ -437,8 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
         "without --config: holder,index,pc)",
     )
     serve.add_argument("--directory", default=".kvstore", help="without --config: where it lives")
-    serve.add_argument("--port", type=int, help="without --config: its port (8443)")
-    serve.add_argument("--host", help="without --config: the address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=int, help="the port to listen on, over the file's "
+                       "(without --config: 8443)")  # fmt: skip
+    serve.add_argument("--host", help="the address to listen on, over the file's "
+                       "(without --config: 127.0.0.1)")  # fmt: skip
 
     health = sub.add_parser("health", help="GET /healthz or /readyz; exit 0 when it answers 200")
     health.add_argument("url", help="e.g. https://127.0.0.1:8443/readyz")
@@ -493,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = config_sub.add_parser("check", help="validate a file; errors name the key's path")
     check.add_argument("file")
-    check.add_argument("--roles", default="holder", help="the roles it is for")
+    check.add_argument("--roles", help="the roles it is for (default: those whose sections "
+                       "the file has; holder if none)")  # fmt: skip
     check.set_defaults(func=checks.cmd_config_check)
 
     demo = sub.add_parser(

@@ -140,6 +140,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from backends.schema import SCHEMAS, OptionError, check_options, parse_size
+
 from .settings import (
     ControllerSettings,
     HolderSettings,
@@ -231,6 +233,12 @@ class Config:
     storage: StorageConfig = StorageConfig()
     #: Directory relative paths are resolved against.
     root: Path = Path(".")
+    #: The sections the file has (config check's roles, serve's warning).
+    sections: frozenset[str] = frozenset()
+
+    def roles_of_sections(self) -> tuple[str, ...]:
+        """The roles whose sections the file has, in ROLE_SECTIONS's order."""
+        return tuple(r for r, s in ROLE_SECTIONS.items() if s in self.sections)
 
     def path(self, value: str) -> Path:
         return (self.root / value).resolve() if value else Path()
@@ -271,6 +279,11 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
             value = tuple(v if key in _URI_LISTS else str(root / v) for v in value)
         elif expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        elif expected is int and "octets" in key and isinstance(value, str):
+            try:
+                value = parse_size(value, f"{where}.{key}")  # "8GiB" as well as octets
+            except OptionError as exc:
+                raise ConfigError(str(exc)) from None
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ConfigError(f"{where}.{key}: must be {expected.__name__}, got {value!r}")
         if key in _PATH_KEYS and value:
@@ -305,9 +318,19 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         capacity = options.pop("capacity", None)
         if not isinstance(backend, str):
             raise ConfigError(f"{where}.backend: required, one of device, host, lmdb, redis, s3")
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-            raise ConfigError(f"{where}.capacity: required, a positive number of octets")
-        if "path" in options and isinstance(options["path"], str):
+        if capacity is None:
+            raise ConfigError(f'{where}.capacity: required, a positive size (octets or "4GiB")')
+        try:
+            capacity = parse_size(capacity, f"{where}.capacity")
+            # The backend's options, by its schema (backends/schema.py); an
+            # unknown backend is named by check(), with the other problems.
+            if backend in SCHEMAS:
+                options = check_options(backend, options, where)
+        except OptionError as exc:
+            raise ConfigError(str(exc)) from None
+        if capacity <= 0:
+            raise ConfigError(f"{where}.capacity: must be positive, got {capacity}")
+        if "path" in options:
             options["path"] = str(root / options["path"])
         tiers.append(TierConfig(backend, capacity, options))
     server = _section(ServerConfig, data.get("server", {}), "server", root)
@@ -322,6 +345,7 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         instance=_section(InstanceConfig, data.get("instance", {}), "instance", root),
         storage=StorageConfig(**{**_asdict(storage), "tiers": tuple(tiers)}),
         root=root,
+        sections=frozenset(data),
     )
 
 
@@ -424,6 +448,7 @@ def _check_proxy(server: ServerConfig) -> list[str]:
 
 def _check_storage(cfg: StorageConfig) -> list[str]:
     from backends import BACKENDS
+    from backends.schema import missing_extra
 
     out: list[str] = []
     if not cfg.tiers:
@@ -432,6 +457,16 @@ def _check_storage(cfg: StorageConfig) -> list[str]:
         if tier.backend not in BACKENDS:
             out.append(f"storage.tiers[{index}].backend: {tier.backend!r} is an unknown "
                        f"backend; known: {', '.join(sorted(BACKENDS))}")  # fmt: skip
+            continue
+        if (extra := missing_extra(tier.backend)) is not None:
+            out.append(f"storage.tiers[{index}].backend: {extra}")
+        map_size = tier.options.get("map_size", SCHEMAS["lmdb"]["map_size"].default)
+        if tier.backend == "lmdb" and map_size <= tier.capacity:
+            # LMDB never grows its map: a capacity above it fills the map
+            # first, and PUTs fail as "full" with room left by the count.
+            out.append(f"storage.tiers[{index}].map_size: {map_size} octets, not above its "
+                       f"capacity of {tier.capacity}; LMDB's map must exceed the capacity "
+                       "(leave room for layer tables: capacity + 10%)")  # fmt: skip
         deadline = tier.options.get("deadline_s")
         if deadline is not None and (
             isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0

@@ -31,6 +31,7 @@ from .listener import (
     uvicorn_config,
 )
 from .protocol.compat import parse_descriptor
+from .protocol.problems import KvspError
 from .protocol.wire import NO_STORE
 from .seams import Lookups, PublisherStatsSource, Snapshots
 from .security import Policy
@@ -68,10 +69,18 @@ def build_store(config: Config) -> TieredStore:
     for index, tier in enumerate(cfg.tiers):
         options = dict(tier.options)
         deadline = options.pop("deadline_s", None)  # the manager's, not the backend's
+        where = f"storage.tiers[{index}]"
         try:
             made = create_tier(tier.backend, **options)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"storage.tiers[{index}]: {exc}") from exc
+            raise ConfigError(f"{where}: {exc}") from exc
+        except ImportError as exc:
+            raise ConfigError(f"{where}.backend: {exc}") from None
+        except OSError as exc:  # a directory that cannot be made or opened
+            raise ConfigError(f"{where}.path: {exc.filename or options.get('path')}: "
+                              f"{exc.strerror}") from None  # fmt: skip
+        except KvspError as exc:  # TierUnavailable: LMDB cannot open its environment
+            raise ConfigError(f"{where}: {exc.detail}") from None
         if deadline is not None:
             made.deadline_s = float(deadline)
         tiers.append((made, tier.capacity))

@@ -37,6 +37,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -186,9 +187,16 @@ def _worker_main(config: Config, index: int, board: Board, supervisor: int) -> N
     os.setpgrp()
     _die_with_parent(supervisor)
     from .serve import run
+    from .storage.tier import StorageInUse
 
     uris = tuple(worker_uri(config.holder.uri, i) for i in range(config.server.workers))
-    run(worker_config(config, index), ("holder",), seat=Seat(index, uris, board))
+    try:
+        run(worker_config(config, index), ("holder",), seat=Seat(index, uris, board))
+    except (ConfigError, StorageInUse) as exc:
+        # One line, as a lone holder says it (its share's storage in use,
+        # its port taken): a configuration to fix.
+        print(f"kvstore: error: worker {index}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 class Supervisor:

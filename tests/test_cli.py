@@ -351,7 +351,8 @@ def test_config_check_names_each_invalid_policy_member(
 ) -> None:
     (tmp_path / "k.toml").write_text(GOOD_TOML)
     (tmp_path / "p.json").write_text(json.dumps(policy))
-    done = kvstore("config", "check", str(tmp_path / "k.toml"))
+    # The holder's (its [index] shares the file: checked too without --roles).
+    done = kvstore("config", "check", str(tmp_path / "k.toml"), "--roles", "holder")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     # One line per invalid member: the configuration key, the file, the JSON path.

@@ -115,6 +115,27 @@ def test_every_key_is_documented_with_its_default() -> None:
         )
 
 
+def test_every_backend_option_is_documented() -> None:
+    # The schema (backends/schema.py) is the one definition: each backend's
+    # row in docs/configuration.md names exactly its options.
+    import re
+
+    from backends.schema import COMMON, SCHEMAS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    part = doc.split("## [[storage.tiers]]", 1)[1]
+    for backend, schema in SCHEMAS.items():
+        [row] = re.findall(rf"^\| `{backend}` \| (.*) \|$", part, re.M)
+        while re.search(r"\([^()]*\)", row):
+            row = re.sub(r"\s*\([^()]*\)", "", row)  # what is said of each option
+        named_flat = set(re.findall(r"`(\w+)`", row))
+        own = set(schema) - {"read_mbit_per_s"}  # documented for every backend below the table
+        assert own <= named_flat, (backend, own - named_flat)
+        assert named_flat <= set(schema), (backend, named_flat - set(schema))
+    for option in [*COMMON, "read_mbit_per_s"]:
+        assert f"`{option}`" in part
+
+
 def test_greedy_is_not_claimed_deterministic_unless_configured(tmp_path: Path) -> None:
     # CK3: claimed deterministic, greedy tokens go out before the PC has a
     # checkpoint covering them, which is safe only with batch-invariant
@@ -140,6 +161,6 @@ def test_write_through_needs_a_persistent_tier_below_the_first(tmp_path: Path) -
     assert problem.startswith("storage.write_through:")
     with file.open("a") as out:
         out.write(f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 1048576\n'
-                  f'path = "{tmp_path / "lmdb"}"\nmap_size = 1048576\n')  # fmt: skip
+                  f'path = "{tmp_path / "lmdb"}"\nmap_size = 2097152\n')  # fmt: skip
     assert not [p for p in check(load(file), ("holder",)) if p.startswith("storage.")]
     assert build_store(load(file)).write_through

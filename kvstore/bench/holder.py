@@ -125,7 +125,7 @@ class Servers:
             'backend = "host"\ncapacity = 1073741824\n' + ("prefault = true\n" if prefault else "")
             if tier == "host"
             else f'backend = "lmdb"\ncapacity = 4294967296\npath = "lmdb-{port}"\n'
-            "map_size = 4294967296\nsync = false\n"
+            "map_size = 5368709120\nsync = false\n"
         )
         config = self.root / f"holder-{port}.toml"
         config.write_text(

@@ -69,7 +69,7 @@ async def test_a_full_file_system_refuses_puts_and_loses_nothing(tmp_path: Path)
     (tmp_path / "holder.toml").write_text(
         SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
         '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 268435456\npath = "lmdb"\n'
-        "map_size = 268435456\n"  # 256 MiB of map on 4 MiB of file system
+        "map_size = 536870912\n"  # 512 MiB of map on 4 MiB of file system
     )  # fmt: skip
     (tmp_path / "run").touch()
     log = (tmp_path / "holder.log").open("ab")
