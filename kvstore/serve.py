@@ -463,20 +463,16 @@ async def _build(
     services: list[Service] = []
     if "holder" in roles or "instance" in roles:
         store = build_store(config)
+        # The store's own stop: a spill the holder did not do already, then
+        # its claims given back and its tiers closed (the roles that use it
+        # stopped before).
+        closing += [lambda: store.spill(shutdown.share(0.6)), store.close]
         # One owner per storage: every persistent tier is claimed before any
         # of it is read (a second holder on the same LMDB directory, Redis or
         # S3 prefix is refused here with one line), and kept while serving.
-        from .storage.owner import Ownership, owner_name
+        from .storage.owner import owner_name
 
-        ownership = Ownership(store, owner_name(_serving(config, roles)),
-                              config.storage.owner_ttl_s)  # fmt: skip
-        # The store's own stop: a spill the holder did not do already, the
-        # claims given back, then its tiers closed (the roles that use it
-        # stopped before).
-        closing += [lambda: store.spill(shutdown.share(0.6)), ownership.release, store.close]
-        await ownership.claim()
-        services.append(ownership)
-        found = await store.recover()
+        found = await store.open(owner_name(_serving(config, roles)), config.storage.owner_ttl_s)
         await store.measure_read_rates()
         if config.storage.retention_s > 0:
             from .storage.retention import RetentionSweeper

@@ -53,6 +53,7 @@ from .blocks import (
 from .crypto import SegmentSealer
 from .events import EvictHook, OnEvict, StoreEvents, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits, LeaseTable
+from .owner import Ownership, owner_name
 from .placement import Placement
 from .policy import LRU, EvictionPolicy
 from .state import SERVING, SETTLING
@@ -148,6 +149,9 @@ class TieredStore:
         self.table = BlockTable(self.slots)
         self.placement = Placement(self)
         self._spilled = False
+        #: The claims of the persistent tiers while open (see :meth:`open`).
+        self._ownership: Ownership | None = None
+        self._closed = False
 
     @property
     def sealer(self) -> SegmentSealer:
@@ -538,12 +542,42 @@ class TieredStore:
         DELETE's removal goes on by itself)."""
         await self.placement.settle()
 
-    async def close(self) -> None:
+    async def open(self, owner: str = "", owner_ttl_s: float = 30.0) -> int:
+        """Make the store this process's and find what it holds: claim each
+        persistent tier (one owner per storage, :mod:`.owner`; a second
+        process on the same LMDB directory, Redis or S3 prefix gets
+        :class:`.StorageInUse`), keep the claims while open, and
+        :meth:`recover`. Returns the number of blocks found. ``async with``
+        calls it; without a persistent tier there is nothing to do."""
+        if not any(s.tier.persistent for s in self.slots) or self._ownership is not None:
+            return len(self)
+        ownership = Ownership(self, owner or owner_name("a library store"), owner_ttl_s)
+        await ownership.claim()
+        self._ownership = ownership
+        ownership.start()
+        return await self.recover()
+
+    async def close(self, spill: bool = True) -> None:
+        """Stop, keeping what it holds: with a persistent tier, what only
+        memory tiers hold goes down to it first (:meth:`spill`; its free room
+        only), so a store opened on the same tiers finds it again.
+        ``spill=False``: as a crash would leave it (what only memory held is
+        gone). A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if spill:
+            await self.spill()
         await self.placement.stop()
+        if self._ownership is not None:
+            await self._ownership.stop()
+            await self._ownership.release()
+            self._ownership = None
         for slot in self.slots:
             await slot.tier.close()
 
     async def __aenter__(self) -> TieredStore:
+        await self.open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -277,7 +277,7 @@ async def test_partial_block_after_restart_keeps_every_layer_digest(lmdb_path: s
     data = block()
     await store.put(ref(1), data)
     before = store.replica_record(ref(1), "https://h/", 1000)
-    await store.close()
+    await store.close(spill=False)  # a crash: what host memory held is gone
 
     again = TieredStore(
         [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], sealer=SegmentSealer(KEY)
@@ -640,3 +640,22 @@ async def test_a_flipped_layer_table_is_not_trusted(lmdb_path: str, encrypted: b
     assert await again.recover() == 0
     assert again.stats.integrity_failures == 1
     await again.close()
+
+
+async def test_a_library_store_keeps_what_it_holds_across_a_restart(lmdb_path: str) -> None:
+    # Issue 33: put, close(), a new store on the same directory, get -> NotFound.
+    # close() now spills what only host memory holds; `async with` recovers.
+    data = {n: block() for n in (1, 2)}
+    async with TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)]) as store:
+        for n, body in data.items():
+            await store.put(ref(n), body)
+        assert {store.residency(ref(n))[0].tier for n in data} == {"host"}
+    async with TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)]) as again:
+        assert len(again) == 2
+        for n, body in data.items():
+            assert await again.get(ref(n)) == body
+        await again.put(ref(3), block())
+        await again.close(spill=False)  # as a crash leaves it: host memory is gone
+    third = TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)])
+    assert await third.open() == 2 and ref(3) not in third
+    await third.close()
