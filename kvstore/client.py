@@ -43,8 +43,10 @@ from .protocol.control import (
 from .protocol.problems import (
     BadGateway,
     DigestMismatch,
+    HolderUnavailable,
     KvspError,
     NotFound,
+    TlsRefused,
     error_from_problem,
 )
 from .protocol.records import (
@@ -75,8 +77,81 @@ def _base(uri: str) -> str:
     return uri if uri.endswith("/") else uri + "/"
 
 
+#: A key or ID: a hex string, or its octets (what BlockKeyChain and compat_id give).
+Hex = str | bytes
+
+
+def _hex(value: str | BytesLike, octets: int, what: str) -> str:
+    """A key or ID as the path writes it: ``bytes`` (as ``BlockKeyChain.extend``
+    and ``compat_id`` return them) in hex, or a hex string as it is."""
+    if isinstance(value, str):
+        text = value.lower()
+        if len(text) == 2 * octets and all(c in "0123456789abcdef" for c in text):
+            return text
+        raise ValueError(f"{what}: {2 * octets} hex digits, got {value!r}")
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        if len(raw) == octets:
+            return raw.hex()
+        raise ValueError(f"{what}: {octets} octets, got {len(raw)}")
+    raise TypeError(f"{what}: bytes or a hex string, not {type(value).__name__}")
+
+
+def _block_path(compat_id: str | BytesLike, scope_id: str | BytesLike,
+                block_key: str | BytesLike) -> str:  # fmt: skip
+    return block_path(_hex(compat_id, 32, "compat_id"), _hex(scope_id, 16, "scope_id"),
+                      _hex(block_key, 32, "block_key"))  # fmt: skip
+
+
+#: What an OpenSSL alert from the server means for the client, and what to fix.
+_ALERTS = {
+    "certificate required": "the server requires a client certificate and got none "
+    "(give the client context a certfile and keyfile)",
+    "unknown ca": "the server does not trust the CA that issued your client certificate "
+    "(use a certificate issued by the server's CA: kvstore certs issue)",
+    "certificate expired": "the server says your client certificate has expired "
+    "(issue a new one: kvstore certs issue)",
+    "decrypt error": "the server could not verify your client certificate's signature: it is "
+    "not issued by the server's CA (use one from kvstore certs issue with the server's CA)",
+    "bad certificate": "the server refused your client certificate",
+    "certificate unknown": "the server refused your client certificate",
+    "wrong version number": "the server does not speak TLS on this port (http:// vs https://?)",
+    "record layer failure": "the server does not speak TLS on this port (http:// vs https://?)",
+}
+
+
+def _unreachable(method: str, url: str, exc: BaseException, timeout_s: float) -> KvspError:
+    """A failure to reach a role as the error that says what happened and
+    what to fix: :class:`TlsRefused` for a handshake (which side, why), else
+    :class:`HolderUnavailable` (the caller narrows it) with the reason."""
+    text = str(exc).lower()
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        reason = (f"the server's certificate failed verification "
+                  f"({exc.certificate_error}): check the CA the client trusts")  # fmt: skip
+        return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
+    for alert, reason in _ALERTS.items():
+        if alert in text:
+            return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:"):
+        reason = ("the server closed the connection at once; with TLS 1.3 that is how a "
+                  "refused client certificate looks (expired, from another CA, or none): "
+                  "check the client's certfile and keyfile, and the server's log")  # fmt: skip
+        return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
+    if isinstance(exc, TimeoutError):
+        reason = f"no answer within {timeout_s:g} s"
+    elif isinstance(exc, aiohttp.ClientConnectorError):
+        reason = f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"[:200]
+    return HolderUnavailable(f"{method} {url}: {reason}", uri=url, reason=reason)
+
+
 class _Http:
-    """Pooled HTTPS connections with the client certificate of ``ssl_context``."""
+    """Pooled HTTPS connections with the client certificate of ``ssl_context``.
+
+    Without one, https servers are still verified against the system's CAs;
+    ``verify=False`` (development against a self-signed server, never in a
+    deployment) turns that off, explicitly."""
 
     def __init__(
         self,
@@ -84,8 +159,13 @@ class _Http:
         *,
         timeout_s: float = 30.0,
         connections: int = 64,
+        verify: bool = True,
     ) -> None:
-        self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else False
+        if ssl_context is not None:
+            self._ssl: ssl.SSLContext | bool = ssl_context
+        else:
+            self._ssl = bool(verify)  # True: aiohttp verifies against the system CAs
+        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
@@ -117,8 +197,8 @@ class _Http:
                 if response.status not in set(expect):
                     raise _error(response.status, headers, body)
                 return response.status, headers, body
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise KvspError(f"{method} {url}: {exc!r}") from exc
+        except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
+            raise _unreachable(method, url, exc, self._timeout_s) from exc
 
 
 class HolderClient(_Http):
@@ -127,9 +207,9 @@ class HolderClient(_Http):
     async def get_block(
         self,
         holder: str,
-        compat_id: str,
-        scope_id: str,
-        block_key: str,
+        compat_id: Hex,
+        scope_id: Hex,
+        block_key: Hex,
         *,
         layers: tuple[int, int] | None = None,
         codec: int | None = None,
@@ -141,7 +221,7 @@ class HolderClient(_Http):
             params["layers"] = format_layers(*layers)
         if codec is not None:
             params["codec"] = str(codec)
-        url = urljoin(_base(holder), block_path(compat_id, scope_id, block_key))
+        url = urljoin(_base(holder), _block_path(compat_id, scope_id, block_key))
         _, headers, body = await self._request("GET", url, expect=[200], params=params)
         if "repr-digest" not in headers:
             raise DigestMismatch(f"{url}: no Repr-Digest field")
@@ -151,9 +231,9 @@ class HolderClient(_Http):
     async def get_blocks(
         self,
         holder: str,
-        compat_id: str,
-        scope_id: str,
-        block_keys: Sequence[str],
+        compat_id: Hex,
+        scope_id: Hex,
+        block_keys: Sequence[Hex],
         *,
         records: Sequence[ReplicaRecord | None] | None = None,
         concurrency: int = 4,
@@ -183,17 +263,17 @@ class HolderClient(_Http):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def has_block(self, holder: str, compat_id: str, scope_id: str, block_key: str) -> bool:
+    async def has_block(self, holder: str, compat_id: Hex, scope_id: Hex, block_key: Hex) -> bool:
         """``HEAD`` of a block: True if the holder serves it, False on a 404."""
-        url = urljoin(_base(holder), block_path(compat_id, scope_id, block_key))
+        url = urljoin(_base(holder), _block_path(compat_id, scope_id, block_key))
         status, _, _ = await self._request("HEAD", url, expect=[200, 404])
         return status == 200
 
     async def put_block(
-        self, holder: str, compat_id: str, scope_id: str, block_key: str, data: BytesLike
+        self, holder: str, compat_id: Hex, scope_id: Hex, block_key: Hex, data: BytesLike
     ) -> ReplicaRecord:
         """Store a block (BL7); :class:`PreconditionFailed` when the holder has one."""
-        url = urljoin(_base(holder), block_path(compat_id, scope_id, block_key))
+        url = urljoin(_base(holder), _block_path(compat_id, scope_id, block_key))
         headers = {"If-None-Match": "*", "Content-Type": BLOCK_MEDIA_TYPE}
         _, _, body = await self._request("PUT", url, expect=[201], data=data, headers=headers)
         return ReplicaRecord.from_json(json.loads(body))
@@ -257,14 +337,17 @@ class HolderClient(_Http):
     async def lease(
         self,
         holder: str,
-        block_keys: Sequence[str],
+        block_keys: Sequence[Hex],
         ttl_ms: int,
         *,
-        scope_id: str | None = None,
-        compat_id: str | None = None,
+        scope_id: Hex | None = None,
+        compat_id: Hex | None = None,
     ) -> LeaseGrant:
         """``POST leases`` (LE1)."""
-        body = LeaseRequest(tuple(block_keys), ttl_ms, scope_id, compat_id).to_json()
+        keys = tuple(_hex(k, 32, "block_keys[]") for k in block_keys)
+        scope = None if scope_id is None else _hex(scope_id, 16, "scope_id")
+        compat = None if compat_id is None else _hex(compat_id, 32, "compat_id")
+        body = LeaseRequest(keys, ttl_ms, scope, compat).to_json()
         _, _, raw = await self._request(
             "POST", urljoin(_base(holder), "leases"), expect=[200, 201], json=body
         )

@@ -85,7 +85,7 @@ def server_class() -> Any:
             config = self.config
 
             def create_protocol(_loop: Any = None) -> asyncio.Protocol:
-                protocol: Any = config.http_protocol_class
+                protocol: Any = getattr(config, "kvstore_plain_protocol")  # noqa: B009
                 return protocol(  # type: ignore[no-any-return]
                     config=config, server_state=self.server_state,
                     app_state=self.lifespan.state, _loop=_loop,
@@ -281,4 +281,15 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
     # The lifespan runs the roles' background parts and their stop (STYLE 14).
     uv = uvicorn.Config(app, log_level="warning", lifespan="on", **options)
     uv.load()
+    #: What the trusted proxy's plain listeners speak (no TLS layer).
+    uv.kvstore_plain_protocol = uv.http_protocol_class  # type: ignore[attr-defined]
+    if uv.ssl is not None:
+        # TLS by kvstore's own layer (asyncio's, with each refused handshake
+        # logged, rate-limited: asyncio logs none outside debug mode).
+        from .tls import RefusedHandshakes, logged_tls
+
+        uv.http_protocol_class = logged_tls(  # type: ignore[assignment]
+            uv.http_protocol_class, uv.ssl, RefusedHandshakes()
+        )
+        uv.ssl = None
     return uv

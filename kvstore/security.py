@@ -313,6 +313,32 @@ def _write_key_and_cert(directory: Path, stem: str, key: Any, cert: Any) -> None
     (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
+def _issue(
+    ca_key: Any, ca_cert: Any, common_name: str, sans: list[Any], usage: Any,
+    start: datetime.datetime, end: datetime.datetime,
+) -> tuple[Any, Any]:  # fmt: skip
+    """A key and a certificate for ``sans`` signed by the CA, valid start..end."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
 def create_dev_certificates(
     directory: str | Path,
     principals: Iterable[str] = ("client",),
@@ -324,7 +350,8 @@ def create_dev_certificates(
     certificate per principal name (SAN URI ``urn:kvstore:<name>``).
 
     Returns the principal URI of each client name. For local use only: the CA
-    key is written next to the certificates.
+    key is written next to the certificates. An existing CA in ``directory``
+    is replaced (``kvstore certs init`` refuses that without ``--force``).
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
@@ -364,39 +391,46 @@ def create_dev_certificates(
     )
     _write_key_and_cert(out, "ca", ca_key, ca_cert)
 
-    def issue(common_name: str, sans: list[Any], usage: Any) -> tuple[Any, Any]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(common_name))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start)
-            .not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
-        return key, cert
-
     server_sans: list[Any] = []
     for host in hosts:
         try:
             server_sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             server_sans.append(x509.DNSName(host))
-    _write_key_and_cert(
-        out, "server", *issue("kvstore server", server_sans, ExtendedKeyUsageOID.SERVER_AUTH)
-    )
+    server = _issue(ca_key, ca_cert, "kvstore server", server_sans,
+                    ExtendedKeyUsageOID.SERVER_AUTH, start, end)  # fmt: skip
+    _write_key_and_cert(out, "server", *server)
+    return {name: issue_certificate(out, name, days=days) for name in principals}
 
-    uris = {}
-    for name in principals:
-        uri = f"urn:kvstore:{name}"
-        key, cert = issue(
-            name, [x509.UniformResourceIdentifier(uri)], ExtendedKeyUsageOID.CLIENT_AUTH
-        )
-        _write_key_and_cert(out, f"client-{name}", key, cert)
-        uris[name] = uri
-    return uris
+
+def issue_certificate(
+    ca_directory: str | Path, principal: str, *, days: int = 365,
+    out: str | Path | None = None, not_before: datetime.datetime | None = None,
+) -> str:  # fmt: skip
+    """One more client certificate from the CA of ``ca_directory`` (its
+    ca.pem and ca.key): ``client-<principal>.pem`` and ``.key`` in ``out``
+    (default: that directory), SAN URI ``urn:kvstore:<principal>``, valid
+    from ``not_before`` (default: now, less 5 minutes) for ``days``.
+    Returns the principal URI. A running server trusts it at once (same CA)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", principal):
+        raise ValueError(f"principal {principal!r}: letters, digits and '._-', at most 64")
+    ca = Path(ca_directory)
+    try:
+        ca_cert = x509.load_pem_x509_certificate((ca / "ca.pem").read_bytes())
+        ca_key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), None)
+    except OSError as exc:
+        raise ValueError(f"{exc.filename}: {exc.strerror} (a CA made by kvstore certs init)"
+                         ) from None  # fmt: skip
+    start = not_before or datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
+    uri = f"urn:kvstore:{principal}"
+    key, cert = _issue(ca_key, ca_cert, principal, [x509.UniformResourceIdentifier(uri)],
+                       ExtendedKeyUsageOID.CLIENT_AUTH, start,
+                       start + datetime.timedelta(days=days))  # fmt: skip
+    target = Path(out) if out is not None else ca
+    target.mkdir(parents=True, exist_ok=True)
+    _write_key_and_cert(target, f"client-{principal}", key, cert)
+    return uri

@@ -29,10 +29,14 @@ scope extension for uvicorn, and the principal of a connection (H1, SEC1).
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
+import contextlib
 import functools
 import logging
 import socket
 import ssl
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -82,6 +86,104 @@ def client_context(
     if certfile is not None:
         context.load_cert_chain(certfile, keyfile)
     return context
+
+
+# --- refused handshakes --------------------------------------------------------
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """Why a TLS handshake failed, as an operator reads it (the client is
+    told in kvstore.client what to fix on its side)."""
+    verify = getattr(exc, "verify_message", None)
+    code = str(getattr(exc, "reason", "") or "")
+    if verify:
+        if "expired" in verify:
+            return "the client certificate has expired"
+        if any(x in verify for x in ("local issuer", "self-signed", "self signed", "signature")):
+            return f"the client certificate is not issued by this server's CA ({verify})"
+        return f"the client certificate failed verification ({verify})"
+    reasons = {
+        "PEER_DID_NOT_RETURN_A_CERTIFICATE": "no client certificate",
+        "HTTP_REQUEST": "plain HTTP sent to the TLS port",
+        "WRONG_VERSION_NUMBER": "not TLS (or a TLS version below 1.3)",
+        "UNSUPPORTED_PROTOCOL": "a TLS version below 1.3",
+        "NO_SHARED_CIPHER": "no cipher in common",
+    }
+    return reasons.get(code, code.lower().replace("_", " ") or f"{type(exc).__name__}: {exc}")
+
+
+class RefusedHandshakes:
+    """The log of TLS handshakes a server refused: one WARNING per peer and
+    reason per ``window_s`` (a scanner must not flood the log), with how
+    many were not logged since. At most ``limit`` (peer, reason) pairs are
+    remembered; the oldest go first."""
+
+    def __init__(
+        self, window_s: float = 60.0, limit: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.window_s, self.limit, self.clock = window_s, limit, clock
+        #: (peer, reason) -> (when last logged, refusals not logged since)
+        self._seen: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        self.count = 0
+
+    def __call__(self, peer: str, exc: BaseException) -> None:
+        self.count += 1
+        reason = refusal_reason(exc)
+        key, now = (peer, reason), self.clock()
+        last = self._seen.get(key)
+        if last is not None and now - last[0] < self.window_s:
+            self._seen[key] = (last[0], last[1] + 1)
+            return
+        quiet = f" ({last[1]} more since, not logged)" if last is not None and last[1] else ""
+        log.warning("TLS handshake from %s refused: %s%s", peer, reason, quiet)
+        self._seen[key] = (now, 0)
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+
+
+class _RefusalLoggingSSL(asyncio.sslproto.SSLProtocol):
+    """asyncio's TLS layer, telling :class:`RefusedHandshakes` of each failed
+    handshake (asyncio itself logs them only in debug mode: a refused client
+    certificate was invisible on the server)."""
+
+    refusals: RefusedHandshakes
+
+    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+        if isinstance(handshake_exc, ssl.SSLError) and not isinstance(
+            handshake_exc, ssl.SSLEOFError
+        ):  # (a peer gone mid-handshake, a port probe: nothing refused)
+            peer = self._get_extra_info("peername")
+            where = str(peer[0]) if isinstance(peer, tuple) and peer else "a peer"
+            self.refusals(where, handshake_exc)
+            # The alert OpenSSL wrote for the client goes out before the
+            # connection is closed (asyncio closes at once, and the client
+            # saw only a reset): it tells the client why.
+            with contextlib.suppress(Exception):
+                self._process_outgoing()  # type: ignore[attr-defined]
+        super()._on_handshake_complete(handshake_exc)
+
+
+def logged_tls(
+    protocol_class: Callable[..., asyncio.BaseProtocol], context: ssl.SSLContext,
+    refusals: RefusedHandshakes,
+) -> Callable[..., asyncio.BaseProtocol]:  # fmt: skip
+    """A protocol factory for a server given no ``ssl``: each connection's
+    ``protocol_class`` under asyncio's TLS layer with ``context``, its
+    refused handshakes logged by ``refusals``. The app sees the same
+    transport as with ``create_server(ssl=context)`` (``sslcontext``,
+    ``ssl_object``, ``peercert`` in its extra info)."""
+
+    def make(*args: Any, **kwargs: Any) -> asyncio.BaseProtocol:
+        app = protocol_class(*args, **kwargs)
+        loop = kwargs.get("_loop") or asyncio.get_running_loop()
+        tls = _RefusalLoggingSSL(loop, app, context, None, server_side=True)  # type: ignore[arg-type]
+        tls.refusals = refusals
+        return tls
+
+    make.alpn_protocols = getattr(protocol_class, "alpn_protocols", None)  # type: ignore[attr-defined]
+    return make
 
 
 # --- the principal -----------------------------------------------------------

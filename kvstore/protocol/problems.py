@@ -27,6 +27,9 @@ one handler renders every error and one ``isinstance`` check catches them all::
     ├── Forbidden / Unauthenticated (about:blank, 403/401)   SEC1: policy, no certificate
     ├── TierUnavailable             (about:blank, 503)       a storage tier is down
     ├── BadGateway                  (about:blank, 502)       a peer role refused or failed
+    ├── Unreachable                 (client side, 503)       a role could not be reached
+    │   ├── HolderUnavailable       a holder: refused, reset, timed out (its URI, why)
+    │   └── TlsRefused              the TLS handshake failed: what to fix, which side
     └── InsufficientStorage         (about:blank, 507)       no tier can take a write
         └── TierFull                one tier's backend is out of space
 
@@ -216,6 +219,33 @@ class BadGateway(KvspError):
 
     status = 502
     title = "Peer failed"
+
+
+class Unreachable(KvspError):
+    """Client side: the role at ``uri`` could not be reached (connection
+    refused or reset, no answer in time). Never sent as a problem."""
+
+    status = 503
+    title = "Peer unreachable"
+
+    def __init__(self, detail: str, uri: str = "", reason: str = "", **extensions: Any) -> None:
+        super().__init__(detail, **extensions)
+        self.uri, self.reason = uri, reason
+
+
+class HolderUnavailable(Unreachable):
+    """A holder could not be reached: its URI and why (a client falls back
+    to another replica, or recomputes)."""
+
+    title = "Holder unavailable"
+
+
+class TlsRefused(Unreachable):
+    """The TLS handshake failed; the message says which side refused and
+    what to fix (a client certificate missing, expired or from another CA;
+    the server's certificate not trusted; plain http to a TLS listener)."""
+
+    title = "TLS handshake refused"
 
 
 class InsufficientStorage(KvspError):
