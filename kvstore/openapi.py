@@ -255,6 +255,20 @@ def document(role: str) -> dict[str, Any]:
                        body_type=BLOCK, parameters=[{"name": "If-None-Match", "in": "header",
                                                      "required": True,
                                                      "schema": {"const": "*"}}]),
+            "delete": _op("An operator removes a block, withdrawn from the IS first (P3); "
+                          "the admin role only; a leased block is a 412 unless force=true",
+                          {"204": {"description": "removed"}}, ours=True,
+                          parameters=[{"name": "force", "in": "query",
+                                       "schema": {"type": "boolean"}}]),
+        }  # fmt: skip
+        paths["/scopes/{scope}"] = {
+            "parameters": _path(("scope", HEX16)),
+            "delete": _op("An operator purges a scope: every block of it removed, each "
+                          "withdrawn first (P3); the admin role only; leased blocks stay "
+                          "unless force=true", _ok("200", "Object", "how many went, and "
+                                                   "how many leased ones stayed"), ours=True,
+                          parameters=[{"name": "force", "in": "query",
+                                       "schema": {"type": "boolean"}}]),
         }  # fmt: skip
         paths["/leases"] = {
             "post": _op("Create a lease (LE1)", _ok("201", "LeaseGrant"), "LeaseRequest")

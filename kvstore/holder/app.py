@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -78,12 +78,15 @@ class Holder:
         self.settings, self.store, self.policy = settings, store, policy
 
     def routes(self) -> list[Route]:
+        # One route per path, so that a 405's Allow lists every method of it.
+        block = {"GET": self.get_block, "HEAD": self.get_block, "PUT": self.put_block,
+                 "DELETE": self.delete_block}  # fmt: skip
+        lease = {"PUT": self.renew_lease, "DELETE": self.release_lease}
         return [
-            Route("/blocks/{compat}/{scope}/{block_key}", self.get_block, methods=["GET", "HEAD"]),
-            Route("/blocks/{compat}/{scope}/{block_key}", self.put_block, methods=["PUT"]),
+            Route("/blocks/{compat}/{scope}/{block_key}", _by_method(block), methods=list(block)),
+            Route("/scopes/{scope}", self.purge_scope, methods=["DELETE"]),
             Route("/leases", self.create_lease, methods=["POST"]),
-            Route("/leases/{lease_id}", self.renew_lease, methods=["PUT"]),
-            Route("/leases/{lease_id}", self.release_lease, methods=["DELETE"]),
+            Route("/leases/{lease_id}", _by_method(lease), methods=list(lease)),
             Route("/shards", self.shards, methods=["GET"]),
         ]
 
@@ -181,6 +184,34 @@ class Holder:
         location = settings.base_path + block_path(ref.compat_id, ref.scope_id, ref.block_key)
         return json_response(record.to_json(), 201, {"Location": location})
 
+    async def delete_block(self, request: Request) -> Response:
+        """``DELETE blocks/...`` (ours: KVSP has no client delete): an
+        operator removes a block, the admin role only. Its replica record is
+        withdrawn from the IS first (P3). A leased block is refused (412,
+        LE2) unless ``?force=true`` (a poisoned block goes even so, as data
+        lost to a fault would, LE4)."""
+        ref = _ref(request)
+        self.policy.require_role(self.who(request), "admin")
+        force = _force(request)
+        await self.store.delete(ref, force=force)
+        log.warning("block %s removed by %s%s", ref.block_key, self.who(request),
+                    " (forced)" if force else "")  # fmt: skip
+        return empty_response(204)
+
+    async def purge_scope(self, request: Request) -> Response:
+        """``DELETE scopes/{scope}`` (ours): every block of a scope leaves the
+        holder (a tenant leaving, a poisoned cache), each withdrawn first
+        (P3); the admin role only. Leased blocks stay unless ``?force=true``;
+        the answer counts both."""
+        scope = request.path_params["scope"]
+        if not _HEX32.fullmatch(scope):
+            raise NotFound("no such scope (32 lowercase hex)")
+        self.policy.require_role(self.who(request), "admin")
+        removed, kept = await self.store.purge(scope, force=_force(request))
+        log.warning("scope %s purged by %s: %d blocks removed, %d leased kept", scope,
+                    self.who(request), removed, kept)  # fmt: skip
+        return json_response({"scope_id": scope, "removed": removed, "leased_kept": kept})
+
     async def create_lease(self, request: Request) -> Response:
         client = self.who(request)
         grant = self.policy.grant(client)
@@ -269,6 +300,23 @@ def create_app(
     app.state.store = store
     app.state.settings = settings
     return app
+
+
+def _by_method(handlers: Mapping[str, Callable[[Request], Any]]) -> Callable[[Request], Any]:
+    async def dispatch(request: Request) -> Response:
+        handler = handlers[request.method]
+        request.scope["endpoint"] = handler  # the metrics' route label: get_block, put_block
+        response: Response = await handler(request)
+        return response
+
+    return dispatch
+
+
+def _force(request: Request) -> bool:
+    value = request.query_params.get("force", "false")
+    if value not in ("true", "false"):
+        raise BadRequest(f"force={value!r}: true or false")
+    return value == "true"
 
 
 def _wants_transcode(codec: str, stored: int, ref: BlockRef, settings: HolderSettings) -> bool:

@@ -73,7 +73,17 @@ from ..config import ConfigError
 from ..protocol.tensors import torch_dtype
 from .chunks import ChunkSettings, ChunkStore, Geometry, LoopThread, Pin
 from .kv2ltd import chunk_container, chunk_of, copy_chunk
-from .options import read_scope_key
+from .options import (
+    CHUNK_OPTIONS,
+    GEOMETRY_OPTIONS,
+    check_known,
+    flag,
+    number,
+    read_scope_key,
+)
+
+#: The adapter's own adapter_params, beside the holders' and the geometry's.
+MP_OPTIONS = frozenset({"salt_scopes", "salt_scopes_only", "max_lock_s", "max_capacity_gb"})
 
 log = logging.getLogger(__name__)
 
@@ -113,17 +123,19 @@ class KvstoreL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvstoreL2AdapterConfig:
         options = {k: v for k, v in d.items() if k != "type"}
+        check_known(options, CHUNK_OPTIONS | GEOMETRY_OPTIONS | MP_OPTIONS)
         geometry = Geometry.from_options(options)
-        settings = ChunkSettings.from_options(options, namespace="lmcache", geometry=geometry)
+        settings = ChunkSettings.from_options(options, namespace="lmcache", geometry=geometry,
+                                              extra=GEOMETRY_OPTIONS | MP_OPTIONS)  # fmt: skip
         scopes = options.get("salt_scopes") or {}
         if not isinstance(scopes, dict):
             raise ConfigError("kvstore.salt_scopes: a map of cache_salt to scope key file")
         salt_scopes = {str(salt): read_scope_key(str(file), "salt_scopes")
                        for salt, file in scopes.items()}  # fmt: skip
-        capacity_gb = float(options.get("max_capacity_gb", 0) or 0)
+        capacity_gb = number(options, "max_capacity_gb", 0, zero=True)
         return cls(settings, salt_scopes=salt_scopes,
-                   salt_scopes_only=bool(options.get("salt_scopes_only", False)),
-                   max_lock_s=float(options.get("max_lock_s", 300.0)),
+                   salt_scopes_only=flag(options, "salt_scopes_only", False),
+                   max_lock_s=number(options, "max_lock_s", 300.0),
                    max_capacity_bytes=int(capacity_gb * 2**30))  # fmt: skip
 
     @classmethod

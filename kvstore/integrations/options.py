@@ -9,10 +9,11 @@ with a :class:`~kvstore.config.ConfigError` naming the option.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,9 @@ class ChunkSettings:
 
     @classmethod
     def from_options(
-        cls, options: Mapping[str, Any], *, namespace: str, geometry: Geometry
-    ) -> ChunkSettings:
+        cls, options: Mapping[str, Any], *, namespace: str, geometry: Geometry,
+        extra: Collection[str] = (),
+    ) -> ChunkSettings:  # fmt: skip
         """Settings from an engine's configuration strings (LMCache's
         ``extra_config``, SGLang's ``--hicache-storage-backend-extra-config``),
         keys without their ``kvstore.`` prefix:
@@ -95,7 +97,12 @@ class ChunkSettings:
           (default ``rope``) and ``adapters``, with the geometry taken from
           the engine;
         * ``timeout_s`` (5), ``lease_ms`` (10000), ``down_backoff_s`` (5).
+
+        ``extra``: the options the plug-in reads itself (refused otherwise:
+        an unknown option is an error naming the nearest known one, never
+        silently ignored: ``timout_s`` would leave the timeout at 5 s).
         """
+        check_known(options, CHUNK_OPTIONS | frozenset(extra))
         holders = _holders(options.get("holders"))
         scope_key = read_scope_key(_text(options, "scope_key_file"))
         context = None
@@ -116,10 +123,61 @@ class ChunkSettings:
             descriptor=_descriptor(options, geometry),
             namespace=namespace,
             ssl_context=context,
-            timeout_s=_number(options, "timeout_s", 5.0),
-            lease_ms=int(_number(options, "lease_ms", 10_000)),
-            down_backoff_s=_number(options, "down_backoff_s", 5.0),
+            timeout_s=number(options, "timeout_s", 5.0),
+            lease_ms=int(number(options, "lease_ms", 10_000)),
+            down_backoff_s=number(options, "down_backoff_s", 5.0),
         )
+
+
+#: Every option ChunkSettings.from_options reads.
+CHUNK_OPTIONS = frozenset({
+    "holders", "scope_key_file", "cafile", "certfile", "keyfile", "descriptor_file", "model",
+    "model_digest", "tokenizer_digest", "positional", "adapters", "timeout_s", "lease_ms",
+    "down_backoff_s",
+})  # fmt: skip
+#: The KV geometry of Geometry.from_options (an engine that does not say it).
+GEOMETRY_OPTIONS = frozenset({"layers", "kv_heads", "head_dim", "kv_dtype", "chunk_size"})
+
+
+def check_known(options: Mapping[str, Any], known: Collection[str]) -> None:
+    """Refuse the first option not in ``known``, with the nearest known one."""
+    for name in sorted(set(options) - set(known)):
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f'; did you mean "{near[0]}"?' if near else ""
+        raise ConfigError(f"kvstore.{name}: unknown option{hint} "
+                          f"(known: {', '.join(sorted(known))})")  # fmt: skip
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
+
+
+def flag(options: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean option: true/false, or the strings engines' configurations
+    carry ("true", "false", "1", "0", "yes", "no"); anything else is refused
+    (``bool("false")`` is True)."""
+    value = options.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"kvstore.{name}: {value!r} is not true or false")
+
+
+def number(options: Mapping[str, Any], name: str, default: float, *, zero: bool = False) -> float:
+    """A positive number option (``zero``: or 0), as a number or a string."""
+    value = options.get(name, default)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        result = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kvstore.{name}: {value!r} is not a number") from None
+    if not (result > 0 or (zero and result == 0)) or result != result or result == float("inf"):
+        raise ConfigError(f"kvstore.{name}: {value!r}: must be "
+                          f"{'zero or positive' if zero else 'positive'}")  # fmt: skip
+    return result
 
 
 def read_scope_key(file: str, option: str = "scope_key_file") -> bytes:
@@ -137,17 +195,6 @@ def _text(options: Mapping[str, Any], name: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"kvstore.{name}: required (a non-empty string)")
     return value
-
-
-def _number(options: Mapping[str, Any], name: str, default: float) -> float:
-    value = options.get(name, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"kvstore.{name}: {value!r} is not a number") from None
-    if not number > 0:
-        raise ConfigError(f"kvstore.{name}: must be positive")
-    return number
 
 
 def _holders(value: Any) -> tuple[str, ...]:

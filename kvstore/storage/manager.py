@@ -56,6 +56,7 @@ from .leases import Lease, LeaseLimits, LeaseTable
 from .owner import Ownership, owner_name
 from .placement import Placement
 from .policy import LRU, EvictionPolicy
+from .startup import measure_read_rates, recover
 from .state import SERVING, SETTLING
 from .table import BlockTable
 from .tier import Tier
@@ -236,8 +237,6 @@ class TieredStore:
 
     async def measure_read_rates(self, probe_octets: int = 2 << 20, rounds: int = 3) -> None:
         """Measure ``read_mbit_per_s`` of tiers that have none configured (PL1 inputs)."""
-        from .startup import measure_read_rates
-
         await measure_read_rates(self, probe_octets, rounds)
 
     def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
@@ -388,19 +387,37 @@ class TieredStore:
         await self.placement.stop()
         return await spill(self, timeout_s)
 
-    async def delete(self, ref: BlockRef) -> None:
-        """Remove a block (an operator action); leased blocks are refused (LE2)."""
+    async def delete(self, ref: BlockRef, *, force: bool = False) -> None:
+        """Remove a block (an operator action), withdrawn first (P3); a
+        leased one is refused (LE2) unless ``force`` (then it goes as data
+        lost to a fault would, LE4)."""
         info = self.table.serving(ref)
         if info is None:
             raise NotFound(f"block {ref.block_key} is not held")
         await info.claim.take()
         try:
-            if self.pinned(ref):
-                raise PreconditionFailed(f"block {ref.block_key} is leased or being read")
+            if self.pinned(ref) and not force:
+                raise PreconditionFailed(f"block {ref.block_key} is leased or being read "
+                                         "(force=true removes it even so)")  # fmt: skip
             if not await self.placement.evict(info, "deleted"):
                 raise NotFound(f"block {ref.block_key} is not held")
         finally:
             info.claim.give()
+
+    async def purge(self, scope_id: str, *, force: bool = False) -> tuple[int, int]:
+        """Remove every block of a scope (a tenant leaving, a poisoned cache),
+        each withdrawn first (P3), one at a time; leased ones stay unless
+        ``force``. Returns (removed, leased and kept)."""
+        removed = kept = 0
+        for ref in [info.ref for info in self.table if info.ref.scope_id == scope_id]:
+            try:
+                await self.delete(ref, force=force)
+                removed += 1
+            except PreconditionFailed:
+                kept += 1
+            except NotFound:
+                pass  # gone meanwhile
+        return removed, kept
 
     # --- reads ---------------------------------------------------------
 
@@ -522,8 +539,6 @@ class TieredStore:
     async def recover(self) -> int:
         """Find the segments persistent tiers still hold (after a restart);
         returns the number of blocks found. See :mod:`.startup`."""
-        from .startup import recover
-
         found = await recover(self)
         now = self.wall_clock()
         for info in self.table:

@@ -463,6 +463,21 @@ def test_adapter_params_are_checked_with_clear_errors(holder: Holder, tmp_path: 
         KvstoreL2AdapterConfig.from_dict({**good, "salt_scopes": {"x": str(tmp_path / "none")}})
     with pytest.raises(ValueError, match="holders"):  # LMCache expects ValueError
         KvstoreL2AdapterConfig.from_dict({**good, "holders": []})
+    # Issue 33: an unknown option is refused (it was ignored: 5 s, not 0.5),
+    # and "false" is false (bool("false") was true).
+    with pytest.raises(
+        ConfigError, match=r'kvstore\.timout_s: unknown option; did you mean "timeout_s"'
+    ):
+        KvstoreL2AdapterConfig.from_dict({**good, "timout_s": 0.5})
+    assert (
+        KvstoreL2AdapterConfig.from_dict({**good, "salt_scopes_only": "false"}).salt_scopes_only
+        is False
+    )
+    assert KvstoreL2AdapterConfig.from_dict({**good, "salt_scopes_only": "true"}).salt_scopes_only
+    with pytest.raises(ConfigError, match=r"salt_scopes_only: 'maybe' is not true or false"):
+        KvstoreL2AdapterConfig.from_dict({**good, "salt_scopes_only": "maybe"})
+    with pytest.raises(ConfigError, match=r"kvstore\.max_lock_s: 'soon' is not a number"):
+        KvstoreL2AdapterConfig.from_dict({**good, "max_lock_s": "soon"})
     # The geometry of a descriptor file, as the in-process plug-in reads it.
     descriptor = {"model": "toy-model", "model_digest": "sha-256:" + "1" * 64,
                   "tokenizer_digest": "sha-256:" + "2" * 64, "positional": "rope",

@@ -115,8 +115,8 @@ capacity = {2 * len(block())}
         process.stop()
 
 
-async def replicas_of(index: IndexClient, block_key: str) -> list[str]:
-    answer = await index.lookup(LookupRequest(SCOPE, COMPAT, (block_key,)))
+async def replicas_of(index: IndexClient, block_key: str, scope: str = SCOPE) -> list[str]:
+    answer = await index.lookup(LookupRequest(scope, COMPAT, (block_key,)))
     return sorted(r.holder for r in answer.replicas[0]) if answer.matched else []
 
 
