@@ -32,6 +32,7 @@ their defaults::
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
     policy = "policy.json"                 # principals -> roles and scopes (SEC1)
     descriptors = []                       # descriptor files: PUTs checked against them
+    descriptors_only = true                # with descriptors: other compat_ids refused (409)
     replica_ttl_ms = 600000
     max_block_octets = 67108864
     body_timeout_base_s = 10.0             # a PUT's body: within this + size / the rate

@@ -68,6 +68,9 @@ class HolderSettings(_Role):
     policy: str = ""
     #: Compatibility Descriptor files: PUTs of their compat_ids are checked (B2).
     descriptors: tuple[str, ...] = ()
+    #: With ``descriptors``: a PUT under any other compat_id is refused (409
+    #: kvsp-incompatible). False: accepted unchecked, as with no descriptors.
+    descriptors_only: bool = True
     #: TTL of the replica records it publishes; bounds Cache-Control max-age (BL5).
     replica_ttl_ms: int = 600_000
     #: Largest block PUT body accepted (413 beyond it).

@@ -32,7 +32,7 @@ from ..metrics import Metrics
 from ..protocol import container as kc
 from ..protocol._json import UINT32_MAX, check_int
 from ..protocol.codecs import CODECS
-from ..protocol.problems import BadRequest, NotFound, PreconditionRequired
+from ..protocol.problems import BadRequest, Incompatible, NotFound, PreconditionRequired
 from ..protocol.records import LeaseGrant, LeaseRequest
 from ..protocol.stream import LayerHasher
 from ..protocol.wire import (
@@ -176,6 +176,13 @@ class Holder:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)
         descriptor = self.settings.known_descriptors.get(ref.compat_id)
+        if (
+            descriptor is None
+            and self.settings.known_descriptors
+            and (self.settings.descriptors_only)
+        ):
+            raise Incompatible(f"compat_id {ref.compat_id} is not one of this holder's "
+                               "descriptors (holder.descriptors, descriptors_only)")  # fmt: skip
         digests = hasher.digests if hasher.complete else None
         # P1: the store's "stored" event has the publisher queue its record.
         await self.store.put(ref, body, descriptor=descriptor, layer_digests=digests)

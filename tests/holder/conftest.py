@@ -90,7 +90,10 @@ def publisher(store: TieredStore) -> RecordingPublisher:
 @pytest.fixture
 def app(store: TieredStore, publisher: RecordingPublisher) -> Any:
     settings = HolderSettings(
-        HOLDER, max_block_octets=1 << 20, known_descriptors={SMALL.compat_id_hex: SMALL}
+        HOLDER,
+        max_block_octets=1 << 20,
+        known_descriptors={SMALL.compat_id_hex: SMALL},
+        descriptors_only=False,  # the tests' blocks are under COMPAT, no descriptor's
     )
     return create_app(settings, store, POLICY)
 

@@ -282,3 +282,29 @@ async def test_head_is_a_probe_that_reads_no_segment(
     again = await alice.head(path())
     assert again.headers["repr-digest"] == got.headers["repr-digest"]
     assert (await alice.head(path(KEY2))).status_code == 404
+
+
+async def test_a_put_under_a_compat_id_without_a_descriptor_is_refused(
+    store: TieredStore, certs: Any
+) -> None:
+    # Issue 33: with holder.descriptors set, a PUT under another compat_id was
+    # accepted, though the docs said PUTs are checked against them.
+    from kvstore.holder import HolderSettings, create_app
+
+    from ..storage.helpers import COMPAT
+    from .conftest import POLICY, AsPrincipal, pem
+
+    settings = HolderSettings(HOLDER, known_descriptors={SMALL.compat_id_hex: SMALL})
+    app = AsPrincipal(create_app(settings, store, POLICY), pem(certs, "alice"))
+    headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=HOLDER) as alice:
+        data = block()
+        other = await alice.put(f"blocks/{COMPAT}/{SCOPE}/{'1' * 64}", content=data,
+                                headers=headers)  # fmt: skip
+        assert other.status_code == 409
+        assert other.json()["type"].endswith("kvsp-incompatible")
+        assert "holder.descriptors" in other.json()["detail"]
+        known = await alice.put(f"blocks/{SMALL.compat_id_hex}/{SCOPE}/{'1' * 64}", content=data,
+                                headers=headers)  # fmt: skip
+        assert known.status_code == 201
+    assert len(store) == 1
