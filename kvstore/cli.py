@@ -69,10 +69,18 @@ def cmd_keys(args: argparse.Namespace) -> Any:
     from .protocol.keys import block_keys, scope_id
 
     descriptor = parse_descriptor(_read_json(args.descriptor))
+    text, flag = args.scope_key, "--scope-key"
+    if args.scope_key_file is not None:
+        # From a file: not in the shell's history nor in ps.
+        flag = "--scope-key-file"
+        try:
+            text = Path(args.scope_key_file).read_text().strip()
+        except OSError as exc:
+            raise CliError(f"--scope-key-file: {args.scope_key_file}: {exc.strerror}") from None
     try:
-        scope_key = bytes.fromhex(args.scope_key)
+        scope_key = bytes.fromhex(text)
     except ValueError as exc:
-        raise CliError("--scope-key must be hexadecimal") from exc
+        raise CliError(f"{flag} must be hexadecimal") from exc
     keys = block_keys(
         scope_key, descriptor.compat_id, _parse_tokens(args.tokens), descriptor.block_tokens
     )
@@ -491,7 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="compute compat_id, scope_id and Block Keys of tokens")
     keys.add_argument("--descriptor", required=True, help="Compatibility Descriptor JSON file")
-    keys.add_argument("--scope-key", required=True, help="scope key, hex (>= 32 octets)")
+    scope_key = keys.add_mutually_exclusive_group(required=True)
+    scope_key.add_argument("--scope-key-file", metavar="FILE",
+                           help="a file holding the scope key, hex (>= 32 octets)")  # fmt: skip
+    scope_key.add_argument("--scope-key", help="the scope key, hex (>= 32 octets; visible in "
+                           "ps and the shell's history: prefer --scope-key-file)")  # fmt: skip
     keys.add_argument(
         "--tokens", required=True, help="comma-separated token ids, a JSON array, or - for stdin"
     )

@@ -79,6 +79,17 @@ def test_keys_bad_input(descriptor_file: Path, args: list[str], message: str) ->
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_keys_takes_the_scope_key_from_a_file(descriptor_file: Path, tmp_path: Path) -> None:
+    (tmp_path / "scope.key").write_text(SCOPE_KEY.hex() + "\n")
+    out = kvstore("keys", "--descriptor", str(descriptor_file), "--scope-key-file",
+                  str(tmp_path / "scope.key"), "--tokens", ",".join(map(str, TOKENS)))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["block_keys"] == [K0, K1]
+    missing = kvstore("keys", "--descriptor", str(descriptor_file), "--scope-key-file",
+                      str(tmp_path / "none"), "--tokens", "1")  # fmt: skip
+    assert missing.returncode == 2 and "--scope-key-file" in missing.stderr
+
+
 def test_keys_invalid_descriptor(tmp_path: Path) -> None:
     bad = dict(DESCRIPTOR, kv_dtype="int3")
     path = tmp_path / "d.json"

@@ -283,18 +283,32 @@ def create_app(
         # One budget for the store's spill and the IS: what the listener's
         # grace left, at least a second each.
         spill_s, withdraw_s = stopping.share(0.6), stopping.share(0.4)
+        done: dict[str, int] = {}
+
+        async def spill() -> None:
+            done["spilled"] = await store.spill(spill_s)
+
+        async def withdraw() -> None:
+            assert publisher is not None
+            done["withdrawn"] = await publisher.withdraw_volatile(withdraw_s / 2)
+
         # What only memory holds goes down to a persistent tier while there
         # is room and time (a restart serves it again) ...
-        steps: list[Step] = [lambda: store.spill(spill_s)]
+        steps: list[Step] = [spill]
         if publisher is not None:
             # ... and the replicas that still do not survive the process
             # leave the IS; the rest stays published (withdrawals queued
             # while the IS was away go too, P3). One failing step does not
             # skip the others.
-            steps += [lambda: publisher.drain(withdraw_s / 2),
-                      lambda: publisher.withdraw_volatile(withdraw_s / 2),
-                      publisher.close]  # fmt: skip
+            steps += [lambda: publisher.drain(withdraw_s / 2), withdraw, publisher.close]
         await run_steps(steps)
+        # What the stop did, once done (the operator's record of it).
+        kept = sum(1 for info in store.blocks()
+                   if any(store.slots[x.slot].tier.persistent for x in info.segments))  # fmt: skip
+        log.info("stopped: %d segments spilled to persistent tiers; %d blocks kept there "
+                 "(published still: a restart serves them), %s replicas of memory-only blocks "
+                 "withdrawn from the IS", done.get("spilled", 0), kept,
+                 done.get("withdrawn", "no") if publisher is not None else "no")  # fmt: skip
 
     def lifespan(app: Starlette) -> AbstractAsyncContextManager[None]:
         services = [publisher] if publisher is not None else []

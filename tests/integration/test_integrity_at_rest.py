@@ -96,7 +96,11 @@ async def test_no_altered_octet_is_ever_served(
         async with HolderClient(context, timeout_s=10) as client:
             for n in range(BLOCKS + 1):
                 await client.put_block(uri, COMPAT, SCOPE, ref(n).block_key, bodies[n])
-        holder.stop()  # SIGTERM: a graceful stop
+        holder.stop()  # SIGTERM: a graceful stop, which says what it did
+        stopped = (tmp_path / "holder.log").read_text()
+        assert f"stopped: 0 segments spilled to persistent tiers; {BLOCKS + 1} blocks kept" in (
+            stopped
+        ), stopped[-2000:]
 
         tier = open_tier(kind, tmp_path, redis_server.url, s3)  # a bad disk's view
         keys = [key async for key in tier.keys()]
