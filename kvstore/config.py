@@ -379,7 +379,7 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
         if not getattr(config, ROLE_SECTIONS[role]).policy:
             out.append(f"{ROLE_SECTIONS[role]}.policy: a policy file is required")
     if "holder" in roles or "instance" in roles:
-        out += _check_storage(config.storage)
+        out += _check_storage(config.storage, max(1, config.server.workers))
     for section, role, states in (("index", "index", ("memory", "redis", "replicated")),
                                   ("controller", "pc", ("memory", "redis"))):  # fmt: skip
         state = getattr(config, section).state
@@ -447,7 +447,7 @@ def _check_proxy(server: ServerConfig) -> list[str]:
     return out
 
 
-def _check_storage(cfg: StorageConfig) -> list[str]:
+def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
     from backends import BACKENDS
     from backends.schema import missing_extra
 
@@ -462,11 +462,13 @@ def _check_storage(cfg: StorageConfig) -> list[str]:
         if (extra := missing_extra(tier.backend)) is not None:
             out.append(f"storage.tiers[{index}].backend: {extra}")
         map_size = tier.options.get("map_size", SCHEMAS["lmdb"]["map_size"].default)
-        if tier.backend == "lmdb" and map_size <= tier.capacity:
+        share = tier.capacity // workers  # each worker's own environment holds its share
+        if tier.backend == "lmdb" and map_size <= share:
             # LMDB never grows its map: a capacity above it fills the map
             # first, and PUTs fail as "full" with room left by the count.
+            each = f" (of each of {workers} workers)" if workers > 1 else ""
             out.append(f"storage.tiers[{index}].map_size: {map_size} octets, not above its "
-                       f"capacity of {tier.capacity}; LMDB's map must exceed the capacity "
+                       f"capacity{each} of {share}; LMDB's map must exceed the capacity "
                        "(leave room for layer tables: capacity + 10%)")  # fmt: skip
         deadline = tier.options.get("deadline_s")
         if deadline is not None and (
