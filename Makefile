@@ -37,8 +37,8 @@ run: $(VENV)/.installed
 	$(BIN)/kvstore serve
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check kvstore backends tests
-	$(BIN)/ruff format --check kvstore backends tests
+	$(BIN)/ruff check kvstore tests
+	$(BIN)/ruff format --check kvstore tests
 
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy

@@ -480,7 +480,7 @@ def cmd_demo(args: argparse.Namespace) -> Any:
     import importlib.util
 
     if not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
-        raise CliError("the demo needs the engine extra: pip install 'kvstore[engine]'")
+        raise CliError("the demo needs the engine extra: pip install 'kvsp-kvstore[engine]'")
     from .demo import main as demo
 
     demo(args.directory)

@@ -141,7 +141,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from backends.schema import SCHEMAS, OptionError, check_options, parse_size
+from kvstore.backends.schema import SCHEMAS, OptionError, check_options, parse_size
 
 from .settings import (
     ControllerSettings,
@@ -323,7 +323,7 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
             raise ConfigError(f'{where}.capacity: required, a positive size (octets or "4GiB")')
         try:
             capacity = parse_size(capacity, f"{where}.capacity")
-            # The backend's options, by its schema (backends/schema.py); an
+            # The backend's options, by its schema (kvstore/backends/schema.py); an
             # unknown backend is named by check(), with the other problems.
             if backend in SCHEMAS:
                 options = check_options(backend, options, where)
@@ -448,8 +448,8 @@ def _check_proxy(server: ServerConfig) -> list[str]:
 
 
 def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
-    from backends import BACKENDS
-    from backends.schema import missing_extra
+    from kvstore.backends import BACKENDS
+    from kvstore.backends.schema import missing_extra
 
     out: list[str] = []
     if not cfg.tiers:

@@ -1,5 +1,5 @@
 """How every Redis user here connects: the remote-memory tier
-(``backends/redis.py``), the IS state (``index/redis_state.py``) and the PC
+(``kvstore/backends/redis.py``), the IS state (``index/redis_state.py``) and the PC
 state (``controller/redis_state.py``).
 
 ``cluster=False``: one node, redis-py's asyncio client (``redis://``,

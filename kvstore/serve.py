@@ -57,7 +57,7 @@ log = logging.getLogger("kvstore.serve")
 
 def build_store(config: Config) -> TieredStore:
     """The TieredStore a configuration describes (backends imported lazily)."""
-    from backends import create_tier
+    from kvstore.backends import create_tier
 
     cfg = config.storage
     key = None

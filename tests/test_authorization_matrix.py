@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.controller.app import create_app as create_controller
 from kvstore.controller.state import MemoryControllerState
 from kvstore.holder import HolderSettings

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.config import ConfigError
 from kvstore.holder import HolderSettings, create_app
 from kvstore.integrations.chunks import ChunkSettings, ChunkStore, Geometry

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.client import HolderClient
 from kvstore.holder import HolderSettings, create_app
 from kvstore.protocol.problems import DigestMismatch

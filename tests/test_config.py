@@ -120,7 +120,7 @@ def test_every_backend_option_is_documented() -> None:
     # row in docs/configuration.md names exactly its options.
     import re
 
-    from backends.schema import COMMON, SCHEMAS
+    from kvstore.backends.schema import COMMON, SCHEMAS
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     part = doc.split("## [[storage.tiers]]", 1)[1]

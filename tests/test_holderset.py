@@ -164,8 +164,8 @@ def test_each_worker_has_its_port_uri_and_share_of_every_tier(tmp_path: Path) ->
     assert one.tiers[3].options == {"prefix": "p/w1/"}
     assert one.tiers[0].options.get("workers") == 3  # the host tier's prefault guard
     # The defaults a worker's prefix extends are the backends' own.
-    from backends.redis import RedisTier
-    from backends.s3 import S3Tier
+    from kvstore.backends.redis import RedisTier
+    from kvstore.backends.s3 import S3Tier
 
     for backend, cls in (("redis", RedisTier), ("s3", S3Tier)):
         assert inspect.signature(cls).parameters["prefix"].default == DEFAULT_PREFIX[backend]

@@ -21,7 +21,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.controller.app import create_app as create_controller
 from kvstore.controller.state import MemoryControllerState
 from kvstore.holder import HolderSettings

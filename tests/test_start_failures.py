@@ -149,12 +149,12 @@ def test_config_check_checks_the_roles_whose_sections_the_file_has(
 def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from backends.schema import missing_extra
+    from kvstore.backends.schema import missing_extra
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "redis" else real(name, *a))  # fmt: skip
     assert missing_extra("redis") == (
-        "the redis backend needs redis, which is not installed (pip install 'kvstore[redis]')"
+        "the redis backend needs redis, which is not installed (pip install 'kvsp-kvstore[redis]')"
     )
     assert missing_extra("lmdb") is None

@@ -109,7 +109,7 @@ class Servers:
     ) -> str:  # fmt: skip
         """A holder process (its first worker's base URI); with ``unix_socket``
         also there, for a trusted proxy (docs/proxy.md). A host tier of 1 GiB
-        is ``prefault``-ed (backends/host.py), as a dedicated cache server's
+        is ``prefault``-ed (kvstore/backends/host.py), as a dedicated cache server's
         should be: a PUT then measures the server, not the kernel's first
         touch of fresh pages. (An older holder, without the option, needs
         ``prefault=False``.)"""

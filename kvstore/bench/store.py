@@ -101,7 +101,7 @@ def _rows(
 
 
 async def bench_host(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[Result]:
-    from backends.host import HostTier
+    from kvstore.backends.host import HostTier
 
     octets = sum(len(d) for _, d in blocks)
     # The host tier keeps the very bytes object and a read yields views of
@@ -138,7 +138,7 @@ async def bench_host(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
 async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[Result]:
     import lmdb
 
-    from backends.lmdb import LmdbTier
+    from kvstore.backends.lmdb import LmdbTier
 
     octets = sum(len(d) for _, d in blocks)
     root = tempfile.mkdtemp(prefix="kvstore-bench-")
@@ -200,7 +200,7 @@ async def bench_redis(
     """The tier through the store against redis-py's own SET/GET of the same
     octets, on one node or (``cluster``) a Redis Cluster, keys spread over
     its masters alike (one hash tag per block)."""
-    from backends.redis import RedisTier
+    from kvstore.backends.redis import RedisTier
 
     from ..redis_client import connect
 
@@ -235,7 +235,7 @@ async def bench_s3(
 ) -> list[Result]:
     from aiobotocore.session import get_session
 
-    from backends.s3 import S3Tier
+    from kvstore.backends.s3 import S3Tier
 
     octets = sum(len(d) for _, d in blocks)
     creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}

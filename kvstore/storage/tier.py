@@ -2,7 +2,7 @@
 
 A tier stores opaque segment octets under string keys. It knows nothing of
 containers, leases, encryption or capacity policy: that is the manager's work,
-done once (STYLE 5). Each backend (``backends/*.py``) implements five methods
+done once (STYLE 5). Each backend (``kvstore/backends/*.py``) implements five methods
 and translates its library's exceptions into ours at the boundary (STYLE 6):
 
 * a missing key is ``None`` from :meth:`Tier.get` (a plain miss);

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.holder import HolderSettings, create_app
 from kvstore.protocol.compat import parse_descriptor
 from kvstore.security import Policy, create_dev_certificates

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from backends.lmdb import LmdbTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.holder import HolderSettings, create_app
 from kvstore.storage import LeaseLimits, TieredStore
 

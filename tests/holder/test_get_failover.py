@@ -12,7 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.client import HolderClient
 from kvstore.holder import HolderSettings, create_app
 from kvstore.security import Policy

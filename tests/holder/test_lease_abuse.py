@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.holder import HolderSettings, create_app
 from kvstore.security import Policy, create_dev_certificates
 from kvstore.storage import LeaseLimits, TieredStore

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.client import IndexClient
 from kvstore.holder.publisher import IndexPublisher, next_backoff
 from kvstore.storage import TieredStore

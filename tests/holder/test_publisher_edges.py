@@ -3,7 +3,7 @@ racing a PUT in flight, a failing round, one key held under two scopes."""
 
 import asyncio
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.holder.publisher import IndexPublisher
 from kvstore.protocol.problems import Forbidden
 from kvstore.storage import BlockRef, TieredStore

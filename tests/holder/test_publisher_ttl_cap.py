@@ -6,7 +6,7 @@ import socket
 
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.client import IndexClient
 from kvstore.holder.publisher import IndexPublisher
 from kvstore.index import IndexSettings, MemoryState, create_app

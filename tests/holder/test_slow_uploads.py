@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.holder import HolderSettings, create_app
 from kvstore.security import Policy
 from kvstore.storage import TieredStore

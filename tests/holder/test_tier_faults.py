@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
-from backends.redis import RedisTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
+from kvstore.backends.redis import RedisTier
 from kvstore.holder import HolderSettings, create_app
 from kvstore.storage import TieredStore
 

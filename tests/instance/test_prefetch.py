@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.client import HolderClient
 from kvstore.holder import HolderSettings
 from kvstore.holder import create_app as create_holder

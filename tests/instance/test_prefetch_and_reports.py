@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher
 from kvstore.instance.reporter import Load, StatusReporter

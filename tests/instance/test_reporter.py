@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.client import ControllerClient
 from kvstore.controller.app import create_app
 from kvstore.controller.state import MemoryControllerState, SleepPolicy

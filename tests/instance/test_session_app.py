@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.instance.app import create_app
 from kvstore.instance.lifecycle import Lifecycle
 from kvstore.instance.prefetch import Prefetcher

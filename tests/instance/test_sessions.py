@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.controller.state import MemoryControllerState
 from kvstore.instance.engine import sample
 from kvstore.instance.lifecycle import Lifecycle

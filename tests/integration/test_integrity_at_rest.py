@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from backends.lmdb import LmdbTier
-from backends.redis import RedisTier
-from backends.s3 import S3Tier
+from kvstore.backends.lmdb import LmdbTier
+from kvstore.backends.redis import RedisTier
+from kvstore.backends.s3 import S3Tier
 from kvstore.client import HolderClient
 from kvstore.protocol import container as kc
 from kvstore.protocol.problems import KvspError

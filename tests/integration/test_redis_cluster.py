@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from backends.redis import RedisTier
+from kvstore.backends.redis import RedisTier
 from kvstore.bench.redis_cluster import RedisCluster
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.index.redis_state import RedisState

@@ -7,7 +7,7 @@ import hashlib
 import os
 from typing import Any
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.protocol import container as kc
 from kvstore.storage import BlockRef
 from kvstore.storage.crypto import CHECKSUM_OVERHEAD

@@ -13,7 +13,7 @@ import os
 import httpx
 import pytest
 
-from backends.host import HEADROOM_MIN, HostTier
+from kvstore.backends.host import HEADROOM_MIN, HostTier
 from kvstore.holder import HolderSettings, create_app
 from kvstore.security import Policy
 from kvstore.storage import TieredStore

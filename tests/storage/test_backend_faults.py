@@ -8,8 +8,8 @@ import pytest
 import zstandard
 from aiohttp import web
 
-from backends.device import DeviceTier
-from backends.s3 import S3Tier
+from kvstore.backends.device import DeviceTier
+from kvstore.backends.s3 import S3Tier
 from kvstore.protocol.problems import CorruptData, TierUnavailable
 from kvstore.storage.crypto import MAGIC, SegmentSealer
 

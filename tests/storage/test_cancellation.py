@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.protocol.problems import InsufficientStorage, NotFound, TierFull
 from kvstore.storage import BlockRef, TieredStore
 

@@ -12,8 +12,8 @@ import contextlib
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import NotFound
 from kvstore.storage import LeaseLimits, TieredStore
 

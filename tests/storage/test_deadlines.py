@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
+from kvstore.backends.host import HostTier
 from kvstore.protocol.problems import TierUnavailable
 from kvstore.storage import TieredStore
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage
 from kvstore.storage import TieredStore
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage, LeaseQuota, NotFound, PreconditionFailed
 from kvstore.storage import LeaseLimits, TieredStore
 

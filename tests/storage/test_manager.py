@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol import container as kc
 from kvstore.protocol.problems import (
     InsufficientStorage,
@@ -160,7 +160,7 @@ async def test_last_tier_evicts_and_notifies_first() -> None:
 
 
 async def test_demotion_chain_skips_to_the_end(lmdb_path: str, redis_server: object) -> None:
-    from backends.redis import RedisTier
+    from kvstore.backends.redis import RedisTier
 
     redis = RedisTier(url=redis_server.url, prefix="chain:")  # type: ignore[attr-defined]
     store = TieredStore(
@@ -228,7 +228,7 @@ async def test_health_reports_usage() -> None:
 
 async def test_device_tier_in_the_store() -> None:
     # The draft's split: first layers in accelerator memory (cpu here), the rest in host.
-    from backends.device import DeviceTier
+    from kvstore.backends.device import DeviceTier
 
     device = DeviceTier("cpu")
     store = TieredStore(

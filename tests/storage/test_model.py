@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage, NotFound, PreconditionFailed
 from kvstore.storage import BlockRef, TieredStore
 from kvstore.storage.state import BlockState

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
 from kvstore.storage import TieredStore
 from kvstore.storage.owner import Ownership, owner_name
 from kvstore.storage.tier import StorageInUse
@@ -93,7 +93,7 @@ async def test_a_refused_store_gives_back_the_claims_it_took(
 async def test_a_second_process_is_refused_the_lmdb_directory(lmdb_path: str) -> None:
     tier = LmdbTier(lmdb_path)
     await Ownership(TieredStore([(tier, 1 << 20)]), "pid 1 on here").claim()
-    other = ("import asyncio, sys; from backends.lmdb import LmdbTier; "
+    other = ("import asyncio, sys; from kvstore.backends.lmdb import LmdbTier; "
              "asyncio.run(LmdbTier(sys.argv[1]).claim('two', 30.0))")  # fmt: skip
     refused = subprocess.run([sys.executable, "-c", other, lmdb_path], capture_output=True,
                              text=True)  # fmt: skip

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from backends.host import HostTier
-from backends.lmdb import LmdbTier
-from backends.redis import RedisTier
-from backends.s3 import S3Tier
+from kvstore.backends.host import HostTier
+from kvstore.backends.lmdb import LmdbTier
+from kvstore.backends.redis import RedisTier
+from kvstore.backends.s3 import S3Tier
 from kvstore.protocol import container as kc
 from kvstore.protocol.problems import (
     CorruptData,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from backends.redis import RedisTier
+from kvstore.backends.redis import RedisTier
 from kvstore.bench.redis_cluster import RedisCluster
 from kvstore.redis_client import connect
 

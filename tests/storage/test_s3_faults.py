@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from backends.host import HostTier
-from backends.s3 import S3Tier
+from kvstore.backends.host import HostTier
+from kvstore.backends.s3 import S3Tier
 from kvstore.protocol.problems import TierUnavailable
 from kvstore.storage import TieredStore
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from backends import create_tier
-from backends.host import HostTier
+from kvstore.backends import create_tier
+from kvstore.backends.host import HostTier
 from kvstore.protocol.problems import (
     InsufficientStorage,
     NotFound,
@@ -218,7 +218,7 @@ async def test_a_cancelled_put_leaves_nothing_reserved() -> None:
 
 
 async def test_a_removal_deletes_each_tiers_keys_in_one_batch(lmdb_path: str) -> None:
-    from backends.lmdb import LmdbTier
+    from kvstore.backends.lmdb import LmdbTier
 
     lmdb = LmdbTier(lmdb_path)
     batches: list[list[str]] = []

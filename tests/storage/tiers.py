@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backends import create_tier
+from kvstore.backends import create_tier
 from kvstore.storage.tier import Tier
 
 from ..conftest import S3_CREDENTIALS

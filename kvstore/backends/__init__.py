@@ -13,11 +13,11 @@ from typing import Any
 from kvstore.storage.tier import Tier
 
 BACKENDS: dict[str, str] = {
-    "device": "backends.device:DeviceTier",
-    "host": "backends.host:HostTier",
-    "lmdb": "backends.lmdb:LmdbTier",
-    "redis": "backends.redis:RedisTier",
-    "s3": "backends.s3:S3Tier",
+    "device": "kvstore.backends.device:DeviceTier",
+    "host": "kvstore.backends.host:HostTier",
+    "lmdb": "kvstore.backends.lmdb:LmdbTier",
+    "redis": "kvstore.backends.redis:RedisTier",
+    "s3": "kvstore.backends.s3:S3Tier",
 }
 
 
@@ -33,7 +33,7 @@ def create_tier(backend: str, **options: Any) -> Tier:
     except ImportError as exc:
         raise ImportError(
             f"backend {backend!r} needs an optional dependency: {exc.name} "
-            f"(pip install 'kvstore[{backend}]')"
+            f"(pip install 'kvsp-kvstore[{backend}]')"
         ) from exc
     tier: Tier = getattr(module, class_name)(**options)
     return tier

@@ -154,4 +154,4 @@ def missing_extra(backend: str) -> str | None:
     if need is None or importlib.util.find_spec(need[0]) is not None:
         return None
     return (f"the {backend} backend needs {need[0]}, which is not installed "
-            f"(pip install 'kvstore[{need[1]}]')")  # fmt: skip
+            f"(pip install 'kvsp-kvstore[{need[1]}]')")  # fmt: skip
