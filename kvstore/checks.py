@@ -195,9 +195,11 @@ def _reference_descriptor(directory: str | None, block_tokens: int, seed: int) -
 
     try:
         from .instance.reference import ReferenceEngine
-    except ImportError as exc:
-        raise CliError(f"the engine extra is not installed ({exc})") from exc
-    if directory and (Path(directory) / "model.safetensors").is_file():
-        return ReferenceEngine(directory, block_tokens=block_tokens, seed=seed).descriptor
-    with tempfile.TemporaryDirectory(prefix="kvstore-engine-") as scratch:
-        return ReferenceEngine(scratch, block_tokens=block_tokens, seed=seed).descriptor
+
+        if directory and (Path(directory) / "model.safetensors").is_file():
+            return ReferenceEngine(directory, block_tokens=block_tokens, seed=seed).descriptor
+        with tempfile.TemporaryDirectory(prefix="kvstore-engine-") as scratch:
+            return ReferenceEngine(scratch, block_tokens=block_tokens, seed=seed).descriptor
+    except ImportError as exc:  # torch, transformers: imported when the engine is made
+        raise CliError(f"the reference engine needs {exc.name or exc}, which is not installed "
+                       "(pip install 'kvsp-kvstore[engine]')") from None  # fmt: skip

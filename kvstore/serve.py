@@ -279,8 +279,14 @@ def build_sessions(
     except ImportError as exc:
         raise ConfigError(f"instance.engine: the engine extra is not installed ({exc})") from exc
     directory = engine_directory(config)
-    engine = ReferenceEngine(directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed,
-                             device=cfg.engine_device)  # fmt: skip
+    try:
+        engine = ReferenceEngine(directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed,
+                                 device=cfg.engine_device)  # fmt: skip
+    except ImportError as exc:  # torch, transformers: imported when the engine is made
+        raise ConfigError(
+            f"instance.engine: the reference engine needs {exc.name or exc}, "
+            "which is not installed (pip install 'kvsp-kvstore[engine]')"
+        ) from None
     log.info("engine %s, compat_id %s", engine.descriptor.model,
                 engine.descriptor.compat_id_hex)  # fmt: skip
     scope_keys = read_scope_keys(cfg.scope_keys)

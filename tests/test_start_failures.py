@@ -158,3 +158,13 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         "the redis backend needs redis, which is not installed (pip install 'kvsp-kvstore[redis]')"
     )
     assert missing_extra("lmdb") is None
+
+
+def test_the_reference_engine_without_torch_is_one_line(tmp_path: Path) -> None:
+    # As on an install without the engine extra: torch cannot be imported.
+    code = ("import sys; sys.modules['torch'] = None; from kvstore.cli import main; "
+            "sys.exit(main(['descriptor', '--engine', 'reference']))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)  # fmt: skip
+    line = one_line(done)
+    assert "the reference engine needs torch" in line and "kvsp-kvstore[engine]" in line

@@ -491,8 +491,10 @@ class TieredStore:
             if len(memoryview(stored)) >= OFFLOAD_OCTETS:
                 return await asyncio.to_thread(check_and_open)
             return check_and_open()
-        except CorruptData:
+        except CorruptData as exc:
             self.stats.integrity_failures += 1
+            # Once: the block leaves (withdrawn first, LE4); no read finds it again.
+            log.warning("integrity: %s in %s fails: %s", checked.key, slot.kind, exc.detail)
             await self.placement.lost(info, f"corrupt segment in {slot.kind}")
             raise
 

@@ -141,4 +141,5 @@ async def test_no_altered_octet_is_ever_served(
     log = (tmp_path / "holder.log").read_text()
     for n in FLIPS:
         assert log.count(f"integrity: {ref(n).block_key}/") == 1, log[-3000:]
+    assert log.count(f"integrity: {ref(7).segment_key(0, 7)} in ") == 1  # the live one, once
     assert "corrupt segment" in log
