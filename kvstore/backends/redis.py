@@ -25,6 +25,7 @@ from redis import exceptions as redis_errors
 from kvstore.protocol._bytes import BytesLike
 from kvstore.protocol.problems import TierFull, TierUnavailable
 from kvstore.redis_client import ERRORS, connect
+from kvstore.storage.owner import stale
 from kvstore.storage.tier import StorageInUse, Tier
 
 _PREFIX = re.compile(r"[A-Za-z0-9:_.-]*")
@@ -38,6 +39,15 @@ if held == false or held == ARGV[1] then
   return ARGV[1]
 end
 return held
+"""
+# Take over a stale owner's record (see kvstore.storage.owner.stale), if
+# it is still that one.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[2] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return ARGV[1]
+end
+return redis.call('GET', KEYS[1]) or ''
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -108,6 +118,12 @@ class RedisTier(Tier):
             held = await self._client.eval(_CLAIM, 1, self.prefix + "owner", owner,
                                            max(1, int(ttl_s * 1000)))  # fmt: skip
         held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+        if held != owner and stale(held):
+            # A crashed holder of this host: no need to wait out its TTL.
+            with _translated(self.url):
+                held = await self._client.eval(_TAKE_OVER, 1, self.prefix + "owner", owner, held,
+                                               max(1, int(ttl_s * 1000)))  # fmt: skip
+            held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
         if held != owner:
             raise StorageInUse(f"{self.url} prefix {self.prefix!r} is in use by {held} "
                                f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip

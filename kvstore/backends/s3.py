@@ -22,6 +22,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.protocol._bytes import BytesLike
 from kvstore.protocol.problems import TierUnavailable
+from kvstore.storage.owner import stale
 from kvstore.storage.tier import StorageInUse, Tier
 
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -144,7 +145,7 @@ class S3Tier(Tier):
             held, expires_at = str(record["owner"]), float(record["expires_at"])
         except (ValueError, KeyError, TypeError):
             held, expires_at = "an unreadable owner record", 0.0
-        if held != owner and expires_at > time.time():
+        if held != owner and expires_at > time.time() and not stale(held):
             raise StorageInUse(f"{self._where} is in use by {held} "
                                f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import socket
 from typing import TYPE_CHECKING
@@ -28,11 +29,56 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.storage")
 
 
+def _pid_namespace() -> int:
+    """This process's pid namespace (Linux), 0 where it cannot be known."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def owner_name(what: str = "") -> str:
     """This process, as a refusal names it to the operator of a second one:
-    pid, host, what it serves, and a token (pids repeat across containers)."""
+    pid, host, what it serves; then a token (pids repeat across containers)
+    and its pid namespace (see :func:`stale`)."""
     serving = f", {what}" if what else ""
-    return f"pid {os.getpid()} on {socket.gethostname()}{serving} [{secrets.token_hex(4)}]"
+    name = (f"pid {os.getpid()} on {socket.gethostname()}{serving} "
+            f"[{secrets.token_hex(4)} {_pid_namespace()}]")  # fmt: skip
+    _ours.add(name)
+    return name
+
+
+#: The owner names made by this process: a record naming our pid is another
+#: store of this very process when it is one of these, else a previous
+#: incarnation's (a container restarted with the same pid).
+_ours: set[str] = set()
+
+
+_OWNER = re.compile(r"pid (\d+) on ([^\s,]+).* \[[0-9a-f]+ (\d+)\]")
+
+
+def stale(owner: str) -> bool:
+    """An owner record that may be taken over before its TTL lapses: written
+    on this host, in this pid namespace, by a process that is gone, or by
+    this very pid (a container restarted: its previous incarnation). So a
+    holder restarted after a crash is not refused for ``owner_ttl_s``. A
+    record from elsewhere, or one that cannot be read so, waits its TTL."""
+    found = _OWNER.fullmatch(owner)
+    namespace = _pid_namespace()
+    if found is None or found[2] != socket.gethostname() or not namespace:
+        return False
+    if int(found[3]) != namespace:
+        return False  # another pid namespace (a container beside us): its pids are not ours
+    pid = int(found[1])
+    if pid == os.getpid():
+        return owner not in _ours
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):
+        return False  # alive (another user's), or no pid of this system
+    return False
 
 
 class Ownership(Background):

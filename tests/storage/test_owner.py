@@ -16,7 +16,7 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.storage import TieredStore
-from kvstore.storage.owner import Ownership, owner_name
+from kvstore.storage.owner import Ownership, owner_name, stale
 from kvstore.storage.tier import StorageInUse
 
 from .tiers import make_tier
@@ -101,3 +101,24 @@ async def test_a_second_process_is_refused_the_lmdb_directory(lmdb_path: str) ->
     assert f"StorageInUse: {lmdb_path} is in use by pid 1 on here" in refused.stderr
     await tier.close()  # closing lets go
     assert subprocess.run([sys.executable, "-c", other, lmdb_path]).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["remote-memory", "remote-storage"])
+async def test_a_record_of_a_process_of_this_host_that_is_gone_is_taken_over(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    # A holder restarted after a SIGKILL is not refused for owner_ttl_s.
+    gone = subprocess.run([sys.executable, "-c", "from kvstore.storage.owner import owner_name; "
+                           "print(owner_name('holder X'))"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    assert stale(gone)  # its pid is no more
+    first = make_tier(kind, request)
+    second = make_tier(kind, request, **same_storage(kind, first))
+    await first.claim(gone, 600.0)  # as the crashed process wrote it
+    await second.claim(owner_name("holder Y"), 600.0)  # at once, not in 600 s
+    live = owner_name("holder Z")  # another store of this very process: alive
+    assert not stale(live)
+    with pytest.raises(StorageInUse, match="holder Y"):
+        await first.claim(live, 600.0)
+    await first.close()
+    await second.close()
