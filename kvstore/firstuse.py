@@ -89,6 +89,8 @@ class FirstUse:
             *(take_out or [f"  certificates      {certs} (CA ca.pem; "
                            "you are client-client.pem/.key)"]),
             f"  configuration     {self.config}",
+            *([] if container is not None else
+              [f"  what it holds     {_command()} status {self.base}/kvsp/ {self.base}/pc/"]),
             "",
             "  store a block (201; 412 once it is there: the key names the prefix, the",
             "  holder keeps its copy), then fetch it back and compare:",
@@ -99,6 +101,24 @@ class FirstUse:
             f"      {self.block_url} && cmp /tmp/fetched.kvb {block}",
             "",
         ])  # fmt: skip
+
+
+def _command() -> str:
+    """How this shell runs ``kvstore``: by name when it is on the PATH, else by
+    the path of the script beside this Python (``make run``: .venv/bin/kvstore)."""
+    import shutil
+    import sys
+
+    script = Path(sys.executable).parent / "kvstore"
+    found = shutil.which("kvstore")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "kvstore"
+    if script.exists():
+        try:
+            return str(script.relative_to(Path.cwd()))
+        except ValueError:
+            return str(script)
+    return "kvstore"
 
 
 def container_name() -> str | None:
