@@ -659,3 +659,24 @@ async def test_a_library_store_keeps_what_it_holds_across_a_restart(lmdb_path: s
     third = TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)])
     assert await third.open() == 2 and ref(3) not in third
     await third.close()
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["raw", "zstd"])
+@pytest.mark.parametrize("key", [None, KEY], ids=["crc", "aes-gcm"])
+def test_every_flipped_octet_of_a_stored_segment_fails_to_open(
+    key: bytes | None, compress: bool
+) -> None:
+    # Integrity at rest, octet by octet: the header (magic, flags, CRC or
+    # nonce), the body and the tag. Never other octets, never a crash.
+    sealer = SegmentSealer(key, compress=compress)
+    name = ref(1).segment_name(0, 7)
+    plain = block(section=16)
+    stored = bytes(sealer.seal(name, plain))
+    assert bytes(sealer.open(name, stored)) == plain
+    for offset in range(len(stored)):
+        altered = bytearray(stored)
+        altered[offset] ^= 0x01
+        with pytest.raises(CorruptData):
+            sealer.open(name, bytes(altered))
+    with pytest.raises(CorruptData):
+        sealer.open(ref(2).segment_name(0, 7), stored)  # copied under another name
