@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -65,8 +66,16 @@ def test_atheris_finds_no_crash_in_the_decoders(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     (tmp_path / "atheris.log").write_text(done.stderr)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Done 100000" in done.stderr
+    assert "Done 100000" in done.stderr, done.stderr[-3000:]
+    # Every run done and no input saved as a finding. A SIGALRM that still
+    # reaches the process while it exits after "Done" (seen on a loaded
+    # 2-core machine: exit -14) is not a finding of the decoders.
+    assert done.returncode in (0, -signal.SIGALRM), done.stderr[-3000:]
+    assert not [
+        p.name
+        for p in tmp_path.iterdir()
+        if p.name.startswith(("crash-", "oom-", "timeout-", "leak-"))
+    ]
 
 
 @st.composite
