@@ -43,10 +43,8 @@ from .protocol.control import (
 from .protocol.problems import (
     BadGateway,
     DigestMismatch,
-    HolderUnavailable,
     KvspError,
     NotFound,
-    TlsRefused,
     error_from_problem,
 )
 from .protocol.records import (
@@ -61,11 +59,14 @@ from .protocol.records import (
 from .protocol.wire import (
     BLOCK_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
+    Hex,
     block_path,
     format_layers,
+    hex_id,
     replica_path,
     role_id,
 )
+from .unreachable import unreachable
 from .verify import verify_block
 
 log = logging.getLogger("kvstore.client")
@@ -77,73 +78,9 @@ def _base(uri: str) -> str:
     return uri if uri.endswith("/") else uri + "/"
 
 
-#: A key or ID: a hex string, or its octets (what BlockKeyChain and compat_id give).
-Hex = str | bytes
-
-
-def _hex(value: str | BytesLike, octets: int, what: str) -> str:
-    """A key or ID as the path writes it: ``bytes`` (as ``BlockKeyChain.extend``
-    and ``compat_id`` return them) in hex, or a hex string as it is."""
-    if isinstance(value, str):
-        text = value.lower()
-        if len(text) == 2 * octets and all(c in "0123456789abcdef" for c in text):
-            return text
-        raise ValueError(f"{what}: {2 * octets} hex digits, got {value!r}")
-    if isinstance(value, bytes | bytearray | memoryview):
-        raw = bytes(value)
-        if len(raw) == octets:
-            return raw.hex()
-        raise ValueError(f"{what}: {octets} octets, got {len(raw)}")
-    raise TypeError(f"{what}: bytes or a hex string, not {type(value).__name__}")
-
-
-def _block_path(compat_id: str | BytesLike, scope_id: str | BytesLike,
-                block_key: str | BytesLike) -> str:  # fmt: skip
-    return block_path(_hex(compat_id, 32, "compat_id"), _hex(scope_id, 16, "scope_id"),
-                      _hex(block_key, 32, "block_key"))  # fmt: skip
-
-
-#: What an OpenSSL alert from the server means for the client, and what to fix.
-_ALERTS = {
-    "certificate required": "the server requires a client certificate and got none "
-    "(give the client context a certfile and keyfile)",
-    "unknown ca": "the server does not trust the CA that issued your client certificate "
-    "(use a certificate issued by the server's CA: kvstore certs issue)",
-    "certificate expired": "the server says your client certificate has expired "
-    "(issue a new one: kvstore certs issue)",
-    "decrypt error": "the server could not verify your client certificate's signature: it is "
-    "not issued by the server's CA (use one from kvstore certs issue with the server's CA)",
-    "bad certificate": "the server refused your client certificate",
-    "certificate unknown": "the server refused your client certificate",
-    "wrong version number": "the server does not speak TLS on this port (http:// vs https://?)",
-    "record layer failure": "the server does not speak TLS on this port (http:// vs https://?)",
-}
-
-
-def _unreachable(method: str, url: str, exc: BaseException, timeout_s: float) -> KvspError:
-    """A failure to reach a role as the error that says what happened and
-    what to fix: :class:`TlsRefused` for a handshake (which side, why), else
-    :class:`HolderUnavailable` (the caller narrows it) with the reason."""
-    text = str(exc).lower()
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        reason = (f"the server's certificate failed verification "
-                  f"({exc.certificate_error}): check the CA the client trusts")  # fmt: skip
-        return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
-    for alert, reason in _ALERTS.items():
-        if alert in text:
-            return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
-    if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:"):
-        reason = ("the server closed the connection at once; with TLS 1.3 that is how a "
-                  "refused client certificate looks (expired, from another CA, or none): "
-                  "check the client's certfile and keyfile, and the server's log")  # fmt: skip
-        return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
-    if isinstance(exc, TimeoutError):
-        reason = f"no answer within {timeout_s:g} s"
-    elif isinstance(exc, aiohttp.ClientConnectorError):
-        reason = f"cannot connect: {exc.os_error.strerror or exc.os_error}"
-    else:
-        reason = f"{type(exc).__name__}: {exc}"[:200]
-    return HolderUnavailable(f"{method} {url}: {reason}", uri=url, reason=reason)
+def _block_path(compat_id: Hex, scope_id: Hex, block_key: Hex) -> str:
+    return block_path(hex_id(compat_id, 32, "compat_id"), hex_id(scope_id, 16, "scope_id"),
+                      hex_id(block_key, 32, "block_key"))  # fmt: skip
 
 
 class _Http:
@@ -198,7 +135,7 @@ class _Http:
                     raise _error(response.status, headers, body)
                 return response.status, headers, body
         except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
-            raise _unreachable(method, url, exc, self._timeout_s) from exc
+            raise unreachable(method, url, exc, self._timeout_s) from exc
 
 
 class HolderClient(_Http):
@@ -344,9 +281,9 @@ class HolderClient(_Http):
         compat_id: Hex | None = None,
     ) -> LeaseGrant:
         """``POST leases`` (LE1)."""
-        keys = tuple(_hex(k, 32, "block_keys[]") for k in block_keys)
-        scope = None if scope_id is None else _hex(scope_id, 16, "scope_id")
-        compat = None if compat_id is None else _hex(compat_id, 32, "compat_id")
+        keys = tuple(hex_id(k, 32, "block_keys[]") for k in block_keys)
+        scope = None if scope_id is None else hex_id(scope_id, 16, "scope_id")
+        compat = None if compat_id is None else hex_id(compat_id, 32, "compat_id")
         body = LeaseRequest(keys, ttl_ms, scope, compat).to_json()
         _, _, raw = await self._request(
             "POST", urljoin(_base(holder), "leases"), expect=[200, 201], json=body

@@ -323,9 +323,7 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
             raise ConfigError(f'{where}.capacity: required, a positive size (octets or "4GiB")')
         try:
             capacity = parse_size(capacity, f"{where}.capacity")
-            # The backend's options, by its schema (kvstore/backends/schema.py); an
-            # unknown backend is named by check(), with the other problems.
-            if backend in SCHEMAS:
+            if backend in SCHEMAS:  # typed by its schema; an unknown one: check() names it
                 options = check_options(backend, options, where)
         except OptionError as exc:
             raise ConfigError(str(exc)) from None

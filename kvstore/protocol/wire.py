@@ -54,6 +54,28 @@ def parse_layers(value: str) -> tuple[int, int]:
     return first, last
 
 
+#: A key or ID: a hex string, or its octets (what BlockKeyChain and compat_id give).
+Hex = str | bytes
+
+
+def hex_id(value: str | bytes | bytearray | memoryview, octets: int, what: str) -> str:
+    """A key or ID as a resource path writes it: octets (as
+    ``BlockKeyChain.extend`` and ``compat_id`` return them) in hex, or a hex
+    string, lowercased. ``ValueError`` for a wrong length or a non-hex
+    string, ``TypeError`` for anything else (never a path that routes nowhere)."""
+    if isinstance(value, str):
+        text = value.lower()
+        if len(text) == 2 * octets and all(c in "0123456789abcdef" for c in text):
+            return text
+        raise ValueError(f"{what}: {2 * octets} hex digits, got {value!r}")
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        if len(raw) == octets:
+            return raw.hex()
+        raise ValueError(f"{what}: {octets} octets, got {len(raw)}")
+    raise TypeError(f"{what}: bytes or a hex string, not {type(value).__name__}")
+
+
 def format_layers(first: int, last: int) -> str:
     return f"{first}-{last}"
 

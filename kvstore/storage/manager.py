@@ -491,9 +491,8 @@ class TieredStore:
             if len(memoryview(stored)) >= OFFLOAD_OCTETS:
                 return await asyncio.to_thread(check_and_open)
             return check_and_open()
-        except CorruptData as exc:
+        except CorruptData as exc:  # logged once: the block leaves (withdrawn first, LE4)
             self.stats.integrity_failures += 1
-            # Once: the block leaves (withdrawn first, LE4); no read finds it again.
             log.warning("integrity: %s in %s fails: %s", checked.key, slot.kind, exc.detail)
             await self.placement.lost(info, f"corrupt segment in {slot.kind}")
             raise
