@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import ClientTlsProblem, CliError, Unhealthy, _dev_context
+from .clibase import ClientTlsProblem, CliError, Unhealthy, _dev_context
 
 #: What a client made by ``kvstore certs`` may do unless --role says: read and
 #: write blocks, and scrape /metrics (``kvstore status``, docs/holder.md).

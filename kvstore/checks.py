@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import CliError, _read_json
+from .clibase import CliError, _read_json
 from .protocol.problems import KvspError
 
 
@@ -57,12 +57,6 @@ def check_roles(config: Any, roles: tuple[str, ...]) -> list[str]:
         except ValueError as exc:
             out.append(f"{ROLE_SECTIONS[role]}.policy: {exc}")
     out += _check_parts(config, roles)
-    server = config.server
-    if not server.insecure_http:
-        for key in ("certfile", "keyfile", "cafile"):
-            value = getattr(server, key)
-            if value and not Path(value).exists():
-                out.append(f"server.{key}: {value} does not exist")
     return out
 
 
@@ -91,19 +85,14 @@ def _check_parts(config: Any, roles: tuple[str, ...]) -> list[str]:
                 parse_descriptor(json_.loads(Path(file).read_text()))
             except (OSError, ValueError, KvspError) as exc:
                 out.append(f"{section}.descriptors: {file}: {exc}")
-    server = config.server
-    if not server.insecure_http and all(
-        getattr(server, k) and Path(getattr(server, k)).exists()
-        for k in ("certfile", "keyfile", "cafile")
-    ):
-        import ssl
+    if all(getattr(config.server, k) for k in ("certfile", "keyfile", "cafile")):
+        from .config import ConfigError
+        from .listener import check_tls_files
 
-        from .tls import server_context
-
-        try:  # the very context serve builds
-            server_context(server.certfile, server.keyfile, server.cafile)
-        except (OSError, ssl.SSLError) as exc:
-            out.append(f"server.certfile / keyfile / cafile: {exc}")
+        try:  # what serve reads, the very context it builds, before it starts
+            check_tls_files(config)
+        except ConfigError as exc:
+            out.append(str(exc))
     return out
 
 

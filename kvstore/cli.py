@@ -15,38 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+
+# What the command modules share lives below them, so that they import it
+# from there and not from this module (which imports them).
+from .clibase import (
+    EXIT_CLIENT_TLS,
+    EXIT_USAGE,
+    ClientTlsProblem,
+    CliError,
+    Unhealthy,
+    _dev_context,
+    _read_json,
+)
 from .protocol.problems import KvspError
-
-EXIT_USAGE = 2
-
-
-class Unhealthy(Exception):
-    """``kvstore health``: the server did not answer 200 (exit 1: Docker's
-    HEALTHCHECK reads 1 as unhealthy and reserves 2)."""
-
-
-class ClientTlsProblem(Exception):
-    """``kvstore health``: the probe's own certificate (or the CA it trusts)
-    is what fails, not the server: exit 3, so that an expired client
-    certificate is not taken for a server down."""
-
-
-EXIT_CLIENT_TLS = 3
-
-
-class CliError(Exception):
-    """A user-facing error: printed on one line, exit status 2."""
-
-
-def _read_json(path: str) -> Any:
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror}") from exc
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"{path} is not JSON: {exc}") from exc
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -265,33 +246,6 @@ def _ops_context(args: argparse.Namespace) -> Any:
         raise CliError(f"client certificate: {exc}") from exc
 
 
-def _dev_context(
-    certs: str,
-    cafile: str | None = None,
-    cert: str | None = None,
-    key: str | None = None,
-    principal: str | None = None,
-) -> Any:
-    """A client TLS context from a certificate directory of ``kvstore serve``'s
-    first use or ``kvstore certs init`` (ca.pem, client-NAME.pem/.key, NAME
-    ``principal`` or ``client``), each file overridable. A missing file is a
-    :class:`FileNotFoundError` naming it."""
-    from .tls import client_context
-
-    root = Path(certs)
-    stem = f"client-{principal or 'client'}"
-    files = {
-        "CA certificate": cafile or str(root / "ca.pem"),
-        "client certificate": cert or str(root / f"{stem}.pem"),
-        "client key": key or str(root / f"{stem}.key"),
-    }
-    for what, file in files.items():
-        if not Path(file).is_file():
-            raise FileNotFoundError(f"{what} {file} does not exist")
-    return client_context(files["CA certificate"], files["client certificate"],
-                          files["client key"])  # fmt: skip
-
-
 def cmd_status(args: argparse.Namespace) -> Any:
     """One summary of each role at the given base URIs."""
     import asyncio
@@ -350,7 +304,7 @@ def cmd_demo(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import certcmds, checks  # they use CliError from here
+    from . import certcmds, checks
 
     parser = argparse.ArgumentParser(
         prog="kvstore",

@@ -45,7 +45,6 @@ from .protocol.problems import (
     DigestMismatch,
     KvspError,
     NotFound,
-    error_from_problem,
 )
 from .protocol.records import (
     LeaseGrant,
@@ -66,7 +65,7 @@ from .protocol.wire import (
     replica_path,
     role_id,
 )
-from .unreachable import unreachable
+from .unreachable import error_of, unreachable
 from .verify import verify_block
 
 log = logging.getLogger("kvstore.client")
@@ -132,7 +131,7 @@ class _Http:
                 body = await response.read()
                 headers = {k.lower(): v for k, v in response.headers.items()}
                 if response.status not in set(expect):
-                    raise _error(response.status, headers, body)
+                    raise error_of(response.status, headers, body)
                 return response.status, headers, body
         except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
             raise unreachable(method, url, exc, self._timeout_s) from exc
@@ -502,7 +501,7 @@ class FrontEnd(_Http):
             if response.status != 200:
                 body = await response.read()
                 headers = {k.lower(): v for k, v in response.headers.items()}
-                raise _error(response.status, headers, body)
+                raise error_of(response.status, headers, body)
             async for line in response.content:
                 if line.strip():
                     yield json.loads(line)
@@ -595,17 +594,3 @@ class FrontEnd(_Http):
             return json.loads(raw).get("state") in ("running", "done", "failed")
         except (KvspError, ValueError):
             return False
-
-
-def _error(status: int, headers: dict[str, str], body: bytes) -> KvspError:
-    problem: Any = None
-    if headers.get("content-type", "").split(";")[0] in (
-        "application/problem+json",
-        JSON_MEDIA_TYPE,
-        "application/json",
-    ):
-        try:
-            problem = json.loads(body)
-        except ValueError:
-            problem = None
-    return error_from_problem(status, problem)

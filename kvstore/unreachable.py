@@ -1,13 +1,17 @@
 """What a failure to reach a role means, for the one who has to fix it: a
 TLS handshake refused (which side, and why, from the alert the server sent)
-or a peer down (its URI, why). Used by :mod:`kvstore.client` and by
-``kvstore health``."""
+or a peer down (its URI, why); and what an error answer means (its problem
+as our exception). Used by :mod:`kvstore.client` and by ``kvstore health``."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import aiohttp
 
-from .protocol.problems import HolderUnavailable, KvspError, TlsRefused
+from .protocol.problems import HolderUnavailable, KvspError, TlsRefused, error_from_problem
+from .protocol.wire import JSON_MEDIA_TYPE
 
 #: What an OpenSSL alert from the server means for the client, and what to fix.
 TLS_ALERTS = {
@@ -50,3 +54,18 @@ def unreachable(method: str, url: str, exc: BaseException, timeout_s: float) -> 
     else:
         reason = f"{type(exc).__name__}: {exc}"[:200]
     return HolderUnavailable(f"{method} {url}: {reason}", uri=url, reason=reason)
+
+
+def error_of(status: int, headers: dict[str, str], body: bytes) -> KvspError:
+    """An error answer (problem+json, H3) as the exception of its type."""
+    problem: Any = None
+    if headers.get("content-type", "").split(";")[0] in (
+        "application/problem+json",
+        JSON_MEDIA_TYPE,
+        "application/json",
+    ):
+        try:
+            problem = json.loads(body)
+        except ValueError:
+            problem = None
+    return error_from_problem(status, problem)

@@ -30,24 +30,17 @@ from kvstore.storage.tier import StorageInUse, Tier
 
 _PREFIX = re.compile(r"[A-Za-z0-9:_.-]*")
 
-# One owner per prefix: taken if free, kept if ours (its TTL renewed), else
-# the owner's name comes back. One script, so no other holder comes between.
+# One owner per prefix: taken if free, kept if ours (its TTL renewed), or
+# taken over from ARGV[2], a stale owner's record (kvstore.storage.owner.stale)
+# if it is still that one; else the owner's name comes back. One script, so
+# no other holder comes between the read and the write.
 _CLAIM = """
 local held = redis.call('GET', KEYS[1])
-if held == false or held == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return ARGV[1]
-end
-return held
-"""
-# Take over a stale owner's record (see kvstore.storage.owner.stale), if
-# it is still that one.
-_TAKE_OVER = """
-if redis.call('GET', KEYS[1]) == ARGV[2] then
+if held == false or held == ARGV[1] or held == ARGV[2] then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
   return ARGV[1]
 end
-return redis.call('GET', KEYS[1]) or ''
+return held
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -114,19 +107,18 @@ class RedisTier(Tier):
     async def claim(self, owner: str, ttl_s: float) -> None:
         """``<prefix>owner``, set if absent with a TTL this holder renews, so
         that a crashed owner's prefix frees itself after ``ttl_s``."""
-        with _translated(self.url):
-            held = await self._client.eval(_CLAIM, 1, self.prefix + "owner", owner,
-                                           max(1, int(ttl_s * 1000)))  # fmt: skip
-        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+        held = await self._claim(owner, "", ttl_s)
         if held != owner and stale(held):
-            # A crashed holder of this host: no need to wait out its TTL.
-            with _translated(self.url):
-                held = await self._client.eval(_TAKE_OVER, 1, self.prefix + "owner", owner, held,
-                                               max(1, int(ttl_s * 1000)))  # fmt: skip
-            held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+            held = await self._claim(owner, held, ttl_s)  # a crashed holder of this host
         if held != owner:
             raise StorageInUse(f"{self.url} prefix {self.prefix!r} is in use by {held} "
                                f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip
+
+    async def _claim(self, owner: str, stale_owner: str, ttl_s: float) -> str:
+        with _translated(self.url):
+            held = await self._client.eval(_CLAIM, 1, self.prefix + "owner", owner, stale_owner,
+                                           max(1, int(ttl_s * 1000)))  # fmt: skip
+        return held.decode(errors="replace") if isinstance(held, bytes) else str(held)
 
     async def release(self, owner: str) -> None:
         with _translated(self.url):

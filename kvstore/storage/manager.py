@@ -567,7 +567,7 @@ class TieredStore:
         calls it; without a persistent tier there is nothing to do."""
         if not any(s.tier.persistent for s in self.slots) or self._ownership is not None:
             return len(self)
-        ownership = Ownership(self, owner or owner_name("a library store"), owner_ttl_s)
+        ownership = Ownership([s.tier for s in self.slots], owner or owner_name(), owner_ttl_s)
         await ownership.claim()
         self._ownership = ownership
         ownership.start()

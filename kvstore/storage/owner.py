@@ -17,14 +17,11 @@ import os
 import re
 import secrets
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from ..background import Background
 from ..protocol.problems import TierUnavailable
 from .tier import StorageInUse, Tier
-
-if TYPE_CHECKING:
-    from .manager import TieredStore
 
 log = logging.getLogger("kvstore.storage")
 
@@ -82,15 +79,15 @@ def stale(owner: str) -> bool:
 
 
 class Ownership(Background):
-    """The claims of one store's persistent tiers, renewed every ``ttl_s`` / 3."""
+    """The claims of a store's persistent tiers (of ``tiers``), renewed every ``ttl_s`` / 3."""
 
     task_name = "kvstore-ownership"
 
-    def __init__(self, store: TieredStore, owner: str, ttl_s: float = 30.0) -> None:
+    def __init__(self, tiers: Iterable[Tier], owner: str, ttl_s: float = 30.0) -> None:
         if ttl_s <= 0:
             raise ValueError("the owner record's TTL must be positive")
         self.owner, self.ttl_s = owner, ttl_s
-        self.tiers: list[Tier] = [s.tier for s in store.slots if s.tier.persistent]
+        self.tiers: list[Tier] = [tier for tier in tiers if tier.persistent]
         self._claimed: list[Tier] = []
         #: Tiers whose claim another holder took while this one ran (logged once).
         self.lost: set[int] = set()

@@ -79,7 +79,7 @@ async def test_a_refused_store_gives_back_the_claims_it_took(
     await rival.claim("rival", 30.0)
     store = TieredStore([(HostTier(), 1 << 20), (lmdb, 1 << 20), (redis, 1 << 20)])
     with pytest.raises(StorageInUse, match="rival"):
-        await Ownership(store, "me").claim()
+        await Ownership([s.tier for s in store.slots], "me").claim()
     # The LMDB lock was given back: another process takes it at once.
     lock = Path(lmdb.path) / LmdbTier.OWNER_FILE  # type: ignore[attr-defined]
     take = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
@@ -92,7 +92,7 @@ async def test_a_refused_store_gives_back_the_claims_it_took(
 
 async def test_a_second_process_is_refused_the_lmdb_directory(lmdb_path: str) -> None:
     tier = LmdbTier(lmdb_path)
-    await Ownership(TieredStore([(tier, 1 << 20)]), "pid 1 on here").claim()
+    await Ownership([tier], "pid 1 on here").claim()
     other = ("import asyncio, sys; from kvstore.backends.lmdb import LmdbTier; "
              "asyncio.run(LmdbTier(sys.argv[1]).claim('two', 30.0))")  # fmt: skip
     refused = subprocess.run([sys.executable, "-c", other, lmdb_path], capture_output=True,
