@@ -168,3 +168,36 @@ def test_the_reference_engine_without_torch_is_one_line(tmp_path: Path) -> None:
                           timeout=60, cwd=tmp_path)  # fmt: skip
     line = one_line(done)
     assert "the reference engine needs torch" in line and "kvsp-kvstore[engine]" in line
+
+
+async def test_the_listener_bound_early_gets_tcp_nodelay(tmp_path: Path) -> None:
+    # The socket bound before the tiers open is handed to uvicorn: asyncio
+    # sets TCP_NODELAY on its connections only when it says IPPROTO_TCP (a
+    # proto of 0 made every small answer wait for a delayed ACK: C=1 loads
+    # ran at a quarter of their rate).
+    import asyncio
+
+    from kvstore.config import load
+    from kvstore.listener import bind_listener
+
+    (tmp_path / "k.toml").write_text(f"[server]\nport = {free_port()}\n")
+    sock = bind_listener(load(tmp_path / "k.toml"))
+    accepted: list[asyncio.BaseTransport] = []
+
+    class Keep(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            accepted.append(transport)
+
+    server = await asyncio.get_running_loop().create_server(Keep, sock=sock)
+    try:
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        for _ in range(100):
+            if accepted:
+                break
+            await asyncio.sleep(0.01)
+        conn = accepted[0].get_extra_info("socket")
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
