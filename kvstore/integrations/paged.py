@@ -1,0 +1,190 @@
+"""An engine's paged KV cache as KVSP blocks, both ways (issue 34).
+
+No engine import here: the same gather and scatter run under vLLM (the
+connector of :mod:`kvstore.integrations.vllm`) and on a machine with torch
+alone (tests on a GPU without vLLM).
+
+A paged cache keeps, per attention layer, ``num_blocks`` pages of
+``block_tokens`` tokens. Engines lay a page out in several ways; each layer
+is reduced here to two views, K and V, shaped ``[num_blocks, block_tokens,
+kv_heads, head_dim]``, without copying. One page of such a view, made
+contiguous, is exactly a ``kvsp-layout-1`` section (tokens slowest, then
+heads, then elements), so a block's container is its pages' K and V, layer
+by layer, one copy each way.
+
+Layouts (:func:`layer_views`):
+
+* ``cpu``: vLLM's CPU attention, ``[blocks, heads, tokens, 2*head_dim]``,
+  whose memory is per (block, head) all K rows then all V rows (the backend
+  reads it as ``[blocks, heads, 2*tokens, head_dim]``);
+* ``content``: vLLM's GPU backends from 0.32 (FlashAttention, FlashInfer,
+  Triton), the logical ``[blocks, heads, tokens, 2*head_dim]`` with K and V
+  side by side in the last dimension, whatever the strides;
+* ``kv-first``: ``[2, blocks, tokens, heads, head_dim]`` (FlashAttention
+  before 0.32);
+* ``kv-second``: ``[blocks, 2, tokens, heads, head_dim]`` (FlashInfer NHD)
+  and ``kv-second-hnd``: ``[blocks, 2, heads, tokens, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
+from ..protocol.codecs import CODEC_RAW
+
+#: torch dtypes and the "KVSP Element Types" they are.
+KV_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8-e4m3",
+    torch.float8_e5m2: "fp8-e5m2",
+}
+LAYOUTS = ("cpu", "content", "kv-first", "kv-second", "kv-second-hnd")
+
+
+class LayoutError(ValueError):
+    """A paged tensor this module cannot read (its shape, dtype, layout)."""
+
+
+def kv_dtype(dtype: torch.dtype) -> str:
+    try:
+        return KV_DTYPES[dtype]
+    except KeyError:
+        raise LayoutError(f"KV cache dtype {dtype} has no KVSP element type "
+                          f"(known: {', '.join(map(str, KV_DTYPES))})") from None  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PagedLayer:
+    """K and V of one layer, each ``[num_blocks, block_tokens, kv_heads, head_dim]``
+    (views of the engine's tensor: writes land in its cache)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: str
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[0])
+
+
+def guess_layout(
+    shape: Sequence[int], *, block_tokens: int, kv_heads: int, head_dim: int, backend: str = ""
+) -> str:
+    """The layout of a paged tensor of ``shape``, from its shape and the
+    attention backend's name (vLLM's ``get_name()``: ``CPU_ATTN``,
+    ``FLASH_ATTN``, ...); :class:`LayoutError` when none fits."""
+    n, h, d = block_tokens, kv_heads, head_dim
+    dims = tuple(int(x) for x in shape)
+    if len(dims) == 4 and dims[1:] == (h, n, 2 * d):
+        return "cpu" if backend.upper().startswith("CPU") else "content"
+    if len(dims) == 5 and dims[0] == 2 and dims[2:] == (n, h, d):
+        return "kv-first"
+    if len(dims) == 5 and dims[1] == 2 and dims[4] == d:
+        if dims[2:4] == (n, h):
+            return "kv-second"  # also where n == h: NHD is FlashInfer's default
+        if dims[2:4] == (h, n):
+            return "kv-second-hnd"
+    raise LayoutError(f"a paged KV tensor of shape {list(dims)} is none of the layouts known "
+                      f"for {n} tokens a block, {h} KV heads of {d} (backend {backend or '?'})")  # fmt: skip
+
+
+def layer_views(
+    tensor: torch.Tensor,
+    *,
+    block_tokens: int,
+    kv_heads: int,
+    head_dim: int,
+    backend: str = "",
+    layout: str | None = None,
+) -> PagedLayer:
+    """K and V views of one layer's paged tensor (no copy)."""
+    n, h, d = block_tokens, kv_heads, head_dim
+    layout = layout or guess_layout(tensor.shape, block_tokens=n, kv_heads=h, head_dim=d,
+                                    backend=backend)  # fmt: skip
+    if layout == "cpu":
+        if not tensor.is_contiguous():
+            raise LayoutError("the CPU layout needs a contiguous tensor")
+        both = tensor.view(tensor.shape[0], h, 2, n, d)
+        k, v = both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+    elif layout == "content":
+        k, v = tensor[..., :d].transpose(1, 2), tensor[..., d:].transpose(1, 2)
+    elif layout == "kv-first":
+        k, v = tensor[0], tensor[1]
+    elif layout == "kv-second":
+        k, v = tensor[:, 0], tensor[:, 1]
+    elif layout == "kv-second-hnd":
+        k, v = tensor[:, 0].transpose(1, 2), tensor[:, 1].transpose(1, 2)
+    else:
+        raise LayoutError(f"layout {layout!r}: not one of {', '.join(LAYOUTS)}")
+    if tuple(k.shape[1:]) != (n, h, d) or k.shape != v.shape:
+        raise LayoutError(f"layout {layout}: views {list(k.shape)}, not [blocks, {n}, {h}, {d}]")
+    return PagedLayer(k, v, layout)
+
+
+def _octets(t: torch.Tensor) -> memoryview:
+    """The octets of a contiguous CPU tensor (bf16 and fp8 included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def gather(layers: Sequence[PagedLayer], block_ids: Sequence[int]) -> list[torch.Tensor]:
+    """Copies of the pages ``block_ids`` of every layer, on the CPU: one
+    tensor ``[2, len(block_ids), block_tokens, heads, head_dim]`` a layer
+    (owned: the engine may reuse its pages at once)."""
+    if not block_ids:
+        return []
+    device = layers[0].k.device
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    out = []
+    for layer in layers:
+        pair = torch.stack((layer.k.index_select(0, index), layer.v.index_select(0, index)))
+        out.append(pair.to("cpu") if pair.device.type != "cpu" else pair)
+    return out
+
+
+def gather_layer(layer: PagedLayer, block_ids: Sequence[int]) -> torch.Tensor:
+    """:func:`gather` of one layer (vLLM hands its layers over one at a time)."""
+    return gather([layer], block_ids)[0]
+
+
+def encode_block(gathered: Sequence[torch.Tensor], i: int, block_tokens: int) -> bytearray:
+    """The container of the ``i``-th block of :func:`gather`'s copies: codec
+    raw, one container layer per layer, from layer 0."""
+    sections = [(_octets(pair[0, i]), _octets(pair[1, i])) for pair in gathered]
+    return kc.encode(sections, token_count=block_tokens, codec=CODEC_RAW)
+
+
+def check_block(container: kc.Container, layers: int, section: int, block_tokens: int) -> None:
+    """Refuse a container that is not a whole block of this geometry."""
+    if container.codec != CODEC_RAW or container.first_layer != 0 or len(container) != layers:
+        raise LayoutError(f"a container of codec {container.codec:#06x}, layers "
+                          f"{container.first_layer}-{container.last_layer}: not a raw block "
+                          f"of {layers} layers")  # fmt: skip
+    if container.token_count != block_tokens:
+        raise LayoutError(f"a container of {container.token_count} tokens, not {block_tokens}")
+    for layer in container:
+        if len(layer.k) != section or len(layer.v) != section:
+            raise LayoutError(f"a container layer of {len(layer.k)}+{len(layer.v)} octets, "
+                              f"not {section}+{section}")  # fmt: skip
+
+
+def scatter_layer(
+    layer: PagedLayer, pages: Sequence[tuple[int, BytesLike, BytesLike]]
+) -> None:
+    """Write container layers, each ``(block_id, K section, V section)`` in
+    ``kvsp-layout-1``, into those pages of ``layer``: one copy each (host
+    to device on a GPU)."""
+    shape = layer.k.shape[1:]
+    with warnings.catch_warnings():  # read-only octets are only read from
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        for block_id, k, v in pages:
+            for dst, src in ((layer.k, k), (layer.v, v)):
+                values = torch.frombuffer(src, dtype=torch.uint8).view(dst.dtype).view(shape)
+                dst[block_id].copy_(values)
