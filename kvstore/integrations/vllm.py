@@ -37,7 +37,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -106,7 +106,9 @@ class VllmSettings:
             raise ConfigError("kvstore: pipeline parallelism is not supported yet (each stage "
                               "would store a layer range of the same block)")  # fmt: skip
         geometry, layer_names = engine_geometry(kv_cache_config)
-        chunk = ChunkSettings.from_options(options, namespace="vllm", geometry=geometry)
+        chunk = ChunkSettings.from_options(
+            options, namespace="vllm", geometry=geometry, extra=VLLM_OPTIONS
+        )
         size = int(getattr(parallel, "tensor_parallel_size", 1))
         total = int(vllm_config.model_config.get_total_num_kv_heads())
         descriptors = tuple(rank_descriptor(chunk.descriptor, r, size, total) for r in range(size))
@@ -148,7 +150,10 @@ def engine_geometry(kv_cache_config: Any) -> tuple[Geometry, tuple[str, ...]]:
                           "with one group of full attention layers")  # fmt: skip
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
-    if kind != "FullAttentionSpec" or getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+    if (
+        kind != "FullAttentionSpec"
+        or getattr(spec, "head_size_v", spec.head_size) != spec.head_size
+    ):
         raise ConfigError(f"kvstore: a KV cache of {kind} is not supported (MLA, sliding "
                           "window groups and K/V of different sizes are not)")  # fmt: skip
     try:
@@ -180,12 +185,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-                log.warning("kvstore: kv_load_failure_policy set to recompute: a block that a "
-                            "holder cannot serve is recomputed, never a failed request")  # fmt: skip
+                log.warning("kvstore: kv_load_failure_policy set to recompute: a block "
+                            "that a holder cannot serve is recomputed, never a failed "
+                            "request")  # fmt: skip
                 transfer.kv_load_failure_policy = "recompute"
             self._planner = Planner(self.settings.stores(0), self.settings.scope_keys,
-                                    self.settings.descriptors, self._run,
-                                    salt_scopes={s: s for s in self.settings.salt_scopes})  # fmt: skip
+                                    self.settings.descriptors, self._run)  # fmt: skip
             log.info("kvstore connector: holders %s, scope %s, compat %s, %d layers, "
                      "%d tokens a block", ",".join(self.settings.chunk.holders),
                      scope_id(self.settings.chunk.scope_key).hex(), descriptor.compat_id_hex,
@@ -199,7 +204,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # --- scheduler side -------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         assert self._planner is not None
         return self._planner.matched_tokens(request, num_computed_tokens), False
 
@@ -301,6 +308,7 @@ class _Worker:
         self._pending_octets = 0
         self._started = 0.0
         self._load_ids: list[int] = []
+        self._saving: set[concurrent.futures.Future[None]] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         d = self.descriptor
@@ -431,22 +439,36 @@ class _Worker:
                 jobs.append((save.scope, key, j))
                 j += 1
         future = asyncio.run_coroutine_threadsafe(
-            self._store(jobs, [g for g in layers if g is not None], octets), self.loop.loop)
-        future.add_done_callback(_log_failure)
+            self._store(jobs, [g for g in layers if g is not None], octets), self.loop.loop
+        )
+        self._saving.add(future)
+        future.add_done_callback(self._saved)
+
+    def _saved(self, future: concurrent.futures.Future[None]) -> None:
+        self._saving.discard(future)
+        exc = future.exception() if not future.cancelled() else None
+        if exc is not None:
+            log.warning("kvstore: a write-behind save failed: %r", exc)
 
     async def _store(self, jobs: list[tuple[str, str, int]], layers: list[torch.Tensor],
                      octets: int) -> None:  # fmt: skip
         tokens = self.descriptor.block_tokens
         try:
-            stored = await asyncio.gather(*(
-                self.stores[scope].put(key, lambda j=j: encode_block(layers, j, tokens))
-                for scope, key, j in jobs))  # fmt: skip
+
+            def build(j: int) -> Callable[[], bytearray]:
+                return lambda: encode_block(layers, j, tokens)
+
+            stored = await asyncio.gather(*(self.stores[scope].put(key, build(j))
+                                            for scope, key, j in jobs))  # fmt: skip
             self.stats.blocks_saved += sum(stored)
             self.stats.save_failures += len(stored) - sum(stored)
         finally:
             self._pending_octets -= octets
 
-    def close(self) -> None:
+    def close(self, flush_s: float = 30.0) -> None:
+        """Stop, once the saves in flight are done (for at most ``flush_s``)."""
+        concurrent.futures.wait(list(self._saving), timeout=flush_s)
+
         async def close_all() -> None:
             for store in self.stores.values():
                 await store.close()
@@ -456,9 +478,3 @@ class _Worker:
         except Exception as exc:
             log.info("kvstore: closing the stores: %r", exc)
         log.info("kvstore connector (rank %d): %s", self.rank, self.stats)
-
-
-def _log_failure(future: concurrent.futures.Future[None]) -> None:
-    exc = future.exception() if not future.cancelled() else None
-    if exc is not None:
-        log.warning("kvstore: a write-behind save failed: %r", exc)

