@@ -45,6 +45,25 @@ class Holder:
         return client_context(str(certs / "ca.pem"), str(certs / "client-engine.pem"),
                               str(certs / "client-engine.key"))  # fmt: skip
 
+    def metric(self, name: str, *having: str) -> float:
+        """A sample of the holder's ``/metrics`` (the engine's principal may
+        read them); with ``having``, the sum of the labelled samples whose
+        line has every one of those strings."""
+        import ssl
+        import urllib.request
+
+        context = self.context()
+        assert isinstance(context, ssl.SSLContext)
+        with urllib.request.urlopen(self.uri + "metrics", context=context, timeout=10) as answer:
+            lines = answer.read().decode().splitlines()
+        if having:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                       if line.startswith(name + "{") and all(h in line for h in having))  # fmt: skip
+        for line in lines:
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
     def kill(self) -> None:
         self.process.stop(signal.SIGKILL)
 
@@ -71,7 +90,8 @@ def start_holder(
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
     (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:engine": {"read_scopes": scopes, "write_scopes": scopes}}}))  # fmt: skip
+        "urn:kvstore:engine": {"roles": ["client", "metrics"], "read_scopes": scopes,
+                               "write_scopes": scopes}}}))  # fmt: skip
     tiers = tiers or f'[[storage.tiers]]\nbackend = "host"\ncapacity = {capacity}\n'
     config = SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n' + tiers
     process = Process(root, "holder", config, "holder")

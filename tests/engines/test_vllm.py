@@ -171,3 +171,46 @@ def test_cache_salts_never_share(tmp_path: Path, model: Path, lmdb_holder: Holde
     assert again_a["cached"] == WHOLE * BLOCK_TOKENS
     assert unknown["cached"] == 0
     assert {r["tokens"] == stored_a["tokens"] for r in runs} == {True}
+
+
+def test_chunked_prefill_then_a_partial_hit_releasing_every_lease(
+    tmp_path: Path, model: Path, lmdb_holder: Holder
+) -> None:
+    """Chunked prefill (64 tokens a step) stores every whole block once it is
+    computed. A second engine with vLLM's own prefix cache on first runs a
+    prompt that shares three blocks (loaded from the holder), then the whole
+    prompt: three blocks are vLLM's own, the other three come from the holder.
+    Every lease taken is released, none left to expire."""
+    (chunked,) = engine(tmp_path, model, lmdb_holder, "chunked", max_num_batched_tokens=64)
+    stats = json.loads((tmp_path / "chunked.stats").read_text())
+    assert stats["blocks_saved"] == len(PROMPT) // BLOCK_TOKENS
+    assert stats["blocks_loaded"] == 0
+
+    other = PROMPT[:100] + [random.Random(35).randrange(1, 500) for _ in range(100)]
+    shared, whole = engine(tmp_path, model, lmdb_holder, "partial", prefix_caching=True,
+                           prompts=[other, PROMPT])  # fmt: skip
+    assert shared["cached"] == 3 * BLOCK_TOKENS  # PROMPT's first three blocks, from the holder
+    assert whole["cached"] == WHOLE * BLOCK_TOKENS  # three local, three from the holder
+    assert whole["tokens"] == chunked["tokens"]
+    stats = json.loads((tmp_path / "partial.stats").read_text())
+    assert stats["blocks_loaded"] == 3 + 3  # not the locally cached ones again
+    assert stats["load_errors"] == 0
+    assert lmdb_holder.metric("kvstore_leases") == 0
+    requests = "kvstore_http_requests_total"
+    taken = lmdb_holder.metric(requests, 'route="create_lease"', 'status="20')
+    released = lmdb_holder.metric(requests, 'method="DELETE"', "lease", 'status="20')
+    assert taken >= 2 and released == taken, (taken, released)
+
+
+def test_a_holder_killed_mid_load_means_recomputation(
+    tmp_path: Path, model: Path, lmdb_holder: Holder
+) -> None:
+    """The holder dies after the scheduler found and leased the blocks, before
+    the worker fetched them: every block is reported, vLLM recomputes, the
+    tokens are the same, the request does not fail."""
+    (stored,) = engine(tmp_path, model, lmdb_holder, "stored")
+    pid = lmdb_holder.process.process.pid
+    (killed,) = engine(tmp_path, model, lmdb_holder, "killed", kill_before_load=pid)
+    assert killed["tokens"] == stored["tokens"]
+    stats = json.loads((tmp_path / "killed.stats").read_text())
+    assert (stats["load_errors"], stats["blocks_loaded"]) == (WHOLE, 0), stats

@@ -14,7 +14,10 @@ real load from a silent recompute would prove nothing.
 SPEC members: ``model`` (a directory), ``options`` (the connector's
 ``kv_connector_extra_config``), ``prompts`` (lists of token ids),
 ``max_tokens``, ``control`` (write zeros instead of the loaded KV),
-``cache_salt`` (per prompt, or null), ``max_num_batched_tokens``.
+``cache_salt`` (per prompt, or null), ``max_num_batched_tokens`` (a chunked
+prefill below the prompt's length), ``prefix_caching`` (vLLM's own, off by
+default), ``kill_before_load`` (a pid killed once a load is planned, before
+the worker fetches it).
 """
 
 from __future__ import annotations
@@ -66,8 +69,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         connector.scatter_layer = wrong  # type: ignore[assignment]
 
+    if spec.get("kill_before_load"):  # the holder dies after the lookup, before the fetch
+        import signal
+
+        import kvstore.integrations.vllm as connector
+
+        start_load = connector._Worker.start_load
+
+        def kill_then_load(self: Any, plan: Any) -> None:
+            if plan.loads:
+                os.kill(int(spec["kill_before_load"]), signal.SIGKILL)
+            start_load(self, plan)
+
+        connector._Worker.start_load = kill_then_load  # type: ignore[method-assign]
+
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=BLOCK_TOKENS, max_model_len=4096, enable_prefix_caching=False,
+              block_size=BLOCK_TOKENS, max_model_len=4096,
+              enable_prefix_caching=bool(spec.get("prefix_caching")),
               dtype="bfloat16", seed=0,
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
               kv_transfer_config={"kv_connector": "KvstoreConnector",
