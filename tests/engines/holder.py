@@ -57,8 +57,8 @@ class Holder:
         with urllib.request.urlopen(self.uri + "metrics", context=context, timeout=10) as answer:
             lines = answer.read().decode().splitlines()
         if having:
-            return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-                       if line.startswith(name + "{") and all(h in line for h in having))  # fmt: skip
+            labelled = [x for x in lines if x.startswith(name + "{")]
+            return sum(float(x.rsplit(" ", 1)[1]) for x in labelled if all(h in x for h in having))
         for line in lines:
             if line.startswith(name + " "):
                 return float(line.split()[1])

@@ -158,6 +158,54 @@ def test_a_second_engine_loads_the_prompt_and_emits_the_same_tokens(
     assert (stats["load_errors"], stats["blocks_loaded"]) == (1, WHOLE - 1), stats
 
 
+def settings_of(options: dict[str, Any], *, tp: int = 1, pp: int = 1, block: int = 32,
+                kind: str = "FullAttentionSpec", groups: int = 1) -> Any:  # fmt: skip
+    """VllmSettings from configuration objects shaped like vLLM's."""
+    from types import SimpleNamespace as NS
+
+    from kvstore.integrations.vllm import VllmSettings
+
+    spec = type(kind, (), {"block_size": block, "num_kv_heads": 2 // tp if tp <= 2 else 1,
+                           "head_size": 64, "head_size_v": 64, "dtype": __import__("torch").bfloat16})()  # fmt: skip
+    cache = NS(kv_cache_groups=[NS(layer_names=["l0", "l1"], kv_cache_spec=spec)] * groups)
+    config = NS(kv_transfer_config=NS(kv_connector_extra_config=options),
+                parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                model_config=NS(get_total_num_kv_heads=lambda: 2))  # fmt: skip
+    return VllmSettings.from_vllm(config, cache)
+
+
+def test_options_are_the_plugins_and_refusals_say_what_to_fix(holder: Holder) -> None:
+    from kvstore.config import ConfigError
+
+    options = holder.options()  # with the kvstore. prefix: accepted as without
+    settings = settings_of(options)
+    assert settings.descriptors[0].to_json() == DESCRIPTOR
+    bare = settings_of({k.removeprefix("kvstore."): v for k, v in options.items()})
+    assert bare.descriptors == settings.descriptors and bare.chunk.holders == (holder.uri,)
+    with pytest.raises(
+        ConfigError, match='kvstore.timout_s: unknown option; did you mean "timeout_s"'
+    ):
+        settings_of({**options, "timout_s": "3"})
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        settings_of(options, pp=2)
+    with pytest.raises(ConfigError, match="2 KV cache groups"):
+        settings_of(options, groups=2)
+    with pytest.raises(ConfigError, match="MLAAttentionSpec is not supported"):
+        settings_of(options, kind="MLAAttentionSpec")
+    with pytest.raises(ConfigError, match="kvstore.layout"):
+        settings_of({**options, "layout": "sideways"})
+    # A descriptor file of another block size than vLLM's: refused at start.
+    file = holder.root / "descriptor.json"
+    file.write_text(json.dumps({**DESCRIPTOR, "block_tokens": 16}))
+    named = {k: v for k, v in options.items() if not k.endswith(("model", "_digest"))}
+    with pytest.raises(ConfigError, match="geometry"):
+        settings_of({**named, "descriptor_file": str(file)})
+    # Tensor parallelism: each rank its heads, under a descriptor of its own.
+    ranks = settings_of(options, tp=2).descriptors
+    assert [d.to_json()["kv_head_range"] for d in ranks] == [[0, 1], [1, 2]]
+    assert len({d.compat_id for d in ranks}) == 2 and ranks[0].kv_heads == 1
+
+
 def test_cache_salts_never_share(tmp_path: Path, model: Path, lmdb_holder: Holder) -> None:
     """A salt with its own scope stores there; the default scope does not see
     it; a salt without a scope is not cached at all."""
