@@ -163,10 +163,13 @@ def settings_of(options: dict[str, Any], *, tp: int = 1, pp: int = 1, block: int
     """VllmSettings from configuration objects shaped like vLLM's."""
     from types import SimpleNamespace as NS
 
+    import torch
+
     from kvstore.integrations.vllm import VllmSettings
 
-    spec = type(kind, (), {"block_size": block, "num_kv_heads": 2 // tp if tp <= 2 else 1,
-                           "head_size": 64, "head_size_v": 64, "dtype": __import__("torch").bfloat16})()  # fmt: skip
+    heads = 2 // tp if tp <= 2 else 1
+    spec = type(kind, (), {"block_size": block, "num_kv_heads": heads, "head_size": 64,
+                           "head_size_v": 64, "dtype": torch.bfloat16})()  # fmt: skip
     cache = NS(kv_cache_groups=[NS(layer_names=["l0", "l1"], kv_cache_spec=spec)] * groups)
     config = NS(kv_transfer_config=NS(kv_connector_extra_config=options),
                 parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
@@ -183,7 +186,7 @@ def test_options_are_the_plugins_and_refusals_say_what_to_fix(holder: Holder) ->
     bare = settings_of({k.removeprefix("kvstore."): v for k, v in options.items()})
     assert bare.descriptors == settings.descriptors and bare.chunk.holders == (holder.uri,)
     with pytest.raises(
-        ConfigError, match='kvstore.timout_s: unknown option; did you mean "timeout_s"'
+        ConfigError, match=r'kvstore\.timout_s: unknown option; did you mean "timeout_s"'
     ):
         settings_of({**options, "timout_s": "3"})
     with pytest.raises(ConfigError, match="pipeline parallelism"):
@@ -192,7 +195,7 @@ def test_options_are_the_plugins_and_refusals_say_what_to_fix(holder: Holder) ->
         settings_of(options, groups=2)
     with pytest.raises(ConfigError, match="MLAAttentionSpec is not supported"):
         settings_of(options, kind="MLAAttentionSpec")
-    with pytest.raises(ConfigError, match="kvstore.layout"):
+    with pytest.raises(ConfigError, match=r"kvstore\.layout"):
         settings_of({**options, "layout": "sideways"})
     # A descriptor file of another block size than vLLM's: refused at start.
     file = holder.root / "descriptor.json"
@@ -262,3 +265,19 @@ def test_a_holder_killed_mid_load_means_recomputation(
     assert killed["tokens"] == stored["tokens"]
     stats = json.loads((tmp_path / "killed.stats").read_text())
     assert (stats["load_errors"], stats["blocks_loaded"]) == (WHOLE, 0), stats
+
+
+def test_a_preempted_request_loads_again_when_it_resumes(
+    tmp_path: Path, model: Path, lmdb_holder: Holder
+) -> None:
+    """Two requests on 15 pages: the decode of both needs 16, so vLLM preempts
+    one (its pages freed) and resumes it later, when the connector loads its
+    prompt blocks again. Every token is the same as each alone."""
+    a, b = ([random.Random(seed).randrange(1, 500) for _ in range(200)] for seed in (1, 2))
+    alone = engine(tmp_path, model, lmdb_holder, "alone", prompts=[a, b], max_tokens=40)
+    both = engine(tmp_path, model, lmdb_holder, "both", prompts=[a, b], max_tokens=40,
+                  batch=True, num_blocks=15, max_model_len=448)  # fmt: skip
+    assert [r["tokens"] for r in both] == [r["tokens"] for r in alone]
+    stats = json.loads((tmp_path / "both.stats").read_text())
+    assert stats["load_errors"] == 0
+    assert stats["blocks_loaded"] > 2 * WHOLE, stats  # a resumed request loaded again

@@ -14,7 +14,8 @@ real load from a silent recompute would prove nothing.
 SPEC members: ``model`` (a directory), ``options`` (the connector's
 ``kv_connector_extra_config``), ``prompts`` (lists of token ids),
 ``max_tokens``, ``control`` (write zeros instead of the loaded KV),
-``cache_salt`` (per prompt, or null), ``max_num_batched_tokens`` (a chunked
+``cache_salt`` (per prompt, or null), ``batch`` (the prompts in one call),
+``num_blocks`` (vLLM's pages, few enough to preempt), ``max_num_batched_tokens`` (a chunked
 prefill below the prompt's length), ``prefix_caching`` (vLLM's own, off by
 default), ``kill_before_load`` (a pid killed once a load is planned, before
 the worker fetches it).
@@ -84,24 +85,28 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         connector._Worker.start_load = kill_then_load  # type: ignore[method-assign]
 
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=BLOCK_TOKENS, max_model_len=4096,
+              block_size=BLOCK_TOKENS, max_model_len=spec.get("max_model_len", 4096),
               enable_prefix_caching=bool(spec.get("prefix_caching")),
               dtype="bfloat16", seed=0,
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+              num_gpu_blocks_override=spec.get("num_blocks"),
               kv_transfer_config={"kv_connector": "KvstoreConnector",
                                   "kv_connector_module_path": "kvstore.integrations.vllm",
                                   "kv_role": "kv_both",
                                   "kv_connector_extra_config": spec["options"]})  # fmt: skip
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0)
     salts = spec.get("cache_salt") or [None] * len(spec["prompts"])
-    runs = []
+    requests: list[dict[str, Any]] = []
     for prompt, salt in zip(spec["prompts"], salts, strict=True):
-        request: dict[str, Any] = {"prompt_token_ids": prompt}
+        requests.append({"prompt_token_ids": prompt})
         if salt is not None:
-            request["cache_salt"] = salt
-        out = llm.generate([request], params, use_tqdm=False)[0]
-        runs.append({"tokens": list(out.outputs[0].token_ids),
-                     "cached": int(out.num_cached_tokens or 0)})  # fmt: skip
+            requests[-1]["cache_salt"] = salt
+    if spec.get("batch"):  # all at once: they compete for the pages
+        outs = llm.generate(requests, params, use_tqdm=False)
+    else:
+        outs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+    runs = [{"tokens": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0)}
+            for out in outs]  # fmt: skip
     from dataclasses import asdict
 
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
