@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.bench import vllm  # noqa: E402
+from kvstore.bench import vllm
 
 
 def test_the_vllm_benchmark_runs_against_its_baselines() -> None:
