@@ -64,7 +64,10 @@ def make_model(
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_shutdown,
+        get_kv_transfer_group,
+    )
 
     if spec.get("control"):
         import kvstore.integrations.vllm as connector
@@ -119,11 +122,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             started = time.perf_counter()
             outs.append(llm.generate([r], params, use_tqdm=False)[0])
             times.append(time.perf_counter() - started)
+            # The saves are write-behind: the next prompt's lookup must not
+            # race the previous one's stores (a test would see a chance miss).
+            if not get_kv_transfer_group()._worker.flush(60):
+                raise RuntimeError("the connector's saves are still in flight after 60 s")
     runs = [{"tokens": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
              "seconds": seconds} for out, seconds in zip(outs, times, strict=True)]  # fmt: skip
     from dataclasses import asdict
-
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
     worker = get_kv_transfer_group()._worker
     ensure_kv_transfer_shutdown()  # the worker's saves in flight are flushed

@@ -465,9 +465,15 @@ class _Worker:
         finally:
             self._pending_octets -= octets
 
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait (for at most ``timeout_s``) until the write-behind saves in
+        flight are done; whether none is left."""
+        _, left = concurrent.futures.wait(list(self._saving), timeout=timeout_s)
+        return not left
+
     def close(self, flush_s: float = 30.0) -> None:
         """Stop, once the saves in flight are done (for at most ``flush_s``)."""
-        concurrent.futures.wait(list(self._saving), timeout=flush_s)
+        self.flush(flush_s)
 
         async def close_all() -> None:
             for store in self.stores.values():
