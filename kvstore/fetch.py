@@ -1,0 +1,757 @@
+"""Fetch at the speed of prefill (issue 35): blocks received, decrypted and
+verified on as many cores as the caller gives.
+
+A KV cache pays only when loading a prefix beats recomputing it. One event
+loop that receives, decrypts (TLS), parses HTTP and takes both SHA-256
+passes of BL6 is held to one core whatever the machine has. Here each block
+is fetched by a worker thread of a pool over a blocking HTTP/1.1 connection
+of its own (kept alive, one per thread and holder); ``ssl`` decrypts
+straight into the block's buffer and ``hashlib`` digests it where it lies,
+both without the GIL, so K threads use K cores::
+
+    fetcher = BlockFetcher(client_context(...), threads=8)
+    wanted = [BlockRequest(compat, scope, key, [record_or_holder, ...], into=buf)
+              for key, buf in ...]
+    for done in fetcher.fetch(wanted):         # engine threads: as each completes
+        ...
+    results = await fetcher.afetch(wanted, on_done=...)   # event loops
+
+Each octet is touched as few times as the two digests allow: decrypted into
+the caller's buffer (a ``bytearray``, a memoryview of pinned host memory, a
+CPU tensor), then, while it is still in cache (a read is at most
+``chunk_octets``), hashed for the ``Repr-Digest`` (BL4) and, with the
+replica's record, for its layer's digest (B3): a layer is checked against
+the record the moment its last octet arrives (BL6), so a flipped octet is
+named by its layer, and ``on_layer`` hands each verified layer to the
+caller before the block is complete (B4). The replica digest is checked
+when all layers came. Nothing is copied after the decryption.
+
+Failure is decided here, in one place (STYLE 8, BL8): a block whose digest
+fails is discarded and reported (``on_digest_failure``) and the next source
+is tried; a 404 tries the next source; a holder that cannot be reached or
+does not answer in time costs one timeout, is then skipped by every other
+request for ``down_backoff_s`` and the block comes from the next source; a
+block no source served is a result without data (the caller recomputes),
+with every source's error. The errors of one holder never touch the blocks
+another holder serves.
+
+Cancelling (:meth:`Batch.cancel`, or cancelling :meth:`BlockFetcher.afetch`)
+shuts the sockets of the reads in progress down and returns only once no
+thread works on any buffer of the batch any more.
+
+PUT (:meth:`BlockFetcher.put`): the container is built in the pool (the
+caller's ``build``, e.g. from tensors), its layer digests taken there, the
+body sent from where it lies, and the holder's Replica Record checked
+against what was sent: a holder that stored other octets is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import http.client
+import json
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from .protocol import container as kc
+from .protocol._bytes import BytesLike
+from .protocol.problems import (
+    DigestMismatch,
+    HolderUnavailable,
+    KvspError,
+    MalformedContainer,
+    NotFound,
+    PayloadTooLarge,
+    Unreachable,
+)
+from .protocol.records import ReplicaRecord
+from .protocol.stream import LayerHasher
+from .protocol.wire import (
+    BLOCK_MEDIA_TYPE,
+    block_path,
+    format_layers,
+    hex_id,
+    parse_repr_digest,
+)
+from .unreachable import error_of, unreachable
+
+log = logging.getLogger("kvstore.fetch")
+
+#: Octets read (decrypted) before they are hashed: small enough to be hashed
+#: while still in the core's cache, large enough that Python's overhead per
+#: read is nothing beside the work.
+CHUNK_OCTETS = 256 * 1024
+#: The most threads a fetcher starts by default, whatever the machine has.
+MAX_DEFAULT_THREADS = 32
+#: Most octets of an error answer read (a problem+json is small).
+_ERROR_BODY = 64 * 1024
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads() -> int:
+    return min(usable_cores(), MAX_DEFAULT_THREADS)
+
+
+Source = str | ReplicaRecord
+"""Where a block may be fetched: a holder's base URI (Repr-Digest checked
+only), or the replica's record (its layer and replica digests too, BL6)."""
+
+
+@dataclass(slots=True)
+class BlockRequest:
+    """One block (or a layer range of it) to fetch, from the first of
+    ``sources`` that serves it verified."""
+
+    compat_id: str
+    scope_id: str
+    block_key: str
+    sources: Sequence[Source]
+    #: Inclusive layer range (BL2); None: the whole block.
+    layers: tuple[int, int] | None = None
+    #: The caller's buffer (a bytearray, a writable memoryview, a CPU
+    #: tensor): the container lands at its start. Its contents are
+    #: undefined unless the result is ``ok``. None: one is allocated.
+    into: Any = None
+    #: Anything the caller wants back with the result.
+    tag: Any = None
+    #: ``on_layer(layer)``, in a pool thread, for each layer once it is
+    #: verified (B4): with the replica's record, the moment its last octet
+    #: arrived and its digest matched; without one, once the Repr-Digest of
+    #: the whole answer matched. Views of the buffer, valid while it is.
+    on_layer: Callable[[kc.Layer], None] | None = None
+
+
+@dataclass(slots=True)
+class Fetched:
+    """What became of one :class:`BlockRequest`."""
+
+    #: Its position in the batch.
+    index: int
+    request: BlockRequest
+    #: The verified container (a view of ``request.into`` or of a new
+    #: buffer); None: no source served it (recompute), or cancelled.
+    data: memoryview | None = None
+    #: The holder that served it, and its record (None: a bare holder URI).
+    holder: str | None = None
+    record: ReplicaRecord | None = None
+    #: One error for each source that failed, in the order tried.
+    errors: list[KvspError] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.data is not None
+
+
+DigestFailure = Callable[[Source, DigestMismatch], None]
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Target:
+    """A holder's base URI taken apart once: scheme, address, path prefix."""
+
+    __slots__ = ("base", "host", "https", "key", "path", "port")
+
+    def __init__(self, base: str) -> None:
+        base = base if base.endswith("/") else base + "/"
+        parts = urlsplit(base)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{base!r}: not an http(s) holder URI")
+        self.base = base
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.https else 80)
+        self.path = parts.path
+        self.key = (self.https, self.host, self.port)
+
+
+class Batch:
+    """Requests handed to the pool: their results as each completes."""
+
+    def __init__(self, fetcher: BlockFetcher, requests: Sequence[BlockRequest],
+                 on_done: Callable[[Fetched], None] | None) -> None:  # fmt: skip
+        self._fetcher = fetcher
+        self.requests = list(requests)
+        self._on_done = on_done
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._active: dict[int, socket.socket] = {}  # request index -> its socket
+        self._done: list[Fetched | None] = [None] * len(self.requests)
+        self._queue: list[Fetched] = []
+        self._ready = threading.Condition(self._lock)
+        self.futures = [fetcher._pool.submit(self._run, i) for i in range(len(self.requests))]
+
+    # --- the caller's side ---------------------------------------------
+
+    def __iter__(self) -> Iterator[Fetched]:
+        """The results in the order they complete (blocking)."""
+        given = 0
+        while given < len(self.requests):
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                ready, self._queue = self._queue, []
+            given += len(ready)
+            yield from ready
+
+    def results(self) -> list[Fetched]:
+        """Every result, in the order of the requests (blocking)."""
+        self.wait()
+        return [r for r in self._done if r is not None]
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until no thread works on the batch; whether that came in time."""
+        _, left = concurrent.futures.wait(self.futures, timeout=timeout_s)
+        return not left
+
+    def cancel(self) -> None:
+        """Stop: requests not started are not, reads in progress are cut
+        (their sockets shut down). Returns at once; :meth:`wait` (or
+        awaiting :meth:`BlockFetcher.afetch`) tells when no thread writes
+        any buffer of the batch any more."""
+        self._cancelled.set()
+        with self._lock:
+            active = list(self._active.values())
+        for sock in active:
+            with contextlib.suppress(OSError):  # already closed
+                sock.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    # --- the pool's side -----------------------------------------------
+
+    def _run(self, i: int) -> None:
+        request = self.requests[i]
+        if self._cancelled.is_set():
+            result = Fetched(i, request, cancelled=True)
+        else:
+            try:
+                result = self._fetcher._fetch_one(self, i, request)
+            except _Cancelled:
+                result = Fetched(i, request, cancelled=True)
+            except Exception as exc:  # a bug here must not hang the caller
+                log.exception("fetch of block %s failed unexpectedly", request.block_key)
+                error = exc if isinstance(exc, KvspError) else KvspError(f"{exc!r}")
+                result = Fetched(i, request, errors=[error])
+        with self._ready:
+            self._done[i] = result
+            self._queue.append(result)
+            self._ready.notify_all()
+        if self._on_done is not None:
+            try:
+                self._on_done(result)
+            except Exception:
+                log.exception("on_done callback failed")
+
+    def _reading(self, i: int, sock: socket.socket | None) -> None:
+        with self._lock:
+            if sock is None:
+                self._active.pop(i, None)
+            else:
+                self._active[i] = sock
+        if sock is not None and self._cancelled.is_set():
+            raise _Cancelled
+
+
+class _Connections(threading.local):
+    def __init__(self) -> None:
+        self.by_target: dict[tuple[bool, str, int], http.client.HTTPConnection] = {}
+
+
+class BlockFetcher:
+    """A pool of threads fetching and verifying blocks; see the module
+    docstring. One per process is enough (it is thread-safe); close it."""
+
+    def __init__(
+        self,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        threads: int | None = None,
+        timeout_s: float = 30.0,
+        down_backoff_s: float = 5.0,
+        chunk_octets: int = CHUNK_OCTETS,
+        max_octets: int = 1 << 30,
+        limits: kc.Limits = kc.DEFAULT_LIMITS,
+        verify: bool = True,
+        on_digest_failure: DigestFailure | None = None,
+    ) -> None:
+        """``threads``: the pool's size (default: the cores this process
+        may use, at most 32). ``timeout_s``: the most one request to one
+        holder may take, connecting included. ``max_octets``: the largest
+        block a holder may announce when no buffer is given (a lying
+        Content-Length costs an error, not an allocation). ``verify=False``
+        skips the digests (benchmarks only: BL6 requires them)."""
+        self.threads = threads or default_threads()
+        if self.threads < 1:
+            raise ValueError("threads: at least 1")
+        if ssl_context is None:
+            ssl_context = ssl.create_default_context()
+        self._ssl = ssl_context
+        self.timeout_s = timeout_s
+        self.down_backoff_s = down_backoff_s
+        self.chunk_octets = max(16 * 1024, chunk_octets)
+        self.max_octets = max_octets
+        self.limits = limits
+        self.verify = verify
+        self.on_digest_failure = on_digest_failure
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "kvstore-fetch")
+        self._local = _Connections()
+        self._all: set[http.client.HTTPConnection] = set()
+        self._lock = threading.Lock()
+        self._down: dict[str, float] = {}
+        self._targets: dict[str, _Target] = {}
+
+    def close(self) -> None:
+        """Wait for the work in progress, then close every connection."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            connections, self._all = list(self._all), set()
+        for conn in connections:
+            conn.close()
+
+    def __enter__(self) -> BlockFetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- GET ---------------------------------------------------------------
+
+    def submit(
+        self, requests: Sequence[BlockRequest], on_done: Callable[[Fetched], None] | None = None
+    ) -> Batch:
+        """Hand ``requests`` to the pool; ``on_done(result)`` is called in a
+        pool thread as each completes."""
+        return Batch(self, requests, on_done)
+
+    def fetch(self, requests: Sequence[BlockRequest]) -> Generator[Fetched, None, None]:
+        """The results as each completes (blocking; for engine threads).
+        Leaving the loop early cancels what is left and waits for it."""
+        batch = self.submit(requests)
+        try:
+            yield from batch
+        finally:
+            if not batch.wait(0):
+                batch.cancel()
+                batch.wait()
+
+    async def afetch(
+        self,
+        requests: Sequence[BlockRequest],
+        on_done: Callable[[Fetched], None] | None = None,
+    ) -> list[Fetched]:
+        """Every result, in the order of ``requests``; ``on_done(result)``
+        is called on this event loop as each completes. Cancelled, the
+        batch is cancelled and this returns (raising) only once no thread
+        works on its buffers."""
+        loop = asyncio.get_running_loop()
+        callback = None
+        if on_done is not None:
+            done = on_done
+
+            def callback(result: Fetched) -> None:
+                loop.call_soon_threadsafe(done, result)
+
+        batch = self.submit(requests, callback)
+        waited = asyncio.gather(*(asyncio.wrap_future(f) for f in batch.futures))
+        try:
+            await asyncio.shield(waited)
+        except asyncio.CancelledError:
+            batch.cancel()
+            await asyncio.gather(waited, return_exceptions=True)
+            raise
+        return batch.results()
+
+    def fetch_all(self, requests: Sequence[BlockRequest]) -> list[Fetched]:
+        """Every result, in the order of ``requests`` (blocking)."""
+        return self.submit(requests).results()
+
+    # --- one block ----------------------------------------------------------
+
+    def _target(self, base: str) -> _Target:
+        target = self._targets.get(base)
+        if target is None:
+            target = self._targets[base] = _Target(base)
+        return target
+
+    def holder_down(self, holder: str) -> bool:
+        until = self._down.get(holder)
+        return until is not None and time.monotonic() < until
+
+    def _fetch_one(self, batch: Batch, i: int, request: BlockRequest) -> Fetched:
+        result = Fetched(i, request)
+        path = block_path(hex_id(request.compat_id, 32, "compat_id"),
+                          hex_id(request.scope_id, 16, "scope_id"),
+                          hex_id(request.block_key, 32, "block_key"))  # fmt: skip
+        query = "" if request.layers is None else "?layers=" + format_layers(*request.layers)
+        for source in request.sources:
+            record = source if isinstance(source, ReplicaRecord) else None
+            holder = record.holder if record is not None else str(source)
+            if batch.cancelled:
+                raise _Cancelled
+            if self.holder_down(holder):
+                result.errors.append(HolderUnavailable(
+                    f"{holder}: skipped, it failed within the last {self.down_backoff_s:g} s",
+                    uri=holder, reason="down"))  # fmt: skip
+                continue
+            try:
+                target = self._target(holder)
+                data = self._get(batch, i, target, target.path + path + query, record, request)
+            except _Cancelled:
+                raise
+            except DigestMismatch as exc:
+                # BL8: discarded, reported, and the next replica.
+                log.warning("block %s from %s discarded: %s", request.block_key, holder, exc.detail)
+                result.errors.append(exc)
+                if self.on_digest_failure is not None:
+                    try:
+                        self.on_digest_failure(source, exc)
+                    except Exception:
+                        log.exception("on_digest_failure callback failed")
+                continue
+            except NotFound as exc:
+                result.errors.append(exc)
+                continue
+            except Unreachable as exc:
+                if batch.cancelled:
+                    raise _Cancelled from exc
+                self._down[holder] = time.monotonic() + self.down_backoff_s
+                log.info("holder %s unusable for %g s: %s", holder, self.down_backoff_s,
+                         exc.detail)  # fmt: skip
+                result.errors.append(exc)
+                continue
+            except KvspError as exc:  # 5xx, a malformed answer: the next replica
+                result.errors.append(exc)
+                continue
+            result.data, result.holder, result.record = data, holder, record
+            return result
+        return result
+
+    def _connection(self, target: _Target) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to ``target``, and whether it was used before."""
+        conn = self._local.by_target.get(target.key)
+        if conn is not None:
+            return conn, True
+        if target.https:
+            conn = http.client.HTTPSConnection(target.host, target.port, timeout=self.timeout_s,
+                                               context=self._ssl)  # fmt: skip
+        else:
+            conn = http.client.HTTPConnection(target.host, target.port, timeout=self.timeout_s)
+        self._local.by_target[target.key] = conn
+        with self._lock:
+            self._all.add(conn)
+        return conn, False
+
+    def _drop(self, target: _Target, conn: http.client.HTTPConnection) -> None:
+        self._local.by_target.pop(target.key, None)
+        with self._lock:
+            self._all.discard(conn)
+        conn.close()
+
+    def _get(self, batch: Batch, i: int, target: _Target, path: str,
+             record: ReplicaRecord | None, request: BlockRequest) -> memoryview:  # fmt: skip
+        url = f"{'https' if target.https else 'http'}://{target.host}:{target.port}{path}"
+        for attempt in (0, 1):
+            conn, reused = self._connection(target)
+            response: http.client.HTTPResponse | None = None
+            try:
+                try:
+                    if conn.sock is None:
+                        conn.connect()
+                    batch._reading(i, conn.sock)
+                    conn.putrequest("GET", path, skip_accept_encoding=True)
+                    conn.putheader("Accept", BLOCK_MEDIA_TYPE)
+                    conn.endheaders()
+                    response = conn.getresponse()
+                except (http.client.RemoteDisconnected, ConnectionResetError,
+                        BrokenPipeError):  # fmt: skip
+                    if reused and attempt == 0 and not batch.cancelled:
+                        # A kept-alive connection the server closed meanwhile:
+                        # once more on a new one (a GET is safe to repeat).
+                        self._drop(target, conn)
+                        continue
+                    raise
+                return self._receive(batch, url, response, record, request)
+            except _Cancelled:
+                self._drop(target, conn)
+                raise
+            except KvspError:
+                if response is None or not response.isclosed():
+                    self._drop(target, conn)  # the rest of the answer is not read
+                raise
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(target, conn)
+                if batch.cancelled:
+                    raise _Cancelled from exc
+                raise unreachable("GET", url, exc, self.timeout_s) from exc
+            finally:
+                batch._reading(i, None)
+        raise AssertionError("unreachable")
+
+    def _receive(self, batch: Batch, url: str, response: http.client.HTTPResponse,
+                 record: ReplicaRecord | None, request: BlockRequest) -> memoryview:  # fmt: skip
+        deadline = time.monotonic() + self.timeout_s
+        headers = {k.lower(): v for k, v in response.getheaders()}
+        if response.status != 200:
+            body = response.read(_ERROR_BODY)
+            raise error_of(response.status, headers, body)
+        length_field = headers.get("content-length")
+        if length_field is None or not length_field.isdigit():
+            raise MalformedContainer(f"GET {url}: a block answer without a Content-Length")
+        length = int(length_field)
+        if request.into is not None:
+            buffer = _writable(request.into)
+            if len(buffer) < length:
+                raise PayloadTooLarge(f"GET {url}: {length} octets do not fit the buffer "
+                                      f"given ({len(buffer)} octets)")  # fmt: skip
+            view = buffer[:length]
+        else:
+            if length > self.max_octets:
+                raise PayloadTooLarge(f"GET {url}: the holder announces {length} octets, "
+                                      f"more than max_octets ({self.max_octets})")  # fmt: skip
+            view = memoryview(bytearray(length))
+        check = _Check(url, headers, record, self.limits, self.verify, length, request.on_layer)
+        filled = 0
+        while filled < length:
+            if batch.cancelled:
+                raise _Cancelled
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the body took more than {self.timeout_s:g} s")
+            end = min(length, filled + self.chunk_octets)
+            n = response.readinto(view[filled:end])
+            if not n:
+                raise http.client.IncompleteRead(bytes(0), length - filled)
+            check.update(view, filled, filled + n)
+            filled += n
+        check.finish(view)
+        return view
+
+    # --- PUT ----------------------------------------------------------------
+
+    def put(
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        body: BytesLike | Callable[[], BytesLike],
+    ) -> concurrent.futures.Future[ReplicaRecord]:
+        """Store a block (BL7) from a pool thread: ``body`` (or what
+        ``build()`` returns, built there) is sent where it lies, its layer
+        digests taken there, and the holder's Replica Record checked against
+        them (:class:`DigestMismatch`: the holder stored other octets than
+        these). :class:`PreconditionFailed` when the holder has the block."""
+        return self._pool.submit(self._put, holder, compat_id, scope_id, block_key, body)
+
+    async def aput(self, holder: str, compat_id: str, scope_id: str, block_key: str,
+                   body: BytesLike | Callable[[], BytesLike]) -> ReplicaRecord:  # fmt: skip
+        return await asyncio.wrap_future(self.put(holder, compat_id, scope_id, block_key, body))
+
+    def _put(self, holder: str, compat_id: str, scope_id: str, block_key: str,
+             body: BytesLike | Callable[[], BytesLike]) -> ReplicaRecord:  # fmt: skip
+        data = memoryview(body() if callable(body) else body).cast("B")
+        header = kc.decode_header(data, self.limits)
+        if header is None or header.total_octets != len(data):
+            raise MalformedContainer("PUT: the body is not one whole container")
+        target = self._target(holder)
+        path = target.path + block_path(hex_id(compat_id, 32, "compat_id"),
+                                        hex_id(scope_id, 16, "scope_id"),
+                                        hex_id(block_key, 32, "block_key"))  # fmt: skip
+        url = f"{'https' if target.https else 'http'}://{target.host}:{target.port}{path}"
+        sent: bytes | None = None
+        for attempt in (0, 1):
+            conn, reused = self._connection(target)
+            hasher = LayerHasher(limits=self.limits) if sent is None else None
+            try:
+                conn.putrequest("PUT", path, skip_accept_encoding=True)
+                conn.putheader("Content-Type", BLOCK_MEDIA_TYPE)
+                conn.putheader("If-None-Match", "*")
+                conn.putheader("Content-Length", str(len(data)))
+                conn.endheaders()
+                for start in range(0, len(data), self.chunk_octets):
+                    # Each chunk is hashed while the holder receives the one
+                    # before it (the socket's buffer holds it meanwhile).
+                    chunk = data[start : start + self.chunk_octets]
+                    conn.send(chunk)
+                    if hasher is not None:
+                        hasher.feed(chunk)
+                if hasher is not None:
+                    hasher.close()
+                    sent = kc.replica_digest(hasher.digests)
+                response = conn.getresponse()
+                answer = response.read(_ERROR_BODY)
+                headers = {k.lower(): v for k, v in response.getheaders()}
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+                self._drop(target, conn)
+                if reused and attempt == 0:
+                    continue  # a kept-alive connection closed meanwhile (BL7 makes it safe)
+                raise unreachable("PUT", url, exc, self.timeout_s) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(target, conn)
+                raise unreachable("PUT", url, exc, self.timeout_s) from exc
+            if not response.isclosed():
+                self._drop(target, conn)
+            if response.status != 201:
+                raise error_of(response.status, headers, answer)
+            assert sent is not None
+            stored = ReplicaRecord.from_json(json.loads(answer))
+            if bytes.fromhex(stored.digest.removeprefix("sha-256:")) != sent:
+                raise DigestMismatch(f"PUT {url}: the holder's record states replica digest "
+                                     f"{stored.digest}, the octets sent have "
+                                     f"sha-256:{sent.hex()}")  # fmt: skip
+            return stored
+        raise AssertionError("unreachable")
+
+
+def _writable(buffer: Any) -> memoryview:
+    """A flat, writable octet view of the caller's buffer (a CPU tensor too)."""
+    if hasattr(buffer, "untyped_storage") and hasattr(buffer, "is_contiguous"):
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("into: a contiguous CPU tensor")
+        import ctypes
+
+        octets = buffer.numel() * buffer.element_size()
+        array = (ctypes.c_char * octets).from_address(buffer.data_ptr())
+        return memoryview(array).cast("B")
+    view = memoryview(buffer)
+    if view.readonly:
+        raise ValueError("into: a writable buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class _Check:
+    """The digests of one answer taken as its octets arrive: the
+    Repr-Digest over everything (BL4), each layer's digest against the
+    record's the moment the layer is complete, the replica digest at the end
+    (BL6). Nothing is copied: each range is hashed where it lies."""
+
+    def __init__(self, url: str, headers: dict[str, str], record: ReplicaRecord | None,
+                 limits: kc.Limits, verify: bool, length: int,
+                 on_layer: Callable[[kc.Layer], None] | None) -> None:  # fmt: skip
+        self.url = url
+        self.on_layer = on_layer
+        self.verify = verify
+        self.length = length
+        self.limits = limits
+        self.record = record
+        self.expected: bytes | None = None
+        if verify:
+            field_value = headers.get("repr-digest")
+            if field_value is None:
+                raise DigestMismatch(f"GET {url}: no Repr-Digest field")
+            self.expected = parse_repr_digest(field_value)
+        self.whole = hashlib.sha256()
+        self.header: kc.ContainerHeader | None = None
+        self.layer_digests: list[bytes] | None = None
+        self.spans: list[tuple[int, int, int, int]] = []  # (layer, start, k end, v end)
+        self.next = 0  # the span being hashed
+        self.layer = hashlib.sha256()
+        self.hashed = 0  # octets of the body fed to the layer hashes
+
+    def update(self, view: memoryview, start: int, end: int) -> None:
+        if self.verify:
+            self.whole.update(view[start:end])
+        if self.header is None:
+            header = kc.decode_header(view[:end], self.limits)
+            if header is None:
+                return
+            self._start(header)
+        if self.layer_digests is not None:
+            self._layers(view, end)
+
+    def _start(self, header: kc.ContainerHeader) -> None:
+        if header.total_octets != self.length:
+            raise MalformedContainer(f"GET {self.url}: the container's header makes "
+                                     f"{header.total_octets} octets, Content-Length "
+                                     f"{self.length}")  # fmt: skip
+        self.header = header
+        offset = header.header_octets
+        for n, (k_len, v_len) in enumerate(header.lengths):
+            self.spans.append((header.first_layer + n, offset, offset + k_len,
+                               offset + k_len + v_len))  # fmt: skip
+            offset += k_len + v_len
+        record = self.record
+        if (self.verify and record is not None and record.layer_digests is not None
+                and header.codec == record.codec):  # fmt: skip
+            # With the replica's codec: every layer against the record (BL6);
+            # transcoded, the Repr-Digest alone protects it.
+            if header.last_layer >= len(record.layer_digests):
+                raise DigestMismatch(f"GET {self.url}: the record lists "
+                                     f"{len(record.layer_digests)} layer digests, the "
+                                     f"container reaches layer {header.last_layer}")  # fmt: skip
+            self.layer_digests = [bytes.fromhex(d) for d in record.layer_digests]
+            self.hashed = header.header_octets
+
+    def _layers(self, view: memoryview, end: int) -> None:
+        assert self.layer_digests is not None
+        while self.next < len(self.spans):
+            index, _, _, stop = self.spans[self.next]
+            upto = min(end, stop)
+            if upto > self.hashed:
+                self.layer.update(view[self.hashed : upto])
+                self.hashed = upto
+            if self.hashed < stop:
+                return
+            if self.layer.digest() != self.layer_digests[index]:
+                raise DigestMismatch(f"GET {self.url}: layer {index} does not match its "
+                                     "layer digest in the replica record")  # fmt: skip
+            self.layer = hashlib.sha256()
+            self.next += 1
+            self._hand_over(view, self.next - 1)
+
+    def _hand_over(self, view: memoryview, n: int) -> None:
+        if self.on_layer is not None:
+            index, start, k_end, stop = self.spans[n]
+            self.on_layer(kc.Layer(index, view[start:k_end], view[k_end:stop]))
+
+    def finish(self, view: memoryview) -> None:
+        if self.header is None:
+            raise MalformedContainer(f"GET {self.url}: the body is not a whole container")
+        if self.verify:
+            self._verify()
+        if self.layer_digests is None:  # not handed over as they came (B4)
+            for n in range(len(self.spans)):
+                self._hand_over(view, n)
+
+    def _verify(self) -> None:
+        assert self.expected is not None and self.header is not None
+        if self.whole.digest() != self.expected:
+            raise DigestMismatch(f"GET {self.url}: Repr-Digest does not match the octets "
+                                 "received")  # fmt: skip
+        record, header = self.record, self.header
+        if (self.layer_digests is None or record is None or header.first_layer != 0
+                or header.layer_count != len(self.layer_digests)):  # fmt: skip
+            return
+        # All layers came: the replica digest too (BL6).
+        if kc.replica_digest(self.layer_digests) != bytes.fromhex(
+            record.digest.removeprefix("sha-256:")
+        ):
+            raise DigestMismatch(f"GET {self.url}: the record's layer digests do not "
+                                 "make its replica digest")  # fmt: skip
+
+
+__all__ = ["Batch", "BlockFetcher", "BlockRequest", "Fetched", "Source", "default_threads",
+           "usable_cores"]  # fmt: skip
