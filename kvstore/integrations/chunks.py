@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..client import HolderClient
+from ..fetch import BlockFetcher, BlockRequest, Fetched
 from ..holderset import HolderSet, rank
 from ..protocol._bytes import BytesLike
 from ..protocol.keys import scope_id
@@ -102,6 +103,7 @@ class ChunkStore:
         self.compat_id = settings.descriptor.compat_id_hex
         self._prefix = NAME_LABEL + settings.descriptor.compat_id + settings.namespace.encode()
         self._client: HolderClient | None = None
+        self._blocks: BlockFetcher | None = None
         self._gate: asyncio.Semaphore | None = None
         self._down_until: dict[str, float] = {}
         #: The configured holders, each one's workers in its place once
@@ -123,6 +125,15 @@ class ChunkStore:
             self._client = HolderClient(self.settings.ssl_context,
                                         timeout_s=self.settings.timeout_s)  # fmt: skip
         return self._client
+
+    def _fetcher(self) -> BlockFetcher:
+        """The pool that receives and verifies blocks (:mod:`kvstore.fetch`)."""
+        if self._blocks is None:
+            self._blocks = BlockFetcher(self.settings.ssl_context,
+                                        threads=self.settings.fetch_threads,
+                                        timeout_s=self.settings.timeout_s,
+                                        down_backoff_s=self.settings.down_backoff_s)  # fmt: skip
+        return self._blocks
 
     def _slot(self) -> asyncio.Semaphore:
         if self._gate is None:
@@ -239,12 +250,12 @@ class ChunkStore:
 
     async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """The containers of ``names`` (None: a miss); see :meth:`fetch_many`."""
-        return await self.fetch_many(names, lambda _, body: body)
+        return await self.fetch_many(names, lambda _, body: bytes(body))
 
     async def fetch_many(
         self,
         names: Sequence[str],
-        convert: Callable[[int, bytes], T | None],
+        convert: Callable[[int, BytesLike], T | None],
         release: Callable[[T], None] | None = None,
         pinned: Sequence[Pin | None] | None = None,
     ) -> list[T | None]:
@@ -424,7 +435,7 @@ class ChunkStore:
         indices: list[int],
         keys: list[str],
         found: list[T | None],
-        convert: Callable[[int, bytes], T | None],
+        convert: Callable[[int, BytesLike], T | None],
         lease: bool = True,
     ) -> None:
         http = self._http()
@@ -440,23 +451,30 @@ class ChunkStore:
                 if not self._up(holder):
                     return
         leased = set(grant.block_keys) if grant is not None and grant.block_keys else None
+        wanted = [i for i in indices if leased is None or keys[i] in leased]
+        live = True
 
-        async def one(i: int) -> None:
-            if leased is not None and keys[i] not in leased:
+        def arrived(result: Fetched) -> None:
+            # On this loop, as each block completes (its octets verified in
+            # a pool thread, BL6); none once the call has been cancelled.
+            if not live:
                 return
-            try:
-                async with self._slot():
-                    body = await http.get_block(holder, self.compat_id, self.scope_id, keys[i])
-                self.stats.octets_in += len(body)
-                found[i] = convert(i, body)
-            except NotFound:
-                return
-            except Exception as exc:
-                self._failed(holder, "a get", exc)
+            i = result.request.tag
+            if result.data is not None:
+                self.stats.octets_in += len(result.data)
+                try:
+                    found[i] = convert(i, result.data)
+                except Exception as exc:  # a miss, never the engine's exception
+                    self._failed(holder, "a get", exc)
+            elif result.errors and not isinstance(result.errors[-1], NotFound):
+                self._failed(holder, "a get", result.errors[-1])
 
+        requests = [BlockRequest(self.compat_id, self.scope_id, keys[i], (holder,), tag=i)
+                    for i in wanted]  # fmt: skip
         try:
-            await asyncio.gather(*(one(i) for i in indices))
+            await self._fetcher().afetch(requests, on_done=arrived)
         finally:
+            live = False
             if grant is not None:
                 try:
                     await http.release_lease(holder, grant.lease)
@@ -491,6 +509,9 @@ class ChunkStore:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self._blocks is not None:
+            blocks, self._blocks = self._blocks, None
+            await asyncio.to_thread(blocks.close)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
 from ..protocol.codecs import CODEC_RAW
 from ..protocol.problems import KvspError
 
@@ -33,7 +34,7 @@ def chunk_container(buf: memoryview, layers: int, tokens: int, row_octets: int) 
                       for i in range(layers)], token_count=tokens)  # fmt: skip
 
 
-def chunk_of(body: bytes, layers: int, row_octets: int, max_tokens: int) -> kc.Container | None:
+def chunk_of(body: BytesLike, layers: int, row_octets: int, max_tokens: int) -> kc.Container | None:
     """The container a holder served, if it is a chunk of this geometry:
     codec raw, every layer from the first, at most ``max_tokens`` tokens,
     each layer's K and V ``tokens x row_octets``. None (and a warning)

@@ -53,6 +53,7 @@ from lmcache.v1.storage_backend.connector import (
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ..config import ConfigError
+from ..protocol._bytes import BytesLike
 from ..protocol.problems import KvspError
 from ..protocol.tensors import kv_dtype_of
 from .chunks import ChunkSettings, ChunkStore, Geometry, options_with_prefix
@@ -124,7 +125,7 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         buf = memoryview(memory_obj.byte_array).cast("B")
         return chunk_container(buf, layers, tokens, self.row_octets)
 
-    def decode(self, body: bytes) -> MemoryObj | None:
+    def decode(self, body: BytesLike) -> MemoryObj | None:
         """The container of a chunk back into a buffer LMCache allocates;
         None for one that is not a chunk of this geometry."""
         layers = self.geometry.layers

@@ -70,6 +70,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import create_event_notifier
 
 from ..config import ConfigError
+from ..protocol._bytes import BytesLike
 from ..protocol.tensors import torch_dtype
 from .chunks import ChunkSettings, ChunkStore, Geometry, LoopThread, Pin
 from .kv2ltd import chunk_container, chunk_of, copy_chunk
@@ -473,8 +474,8 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             pins = [self._pin_of(key) for key in keys]
         groups = list(self._by_store(keys).items())
 
-        def into(idx: list[int]) -> Callable[[int, bytes], bool | None]:
-            def convert(j: int, body: bytes) -> bool | None:
+        def into(idx: list[int]) -> Callable[[int, BytesLike], bool | None]:
+            def convert(j: int, body: BytesLike) -> bool | None:
                 obj = objects[idx[j]]
                 tokens = self._tokens(obj)
                 got = chunk_of(body, self.geometry.layers, self.row_octets,

@@ -77,6 +77,9 @@ class ChunkSettings:
     down_backoff_s: float = 5.0
     #: Most requests in flight at once from one batch.
     concurrency: int = 16
+    #: Threads that receive and verify blocks (kvstore.fetch); None: the
+    #: cores the process may use, at most 32.
+    fetch_threads: int | None = None
 
     @classmethod
     def from_options(
@@ -96,7 +99,9 @@ class ChunkSettings:
           ``model_digest``, ``tokenizer_digest``, optional ``positional``
           (default ``rope``) and ``adapters``, with the geometry taken from
           the engine;
-        * ``timeout_s`` (5), ``lease_ms`` (10000), ``down_backoff_s`` (5).
+        * ``timeout_s`` (5), ``lease_ms`` (10000), ``down_backoff_s`` (5),
+          ``fetch_threads`` (the threads that receive and verify blocks;
+          default the cores the process may use, at most 32).
 
         ``extra``: the options the plug-in reads itself (refused otherwise:
         an unknown option is an error naming the nearest known one, never
@@ -126,14 +131,25 @@ class ChunkSettings:
             timeout_s=number(options, "timeout_s", 5.0),
             lease_ms=int(number(options, "lease_ms", 10_000)),
             down_backoff_s=number(options, "down_backoff_s", 5.0),
+            fetch_threads=_threads(options),
         )
+
+
+def _threads(options: Mapping[str, Any]) -> int | None:
+    if options.get("fetch_threads") in (None, ""):
+        return None
+    threads = number(options, "fetch_threads", 0)
+    if threads != int(threads) or not 1 <= threads <= 1024:
+        raise ConfigError(f"kvstore.fetch_threads: {options['fetch_threads']!r} is not a "
+                          "number of threads (1 to 1024)")  # fmt: skip
+    return int(threads)
 
 
 #: Every option ChunkSettings.from_options reads.
 CHUNK_OPTIONS = frozenset({
     "holders", "scope_key_file", "cafile", "certfile", "keyfile", "descriptor_file", "model",
     "model_digest", "tokenizer_digest", "positional", "adapters", "timeout_s", "lease_ms",
-    "down_backoff_s",
+    "down_backoff_s", "fetch_threads",
 })  # fmt: skip
 #: The KV geometry of Geometry.from_options (an engine that does not say it).
 GEOMETRY_OPTIONS = frozenset({"layers", "kv_heads", "head_dim", "kv_dtype", "chunk_size"})

@@ -118,7 +118,7 @@ class KvPages:
                     for layer in range(self.geometry.layers)]  # fmt: skip
         return kc.encode(sections, token_count=self.geometry.block_tokens)
 
-    def decode_into(self, body: bytes | None, page: torch.Tensor) -> bool:
+    def decode_into(self, body: BytesLike | None, page: torch.Tensor) -> bool:
         """Write a served container into ``page`` (a canonical view); False
         (and ``page`` untouched) for a miss or a container of another shape."""
         if body is None:
@@ -143,7 +143,7 @@ class KvPages:
     def container_at(self, slot: int) -> bytearray:
         return self.encode(self.page(slot))
 
-    def write_at(self, slot: int, body: bytes) -> bool:
+    def write_at(self, slot: int, body: BytesLike) -> bool:
         return self.decode_into(body, self.page(slot))
 
 
@@ -257,13 +257,13 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
         return list(self._run(put_all(), [False] * len(names)))
 
-    def _fetch(self, names: Sequence[str], write: Callable[[int, bytes], bool]) -> list[bool]:
+    def _fetch(self, names: Sequence[str], write: Callable[[int, BytesLike], bool]) -> list[bool]:
         """Each page written by ``write(i, container)`` as it arrives, all
         under one lease per holder (LE1)."""
         store, _ = self._ready()
         transfer = _Transfer()
 
-        def written(i: int, body: bytes) -> bool | None:
+        def written(i: int, body: BytesLike) -> bool | None:
             with transfer.lock:
                 if not transfer.open:
                     return None
@@ -288,7 +288,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                      extra_info: Any = None) -> list[bool]:  # fmt: skip
         size = self.geometry.block_tokens
 
-        def write(i: int, body: bytes) -> bool:
+        def write(i: int, body: BytesLike) -> bool:
             return self.kv.write_at(int(host_indices[i * size]), body)
 
         return self._fetch([k + self.suffix for k in keys], write)
@@ -316,7 +316,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given
         ]
 
-        def write(i: int, body: bytes) -> bool:
+        def write(i: int, body: BytesLike) -> bool:
             return self.kv.decode_into(body, canonical_page(targets[i], self.layout,
                                                             self.geometry))  # fmt: skip
 
@@ -348,7 +348,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pools in one batch; per pool, which pages were written."""
         batch = Batch.of(transfers, self.formats, self.suffix)
 
-        def write(i: int, body: bytes) -> bool:
+        def write(i: int, body: BytesLike) -> bool:
             fmt, slot = batch.pages[i]
             return fmt.write_at(slot, body)
 

@@ -69,6 +69,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
 
 from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
 from ..protocol.codecs import CODEC_RAW
 from ..protocol.problems import KvspError
 from .chunks import ChunkStore
@@ -86,7 +87,7 @@ class PageFormat(Protocol):
 
     def container_at(self, slot: int) -> bytearray: ...
 
-    def write_at(self, slot: int, body: bytes) -> bool:
+    def write_at(self, slot: int, body: BytesLike) -> bool:
         """Write a served container into the page at ``slot``; False (the
         page untouched) for one of another shape."""
         ...
@@ -111,7 +112,7 @@ class FlatPages:
             raise ValueError(f"a page of {octets.numel()} octets, not {self.octets}")
         return kc.encode([(memoryview(octets.numpy()), b"")], token_count=self.token_count)
 
-    def write_at(self, slot: int, body: bytes) -> bool:
+    def write_at(self, slot: int, body: BytesLike) -> bool:
         try:
             container = kc.decode(body)
         except KvspError as exc:

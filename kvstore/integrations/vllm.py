@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..config import ConfigError
 from ..protocol import container as kc
+from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError
@@ -343,7 +344,7 @@ class _Worker:
         d = self.descriptor
         section = d.section_length(d.block_tokens)
 
-        def convert(_: int, body: bytes) -> kc.Container | None:
+        def convert(_: int, body: BytesLike) -> kc.Container | None:
             try:
                 container = kc.decode(body)
                 check_block(container, d.layers, section, d.block_tokens)
