@@ -26,12 +26,13 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urljoin
 
 import aiohttp
 
+from .fetch import BlockFetcher, BlockRequest, Source
 from .protocol._bytes import BytesLike
 from .protocol.control import (
     InstanceStatus,
@@ -96,6 +97,7 @@ class _Http:
         timeout_s: float = 30.0,
         connections: int = 64,
         verify: bool = True,
+        fetch_threads: int | None = None,
     ) -> None:
         if ssl_context is not None:
             self._ssl: ssl.SSLContext | bool = ssl_context
@@ -105,6 +107,8 @@ class _Http:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
+        self._fetch_threads = fetch_threads
+        self._fetcher: BlockFetcher | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -116,6 +120,9 @@ class _Http:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._fetcher is not None:
+            fetcher, self._fetcher = self._fetcher, None
+            await asyncio.to_thread(fetcher.close)
 
     async def __aenter__(self) -> Any:
         return self
@@ -173,31 +180,44 @@ class HolderClient(_Http):
         *,
         records: Sequence[ReplicaRecord | None] | None = None,
         concurrency: int = 4,
-    ) -> list[bytes]:
+    ) -> list[memoryview]:
         """Several blocks of one holder at once, each verified (BL6) as
-        :meth:`get_block` does: at most ``concurrency`` requests in flight,
-        on as many pooled connections, so one block's digests are taken
-        (off the event loop) while the next ones arrive. The containers in
-        the order of ``block_keys``; the first error is raised and the
-        other requests are cancelled."""
+        :meth:`get_block` does, on the threads of :mod:`kvstore.fetch`
+        (``fetch_threads``): each block received, decrypted and hashed in a
+        thread of its own, at most ``concurrency`` (and the pool's threads)
+        in flight. The containers in the order of ``block_keys``; the first
+        failure in that order is raised once all have ended."""
         if records is not None and len(records) != len(block_keys):
             raise ValueError("records: one per block key (None where there is none)")
-        gate = asyncio.Semaphore(max(1, concurrency))
+        base = _base(holder)
+        requests = []
+        for i, key in enumerate(block_keys):
+            record = records[i] if records is not None else None
+            source: Source = base
+            if record is not None:
+                # Verified against the record, fetched from the holder asked.
+                source = record if record.holder == base else replace(record, holder=base)
+            requests.append(BlockRequest(hex_id(compat_id, 32, "compat_id"),
+                                         hex_id(scope_id, 16, "scope_id"),
+                                         hex_id(key, 32, "block_key"), (source,)))  # fmt: skip
+        results = await self.fetcher().afetch(requests, limit=max(1, concurrency))
+        for result in results:
+            if result.data is None:
+                key = result.request.block_key
+                raise result.errors[-1] if result.errors else KvspError(f"{key}: not fetched")
+        return [result.data for result in results if result.data is not None]
 
-        async def one(i: int) -> bytes:
-            async with gate:
-                record = records[i] if records is not None else None
-                return await self.get_block(holder, compat_id, scope_id, block_keys[i],
-                                            record=record)  # fmt: skip
-
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(block_keys))]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+    def fetcher(self) -> BlockFetcher:
+        """This client's pool of fetching threads (:mod:`kvstore.fetch`)."""
+        if self._fetcher is None:
+            context = self._ssl if isinstance(self._ssl, ssl.SSLContext) else None
+            if self._ssl is False:  # explicitly unverified (development only)
+                context = ssl.create_default_context()
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            self._fetcher = BlockFetcher(context, threads=self._fetch_threads,
+                                         timeout_s=self._timeout_s)  # fmt: skip
+        return self._fetcher
 
     async def has_block(self, holder: str, compat_id: Hex, scope_id: Hex, block_key: Hex) -> bool:
         """``HEAD`` of a block: True if the holder serves it, False on a 404."""

@@ -190,7 +190,7 @@ class Batch:
     """Requests handed to the pool: their results as each completes."""
 
     def __init__(self, fetcher: BlockFetcher, requests: Sequence[BlockRequest],
-                 on_done: Callable[[Fetched], None] | None) -> None:  # fmt: skip
+                 on_done: Callable[[Fetched], None] | None, limit: int | None) -> None:  # fmt: skip
         self._fetcher = fetcher
         self.requests = list(requests)
         self._on_done = on_done
@@ -198,9 +198,16 @@ class Batch:
         self._lock = threading.Lock()
         self._active: dict[int, socket.socket] = {}  # request index -> its socket
         self._done: list[Fetched | None] = [None] * len(self.requests)
+        self._finished_count = 0
         self._queue: list[Fetched] = []
         self._ready = threading.Condition(self._lock)
-        self.futures = [fetcher._pool.submit(self._run, i) for i in range(len(self.requests))]
+        #: Set once every request has its result and no thread works on the batch.
+        self.finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._next = min(len(self.requests), limit or len(self.requests))
+        if not self.requests:
+            self.finished.set_result(None)
+        for i in range(self._next):
+            self._submit(i)
 
     # --- the caller's side ---------------------------------------------
 
@@ -222,8 +229,11 @@ class Batch:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until no thread works on the batch; whether that came in time."""
-        _, left = concurrent.futures.wait(self.futures, timeout=timeout_s)
-        return not left
+        try:
+            self.finished.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     def cancel(self) -> None:
         """Stop: requests not started are not, reads in progress are cut
@@ -243,6 +253,12 @@ class Batch:
 
     # --- the pool's side -----------------------------------------------
 
+    def _submit(self, i: int) -> None:
+        try:
+            self._fetcher._pool.submit(self._run, i)
+        except RuntimeError:  # the fetcher was closed meanwhile
+            self._finish(Fetched(i, self.requests[i], cancelled=True))
+
     def _run(self, i: int) -> None:
         request = self.requests[i]
         if self._cancelled.is_set():
@@ -256,8 +272,16 @@ class Batch:
                 log.exception("fetch of block %s failed unexpectedly", request.block_key)
                 error = exc if isinstance(exc, KvspError) else KvspError(f"{exc!r}")
                 result = Fetched(i, request, errors=[error])
+        with self._lock:  # the next request of a limited batch
+            more = self._next < len(self.requests)
+            following, self._next = self._next, self._next + more
+        if more:
+            self._submit(following)
+        self._finish(result)
+
+    def _finish(self, result: Fetched) -> None:
         with self._ready:
-            self._done[i] = result
+            self._done[result.index] = result
             self._queue.append(result)
             self._ready.notify_all()
         if self._on_done is not None:
@@ -265,6 +289,11 @@ class Batch:
                 self._on_done(result)
             except Exception:
                 log.exception("on_done callback failed")
+        with self._lock:  # after on_done: its effects come before ``finished``
+            self._finished_count += 1
+            last = self._finished_count == len(self.requests)
+        if last:
+            self.finished.set_result(None)
 
     def _reading(self, i: int, sock: socket.socket | None) -> None:
         with self._lock:
@@ -326,7 +355,7 @@ class BlockFetcher:
 
     def close(self) -> None:
         """Wait for the work in progress, then close every connection."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True)
         with self._lock:
             connections, self._all = list(self._all), set()
         for conn in connections:
@@ -341,11 +370,16 @@ class BlockFetcher:
     # --- GET ---------------------------------------------------------------
 
     def submit(
-        self, requests: Sequence[BlockRequest], on_done: Callable[[Fetched], None] | None = None
+        self,
+        requests: Sequence[BlockRequest],
+        on_done: Callable[[Fetched], None] | None = None,
+        *,
+        limit: int | None = None,
     ) -> Batch:
         """Hand ``requests`` to the pool; ``on_done(result)`` is called in a
-        pool thread as each completes."""
-        return Batch(self, requests, on_done)
+        pool thread as each completes; at most ``limit`` of them in flight
+        at once (None: as many as the pool has threads)."""
+        return Batch(self, requests, on_done, limit)
 
     def fetch(self, requests: Sequence[BlockRequest]) -> Generator[Fetched, None, None]:
         """The results as each completes (blocking; for engine threads).
@@ -362,11 +396,13 @@ class BlockFetcher:
         self,
         requests: Sequence[BlockRequest],
         on_done: Callable[[Fetched], None] | None = None,
+        *,
+        limit: int | None = None,
     ) -> list[Fetched]:
         """Every result, in the order of ``requests``; ``on_done(result)``
-        is called on this event loop as each completes. Cancelled, the
-        batch is cancelled and this returns (raising) only once no thread
-        works on its buffers."""
+        is called on this event loop as each completes, before this
+        returns. Cancelled, the batch is cancelled and this returns
+        (raising) only once no thread works on its buffers."""
         loop = asyncio.get_running_loop()
         callback = None
         if on_done is not None:
@@ -375,8 +411,8 @@ class BlockFetcher:
             def callback(result: Fetched) -> None:
                 loop.call_soon_threadsafe(done, result)
 
-        batch = self.submit(requests, callback)
-        waited = asyncio.gather(*(asyncio.wrap_future(f) for f in batch.futures))
+        batch = self.submit(requests, callback, limit=limit)
+        waited = asyncio.wrap_future(batch.finished)
         try:
             await asyncio.shield(waited)
         except asyncio.CancelledError:

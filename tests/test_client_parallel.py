@@ -79,7 +79,7 @@ async def test_several_blocks_at_once_each_verified(served: tuple[str, Corruptin
     uri, app = served
     keys = [ref(n).block_key for n in range(12)]
     bodies = [block() for _ in keys]
-    async with HolderClient() as client:
+    async with HolderClient(fetch_threads=8) as client:
         records: list[ReplicaRecord | None] = [
             await client.put_block(uri, COMPAT, SCOPE, k, b)
             for k, b in zip(keys, bodies, strict=True)
