@@ -326,9 +326,12 @@ class BlockFetcher:
         limits: kc.Limits = kc.DEFAULT_LIMITS,
         verify: bool = True,
         on_digest_failure: DigestFailure | None = None,
+        put_threads: int | None = None,
     ) -> None:
         """``threads``: the pool's size (default: the cores this process
-        may use, at most 32). ``timeout_s``: the most one request to one
+        may use, at most 32). ``put_threads``: a pool of its own for PUTs
+        (default half as many), so that a flood of stores never queues a
+        load behind it. ``timeout_s``: the most one request to one
         holder may take, connecting included. ``max_octets``: the largest
         block a holder may announce when no buffer is given (a lying
         Content-Length costs an error, not an allocation). ``verify=False``
@@ -347,6 +350,8 @@ class BlockFetcher:
         self.verify = verify
         self.on_digest_failure = on_digest_failure
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "kvstore-fetch")
+        self.put_threads = put_threads or max(1, self.threads // 2)
+        self._put_pool = concurrent.futures.ThreadPoolExecutor(self.put_threads, "kvstore-put")
         self._local = _Connections()
         self._all: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
@@ -356,6 +361,7 @@ class BlockFetcher:
     def close(self) -> None:
         """Wait for the work in progress, then close every connection."""
         self._pool.shutdown(wait=True)
+        self._put_pool.shutdown(wait=True)
         with self._lock:
             connections, self._all = list(self._all), set()
         for conn in connections:
@@ -600,7 +606,7 @@ class BlockFetcher:
         digests taken there, and the holder's Replica Record checked against
         them (:class:`DigestMismatch`: the holder stored other octets than
         these). :class:`PreconditionFailed` when the holder has the block."""
-        return self._pool.submit(self._put, holder, compat_id, scope_id, block_key, body)
+        return self._put_pool.submit(self._put, holder, compat_id, scope_id, block_key, body)
 
     async def aput(self, holder: str, compat_id: str, scope_id: str, block_key: str,
                    body: BytesLike | Callable[[], BytesLike]) -> ReplicaRecord:  # fmt: skip

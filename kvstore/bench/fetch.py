@@ -221,7 +221,7 @@ def _against_client(context: object, held: list[ReplicaRecord], holder: str,
     requests = [BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
                 for r, b in zip(held, buffers, strict=True)]  # fmt: skip
     keys = [r.block_key for r in held]
-    with BlockFetcher(context, threads=k) as fetcher:  # type: ignore[arg-type]
+    with BlockFetcher(context, threads=k, put_threads=k) as fetcher:  # type: ignore[arg-type]
         ours = _fetch_rate(fetcher, requests, seconds)
 
         def put_round() -> int:

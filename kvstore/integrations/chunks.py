@@ -214,8 +214,10 @@ class ChunkStore:
                         # meanwhile sends other chunks and serves loads.
                         data = (await asyncio.to_thread(container)
                                 if callable(container) else container)  # fmt: skip
-                    await self._http().put_block(holder, self.compat_id, self.scope_id,
-                                                 block_key, data)  # fmt: skip
+                    # Sent from a thread of the fetcher's PUT pool, which
+                    # checks the holder's record against what it sent.
+                    await self._fetcher().aput(holder, self.compat_id, self.scope_id,
+                                               block_key, data)  # fmt: skip
                 except PreconditionFailed:
                     pass  # BL7: already held there (the same name is the same chunk)
                 except Exception as exc:  # a miss, never the engine's exception
