@@ -55,6 +55,7 @@ import http.client
 import json
 import logging
 import os
+import select
 import socket
 import ssl
 import threading
@@ -495,6 +496,9 @@ class BlockFetcher:
     def _connection(self, target: _Target) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's connection to ``target``, and whether it was used before."""
         conn = self._local.by_target.get(target.key)
+        if conn is not None and _stale(conn):
+            self._drop(target, conn)  # the server closed it while it was idle
+            conn = None
         if conn is not None:
             return conn, True
         if target.https:
@@ -528,9 +532,8 @@ class BlockFetcher:
                     conn.putheader("Accept", BLOCK_MEDIA_TYPE)
                     conn.endheaders()
                     response = conn.getresponse()
-                except (http.client.RemoteDisconnected, ConnectionResetError,
-                        BrokenPipeError):  # fmt: skip
-                    if reused and attempt == 0 and not batch.cancelled:
+                except (OSError, http.client.HTTPException) as exc:
+                    if _retry(exc, reused, attempt) and not batch.cancelled:
                         # A kept-alive connection the server closed meanwhile:
                         # once more on a new one (a GET is safe to repeat).
                         self._drop(target, conn)
@@ -646,13 +649,10 @@ class BlockFetcher:
                 response = conn.getresponse()
                 answer = response.read(_ERROR_BODY)
                 headers = {k.lower(): v for k, v in response.getheaders()}
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
-                self._drop(target, conn)
-                if reused and attempt == 0:
-                    continue  # a kept-alive connection closed meanwhile (BL7 makes it safe)
-                raise unreachable("PUT", url, exc, self.timeout_s) from exc
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(target, conn)
+                if _retry(exc, reused, attempt):
+                    continue  # a kept-alive connection lost meanwhile (BL7 makes it safe)
                 raise unreachable("PUT", url, exc, self.timeout_s) from exc
             if not response.isclosed():
                 self._drop(target, conn)
@@ -666,6 +666,25 @@ class BlockFetcher:
                                      f"sha-256:{sent.hex()}")  # fmt: skip
             return stored
         raise AssertionError("unreachable")
+
+
+def _stale(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle kept-alive connection has something to read: the
+    server closed it (or sent what no request asked for); a new one is made."""
+    if conn.sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([conn.sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+def _retry(exc: BaseException, reused: bool, attempt: int) -> bool:
+    """Whether a request that failed on a kept-alive connection is made
+    once more on a new one: a connection lost meanwhile, not one that did
+    not answer in time (that would double the wait)."""
+    return reused and attempt == 0 and not isinstance(exc, TimeoutError)
 
 
 def _writable(buffer: Any) -> memoryview:

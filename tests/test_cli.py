@@ -231,6 +231,26 @@ def test_bench_holder_quick_runs_against_real_servers() -> None:
     assert all(r["value"] > 0 and (r["baseline"] is None or r["baseline"] > 0) for r in results)
 
 
+def test_bench_fetch_quick_measures_verified_against_unverified() -> None:
+    """kvstore bench fetch: every K against its unverified twin, the client's
+    CPU per GB, the break-even prefill; nginx (with mTLS) where installed,
+    which CI installs."""
+    import shutil
+
+    out = kvstore("bench", "fetch", "--quick", "--json", "--threads", "2")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    names = [r["name"] for r in results]
+    for k in (1, 2):
+        assert f"fetch verified (BL6), holder, 1 worker, K={k}" in names
+        assert f"client CPU per verified GB, holder, 2 workers, K={k}" in names
+    assert any(n.startswith("break-even prefill") for n in names)
+    assert any(n.startswith("PUT through the pool") for n in names)
+    if shutil.which("nginx") or Path("/usr/sbin/nginx").exists() or os.environ.get("CI"):
+        assert "fetch verified, nginx, K=2" in names
+    assert all(r["value"] > 0 and (r["baseline"] is None or r["baseline"] > 0) for r in results)
+
+
 def test_bench_index_quick(redis_server: Any) -> None:
     out = kvstore("bench", "index", "--quick", "--json", "--redis-url", redis_server.url)
     assert out.returncode == 0, out.stderr

@@ -392,3 +392,26 @@ async def test_put_checks_the_holders_record_against_what_was_sent(
             await f.aput(uri, COMPAT, SCOPE, ref(2).block_key, block(LAYERS, SECTION))
         with pytest.raises(Exception, match="not one whole container"):
             await f.aput(uri, COMPAT, SCOPE, ref(3).block_key, data[:-1])
+
+
+async def test_a_restarted_holder_is_reached_on_new_connections(tmp_path: Path) -> None:
+    """Kept-alive connections to a holder that was killed and started
+    again are dead; the next PUT and GET go through on new ones, not fail
+    (LMCache's engine stored nothing after a holder restart otherwise)."""
+    holder = start_holder(tmp_path)
+    try:
+        scope = _scope(holder)
+        with BlockFetcher(holder.context(), threads=1, timeout_s=5) as f:  # type: ignore[arg-type]
+            first = await f.aput(
+                holder.uri, COMPAT, scope, ref(1).block_key, block(LAYERS, SECTION)
+            )
+            (got,) = await f.afetch([BlockRequest(COMPAT, scope, first.block_key, [first])])
+            assert got.ok
+            holder.kill()
+            holder.start()
+            data = block(LAYERS, SECTION)
+            again = await f.aput(holder.uri, COMPAT, scope, ref(2).block_key, data)
+            (got,) = await f.afetch([BlockRequest(COMPAT, scope, again.block_key, [again])])
+    finally:
+        holder.stop()
+    assert got.ok and bytes(got.data or b"") == data, got.errors
