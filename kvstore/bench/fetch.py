@@ -45,7 +45,7 @@ from ..holderset import rank
 from ..protocol.records import ReplicaRecord
 from ..protocol.wire import block_path, repr_digest
 from . import Result
-from .holder import COMPAT, SCOPE, Servers, _blocks, _port, _wait
+from .holder import COMPAT, SCOPE, Servers, _blocks, _port, _wait, nginx_binary
 
 #: KV octets a token of an 8B-class model (Llama 3 8B: 32 layers x 8 KV heads
 #: x 128 x 2 (K, V) x 2 octets).
@@ -96,9 +96,7 @@ def _nginx(servers: Servers, files: dict[str, tuple[bytes, str]]) -> str | None:
     """nginx with mutual TLS serving ``files`` (path under /kvsp/ -> octets,
     Repr-Digest) as static files with their Repr-Digest; None when nginx is
     not installed."""
-    binary = shutil.which("nginx") or (
-        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-    )
+    binary = nginx_binary()
     if binary is None:
         return None
     port = _port()

@@ -68,6 +68,14 @@ def _ports(count: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
+def nginx_binary() -> str | None:
+    """nginx's path, where installed (Debian's is in /usr/sbin, off a user's PATH)."""
+    import shutil
+
+    debian = Path("/usr/sbin/nginx")
+    return shutil.which("nginx") or (str(debian) if debian.exists() else None)
+
+
 def _wait(port: int, process: subprocess.Popen[bytes], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -181,11 +189,7 @@ class Servers:
         """nginx serving the same octets as a static file (None when not
         installed); with ``upstream``, proxying to that unix socket instead,
         the client certificate passed on as docs/proxy.md configures it."""
-        import shutil
-
-        binary = shutil.which("nginx") or (
-            "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-        )
+        binary = nginx_binary()
         if binary is None:
             return None
         port = _port()
