@@ -446,9 +446,13 @@ class BlockFetcher:
 
     def _fetch_one(self, batch: Batch, i: int, request: BlockRequest) -> Fetched:
         result = Fetched(i, request)
-        path = block_path(hex_id(request.compat_id, 32, "compat_id"),
-                          hex_id(request.scope_id, 16, "scope_id"),
-                          hex_id(request.block_key, 32, "block_key"))  # fmt: skip
+        try:
+            path = block_path(hex_id(request.compat_id, 32, "compat_id"),
+                              hex_id(request.scope_id, 16, "scope_id"),
+                              hex_id(request.block_key, 32, "block_key"))  # fmt: skip
+        except (KvspError, ValueError) as exc:  # the caller's request, not a holder
+            result.errors.append(exc if isinstance(exc, KvspError) else KvspError(str(exc)))
+            return result
         query = "" if request.layers is None else "?layers=" + format_layers(*request.layers)
         for source in request.sources:
             record = source if isinstance(source, ReplicaRecord) else None
@@ -462,6 +466,10 @@ class BlockFetcher:
                 continue
             try:
                 target = self._target(holder)
+            except ValueError as exc:
+                result.errors.append(KvspError(str(exc)))
+                continue
+            try:
                 data = self._get(batch, i, target, target.path + path + query, record, request)
             except _Cancelled:
                 raise

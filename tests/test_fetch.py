@@ -239,6 +239,14 @@ async def test_a_missing_block_tries_the_next_source(served: tuple[str, Tamper])
         ])  # fmt: skip
     assert not missing.ok and [type(e) for e in missing.errors] == [NotFound, NotFound]
     assert found.ok and bytes(found.data or b"") == data
+    # The caller's mistakes are errors of their request, not of a holder.
+    with BlockFetcher(threads=1) as f:
+        bad_key, bad_source = await f.afetch([
+            BlockRequest(COMPAT, SCOPE, "not-hex", [uri]),
+            BlockRequest(COMPAT, SCOPE, record.block_key, ["ftp://example/", uri]),
+        ])  # fmt: skip
+    assert not bad_key.ok and "block_key" in str(bad_key.errors[0])
+    assert bad_source.ok and "not an http(s) holder URI" in str(bad_source.errors[0])
 
 
 async def test_a_slow_holder_costs_one_timeout_then_is_skipped(
