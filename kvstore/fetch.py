@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from .holderset import DownHolders
 from .protocol import container as kc
 from .protocol._bytes import BytesLike
 from .protocol.problems import (
@@ -322,6 +323,7 @@ class BlockFetcher:
         threads: int | None = None,
         timeout_s: float = 30.0,
         down_backoff_s: float = 5.0,
+        down: DownHolders | None = None,
         chunk_octets: int = CHUNK_OCTETS,
         max_octets: int = 1 << 30,
         limits: kc.Limits = kc.DEFAULT_LIMITS,
@@ -344,7 +346,8 @@ class BlockFetcher:
             ssl_context = ssl.create_default_context()
         self._ssl = ssl_context
         self.timeout_s = timeout_s
-        self.down_backoff_s = down_backoff_s
+        #: Holders skipped after a failure (shared with a caller's own, if given).
+        self.down = down or DownHolders(down_backoff_s)
         self.chunk_octets = max(16 * 1024, chunk_octets)
         self.max_octets = max_octets
         self.limits = limits
@@ -356,7 +359,6 @@ class BlockFetcher:
         self._local = _Connections()
         self._all: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
-        self._down: dict[str, float] = {}
         self._targets: dict[str, _Target] = {}
 
     def close(self) -> None:
@@ -440,10 +442,6 @@ class BlockFetcher:
             target = self._targets[base] = _Target(base)
         return target
 
-    def holder_down(self, holder: str) -> bool:
-        until = self._down.get(holder)
-        return until is not None and time.monotonic() < until
-
     def _fetch_one(self, batch: Batch, i: int, request: BlockRequest) -> Fetched:
         result = Fetched(i, request)
         try:
@@ -459,9 +457,9 @@ class BlockFetcher:
             holder = record.holder if record is not None else str(source)
             if batch.cancelled:
                 raise _Cancelled
-            if self.holder_down(holder):
+            if not self.down.up(holder):
                 result.errors.append(HolderUnavailable(
-                    f"{holder}: skipped, it failed within the last {self.down_backoff_s:g} s",
+                    f"{holder}: skipped, it failed within the last {self.down.down_s:g} s",
                     uri=holder, reason="down"))  # fmt: skip
                 continue
             try:
@@ -489,8 +487,8 @@ class BlockFetcher:
             except Unreachable as exc:
                 if batch.cancelled:
                     raise _Cancelled from exc
-                self._down[holder] = time.monotonic() + self.down_backoff_s
-                log.info("holder %s unusable for %g s: %s", holder, self.down_backoff_s,
+                self.down.failed(holder)
+                log.info("holder %s unusable for %g s: %s", holder, self.down.down_s,
                          exc.detail)  # fmt: skip
                 result.errors.append(exc)
                 continue

@@ -52,6 +52,32 @@ def fails_holder(exc: BaseException) -> bool:
     return isinstance(exc, KvspError) and exc.status >= 500 and exc.status != 507
 
 
+class DownHolders:
+    """Holders skipped for a while after a request to them failed, so that a
+    dead or slow holder costs one timeout, not one per block. The one
+    implementation behind :class:`HolderSet`, the engines' chunk store and
+    :mod:`kvstore.fetch` (whose threads share it: each update is one dict
+    operation)."""
+
+    def __init__(self, down_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.down_s = down_s
+        self._clock = clock
+        self._until: dict[str, float] = {}
+
+    def up(self, holder: str) -> bool:
+        return self._until.get(holder, 0.0) <= self._clock()
+
+    def failed(self, holder: str) -> None:
+        """Skip ``holder`` for ``down_s`` from now."""
+        self._until[holder] = self._clock() + self.down_s
+
+    def order(self, holders: Iterable[str]) -> list[str]:
+        """``holders`` in their order, those marked down moved last (tried
+        only when every other one failed too)."""
+        now = self._clock()
+        return sorted(holders, key=lambda h: self._until.get(h, 0.0) > now)  # stable
+
+
 class ShardSource(Protocol):
     async def shards(self, holder: str) -> list[str]: ...
 
@@ -94,9 +120,8 @@ class HolderSet:
         self.seeds = tuple(dict.fromkeys(base(s) for s in seeds))
         self.holders: tuple[str, ...] = self.seeds
         self.discovered = False
-        self.down_s = down_s
+        self.down = DownHolders(down_s, clock)
         self._clock = clock
-        self._down_until: dict[str, float] = {}
         self._discover_after = 0.0
 
     def needs_discovery(self) -> bool:
@@ -129,21 +154,23 @@ class HolderSet:
         self._discover_after = self._clock() + self.rediscover_s
         return self.holders
 
+    @property
+    def down_s(self) -> float:
+        return self.down.down_s
+
     def up(self, holder: str) -> bool:
-        return self._down_until.get(holder, 0.0) <= self._clock()
+        return self.down.up(holder)
 
     def failed(self, holder: str, exc: BaseException | None = None) -> None:
         """Skip ``holder`` for ``down_s`` (a request to it failed)."""
-        self._down_until[holder] = self._clock() + self.down_s
+        self.down.failed(holder)
         log.warning("holder %s failed (%s); skipped for %.0f s", holder,
                     getattr(exc, "detail", exc), self.down_s)  # fmt: skip
 
     def order(self, block_key: str) -> list[str]:
         """The set in rendezvous order for ``block_key``, holders marked
         down moved last (tried only when every other one failed too)."""
-        ranked = rank(self.holders, block_key)
-        now = self._clock()
-        return sorted(ranked, key=lambda h: self._down_until.get(h, 0.0) > now)  # stable
+        return self.down.order(rank(self.holders, block_key))
 
     def owner(self, block_key: str) -> str:
         """The holder that takes ``block_key`` now."""

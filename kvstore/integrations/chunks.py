@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from ..client import HolderClient
 from ..fetch import BlockFetcher, BlockRequest, Fetched
-from ..holderset import HolderSet, rank
+from ..holderset import DownHolders, HolderSet, rank
 from ..protocol._bytes import BytesLike
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError, NotFound, PreconditionFailed
@@ -105,7 +105,7 @@ class ChunkStore:
         self._client: HolderClient | None = None
         self._blocks: BlockFetcher | None = None
         self._gate: asyncio.Semaphore | None = None
-        self._down_until: dict[str, float] = {}
+        self._down = DownHolders(settings.down_backoff_s)
         #: The configured holders, each one's workers in its place once
         #: discovered (:meth:`_discover`).
         self.holders: tuple[str, ...] = settings.holders
@@ -132,7 +132,7 @@ class ChunkStore:
             self._blocks = BlockFetcher(self.settings.ssl_context,
                                         threads=self.settings.fetch_threads,
                                         timeout_s=self.settings.timeout_s,
-                                        down_backoff_s=self.settings.down_backoff_s)  # fmt: skip
+                                        down=self._down)  # fmt: skip
         return self._blocks
 
     def _slot(self) -> asyncio.Semaphore:
@@ -166,16 +166,14 @@ class ChunkStore:
 
     def holders_for(self, block_key: str) -> list[str]:
         """Rendezvous order of the holders for a block, those marked down last."""
-        ranked = rank(self.holders, block_key)
-        now = time.monotonic()
-        return sorted(ranked, key=lambda h: self._down_until.get(h, 0.0) > now)  # stable
+        return self._down.order(rank(self.holders, block_key))
 
     def healthy(self) -> bool:
         """Whether some holder is not being skipped for a failure now."""
         return any(self._up(h) for h in self.holders)
 
     def _up(self, holder: str) -> bool:
-        return self._down_until.get(holder, 0.0) <= time.monotonic()
+        return self._down.up(holder)
 
     def _failed(self, holder: str, what: str, exc: Exception) -> None:
         """Count a failed request; a holder that fails (5xx, unreachable) is
@@ -186,7 +184,7 @@ class ChunkStore:
             log.warning("kvstore: %s at %s failed unexpectedly: %r", what, holder, exc)
             return
         if exc.status >= 500 and exc.status != 507:
-            self._down_until[holder] = time.monotonic() + self.settings.down_backoff_s
+            self._down.failed(holder)
             log.warning("kvstore holder %s failed (%s: %s); skipped for %.0f s", holder, what,
                         exc.detail, self.settings.down_backoff_s)  # fmt: skip
             return
