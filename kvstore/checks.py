@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .clibase import CliError, _read_json
+from .clibase import CliError, read_json
 from .protocol.problems import KvspError
 
 
@@ -124,7 +124,7 @@ def cmd_descriptor(args: argparse.Namespace) -> Any:
     found = None
     if args.descriptor:
         try:
-            found = parse_descriptor(_read_json(args.descriptor))
+            found = parse_descriptor(read_json(args.descriptor))
         except KvspError as exc:
             raise CliError(f"{args.descriptor}: {exc}") from exc
     engine = None

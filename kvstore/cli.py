@@ -25,7 +25,7 @@ from .clibase import (
     CliError,
     Unhealthy,
     _dev_context,
-    _read_json,
+    read_json,
 )
 from .protocol.problems import KvspError
 
@@ -49,7 +49,7 @@ def cmd_keys(args: argparse.Namespace) -> Any:
     from .protocol.compat import parse_descriptor
     from .protocol.keys import block_keys, scope_id
 
-    descriptor = parse_descriptor(_read_json(args.descriptor))
+    descriptor = parse_descriptor(read_json(args.descriptor))
     text, flag = args.scope_key, "--scope-key"
     if args.scope_key_file is not None:
         # From a file: not in the shell's history nor in ps.
@@ -82,7 +82,7 @@ def cmd_container_inspect(args: argparse.Namespace) -> Any:
         data = Path(args.file).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read {args.file}: {exc.strerror}") from exc
-    descriptor = parse_descriptor(_read_json(args.descriptor)) if args.descriptor else None
+    descriptor = parse_descriptor(read_json(args.descriptor)) if args.descriptor else None
     container = kc.decode(data, descriptor=descriptor)
     header = container.header
     layers = []
@@ -231,7 +231,15 @@ def cmd_serve(args: argparse.Namespace) -> Any:
                 print(f"kvstore: warning: {args.config} has {', '.join(unserved)}, not "
                       f"served with --roles {roles} (--roles {served} serves them)",
                       file=sys.stderr)  # fmt: skip
-        status = run(config, tuple(r.strip() for r in roles.split(",")))
+        chosen = tuple(r.strip() for r in roles.split(","))
+        if config.server.workers > 1:  # a supervisor of that many holder processes
+            from .serve import setup_logging
+            from .workers import supervise
+
+            setup_logging(config)
+            status = supervise(config, chosen)
+        else:
+            status = run(config, chosen)
         if status:
             raise SystemExit(status)
     except (ConfigError, StorageInUse) as exc:

@@ -31,7 +31,7 @@ class CliError(Exception):
     """A user-facing error: printed on one line, exit status 2."""
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:

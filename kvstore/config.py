@@ -143,6 +143,7 @@ from typing import Any
 
 from kvstore.backends.schema import SCHEMAS, OptionError, check_options, parse_size
 
+from .cores import available_cores
 from .settings import (
     ControllerSettings,
     HolderSettings,
@@ -271,8 +272,6 @@ def _section(cls: type, data: Any, where: str, root: Path) -> Any:
         default = known[key].default
         expected = type(default) if default is not None else str
         if (cls, key) == (ServerConfig, "workers") and value == "auto":
-            from .workers import available_cores
-
             value = available_cores()
         if expected is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -54,7 +54,6 @@ import hashlib
 import http.client
 import json
 import logging
-import os
 import select
 import socket
 import ssl
@@ -65,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from .cores import available_cores
 from .holderset import DownHolders
 from .protocol import container as kc
 from .protocol._bytes import BytesLike
@@ -100,16 +100,8 @@ MAX_DEFAULT_THREADS = 32
 _ERROR_BODY = 64 * 1024
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def default_threads() -> int:
-    return min(usable_cores(), MAX_DEFAULT_THREADS)
+    return min(available_cores(), MAX_DEFAULT_THREADS)
 
 
 Source = str | ReplicaRecord
@@ -820,5 +812,4 @@ class _Check:
                                  "make its replica digest")  # fmt: skip
 
 
-__all__ = ["Batch", "BlockFetcher", "BlockRequest", "Fetched", "Source", "default_threads",
-           "usable_cores"]  # fmt: skip
+__all__ = ["Batch", "BlockFetcher", "BlockRequest", "Fetched", "Source", "default_threads"]

@@ -34,6 +34,7 @@ from .protocol.compat import parse_descriptor
 from .protocol.problems import KvspError
 from .protocol.wire import NO_STORE
 from .seams import Lookups, PublisherStatsSource, Snapshots
+from .seat import Seat, SeatService
 from .security import Policy
 from .storage import LeaseLimits, SegmentSealer, TieredStore
 
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
     from .instance.reporter import Load
     from .instance.sessions import Sessions
     from .settings import InstanceSettings
-    from .workers import Seat
 
 log = logging.getLogger("kvstore.serve")
 
@@ -518,8 +518,6 @@ async def _build(
         apps.append(index_app)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
     if seat is not None:
-        from .workers import SeatService
-
         services.append(SeatService(seat))  # up once it listens
         for role_app in apps:
             role_app.state.metrics.labels = {"worker": str(seat.index)}
@@ -534,20 +532,23 @@ def _serving(config: Config, roles: Sequence[str]) -> str:
     return f"instance {config.instance.uri or config.server.port}"
 
 
-def run(config: Config, roles: tuple[str, ...] = ("holder",), seat: Seat | None = None) -> int:
-    """``kvstore serve``: the roles in this process, or with ``server.workers``
-    above 1 the supervisor of that many holder processes (:mod:`.workers`);
-    the exit status."""
-    # Other libraries at WARNING; kvstore's own lines at server.log_level
-    # (INFO: normal events, WARNING: what an operator should look at).
+def setup_logging(config: Config, seat: Seat | None = None) -> None:
+    """Other libraries at WARNING; kvstore's own lines at server.log_level
+    (INFO: normal events, WARNING: what an operator should look at)."""
     who = f"[worker {seat.index}] " if seat is not None else ""
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s {who}%(message)s"
     )
     logging.getLogger("kvstore").setLevel(config.server.log_level.upper())
-    if config.server.workers > 1:
-        from .workers import supervise
 
-        return supervise(config, roles)
+
+def run(config: Config, roles: tuple[str, ...] = ("holder",), seat: Seat | None = None) -> int:
+    """The roles in this process (``seat``: as a worker of a supervised
+    set); the exit status. A configuration of several workers is the
+    supervisor's (:func:`kvstore.workers.supervise`), which runs this in
+    each worker's process."""
+    if config.server.workers > 1:
+        raise ConfigError("server.workers above 1: kvstore.workers.supervise runs the set")
+    setup_logging(config, seat)
     asyncio.run(serve(config, roles, seat))
     return 0

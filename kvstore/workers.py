@@ -45,11 +45,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .config import Config, ConfigError, StorageConfig, TierConfig
+from .seat import DOWN, STARTING, STOPPING, UP, Board, Seat
 
 log = logging.getLogger("kvstore.workers")
 
-STARTING, UP, STOPPING, DOWN = 0, 1, 2, 3
-STATE_NAMES = ("starting", "up", "stopping", "down")
 #: The backends' own default key prefixes (a worker's prefix extends it),
 #: and what ends a worker's part of it.
 DEFAULT_PREFIX = {"redis": "kvstore:", "s3": "kvstore/"}
@@ -57,15 +56,6 @@ _SEPARATOR = {"redis": ":", "s3": "/"}
 #: Restart delays: the first, the longest, and how long a worker must run
 #: before a crash counts as a new one (the delay starts again from the first).
 RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 0.5, 30.0, 60.0
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity, as a container's
-    cpuset sets it), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def worker_uri(uri: str, index: int) -> str:
@@ -123,48 +113,6 @@ def worker_config(config: Config, index: int) -> Config:
         holder=dataclasses.replace(config.holder, uri=uris[index], shards=uris),
         storage=worker_storage(config.storage, index, count),
     )
-
-
-class Board:
-    """What the supervisor and its workers share (memory mapped by both):
-    each worker's state and its restarts."""
-
-    def __init__(self, count: int, context: Any) -> None:
-        self.states = context.RawArray("b", count)
-        self.restarts = context.RawArray("i", count)
-
-
-@dataclasses.dataclass(frozen=True)
-class Seat:
-    """A worker's place in its set, as the worker's own process sees it."""
-
-    index: int
-    uris: tuple[str, ...]
-    board: Board
-
-    def mark(self, state: int) -> None:
-        self.board.states[self.index] = state
-
-    def states(self) -> dict[str, dict[str, Any]]:
-        """Every worker's state and restarts, by base URI (``/readyz``)."""
-        return {
-            uri: {"worker": i, "state": STATE_NAMES[self.board.states[i]],
-                  "restarts": self.board.restarts[i]}
-            for i, uri in enumerate(self.uris)
-        }  # fmt: skip
-
-
-class SeatService:
-    """The worker's own state on the board: up once it listens, stopping at the stop."""
-
-    def __init__(self, seat: Seat) -> None:
-        self.seat = seat
-
-    def start(self) -> None:
-        self.seat.mark(UP)
-
-    async def stop(self) -> None:
-        self.seat.mark(STOPPING)
 
 
 def _die_with_parent(supervisor: int) -> None:

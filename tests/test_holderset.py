@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import ConfigError, StorageConfig, TierConfig, check, load
+from kvstore.cores import available_cores
 from kvstore.holderset import HolderSet, NoHolder, rank
 from kvstore.metrics import Metrics
 from kvstore.protocol._bytes import BytesLike
@@ -22,7 +23,6 @@ from kvstore.security import Policy
 from kvstore.settings import HolderSettings
 from kvstore.workers import (
     DEFAULT_PREFIX,
-    available_cores,
     worker_config,
     worker_storage,
     worker_uri,

@@ -40,7 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..client import HolderClient
-from ..fetch import BlockFetcher, BlockRequest, usable_cores
+from ..cores import available_cores
+from ..fetch import BlockFetcher, BlockRequest
 from ..holderset import rank
 from ..protocol.records import ReplicaRecord
 from ..protocol.wire import block_path, repr_digest
@@ -145,7 +146,7 @@ async def _store(client: HolderClient, shards: list[str],
 
 def run(quick: bool = False, threads: int | None = None) -> list[Result]:
     seconds = 0.5 if quick else 2.0
-    cores = threads or usable_cores()
+    cores = threads or available_cores()
     ks = sorted({1, 2, cores})
     blocks = _blocks(8 if quick else 16, 2 << 20)
     size = len(blocks[0][1])

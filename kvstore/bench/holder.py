@@ -443,7 +443,7 @@ async def _workers_scaling(
             rates[workers, clients], busy[workers, clients] = await asyncio.to_thread(
                 servers.load, urls, clients, seconds
             )
-    from ..workers import available_cores
+    from ..cores import available_cores
 
     # The load generator's own share of the machine: where it takes one of
     # two cores, two workers share the other (docs/workers.md).
