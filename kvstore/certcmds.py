@@ -29,7 +29,10 @@ def _add_to_policy(file: Path, uris: Sequence[str], roles: Sequence[str]) -> Non
             raise CliError(f"{file}: not JSON ({exc}); fix or remove it") from None
     for uri in uris:
         policy.setdefault("principals", {})[uri] = {
-            "roles": list(roles), "read_scopes": ["*"], "write_scopes": ["*"]}  # fmt: skip
+            "roles": list(roles),
+            "read_scopes": ["*"],
+            "write_scopes": ["*"],
+        }
     file.write_text(json.dumps(policy, indent=2) + "\n")
     try:
         Policy.load(str(file))
@@ -53,9 +56,11 @@ def cmd_certs_init(args: argparse.Namespace) -> Any:
     directory = Path(args.directory)
     roles = _check_roles(args.role)
     if (directory / "ca.pem").exists() and not args.force:
-        raise CliError(f"{directory / 'ca.pem'} exists: a new CA would make every certificate "
-                       f"it issued stop working; kvstore certs issue --ca {directory} --principal "
-                       "NAME adds one, --force replaces the CA")  # fmt: skip
+        raise CliError(
+            f"{directory / 'ca.pem'} exists: a new CA would make every certificate "
+            f"it issued stop working; kvstore certs issue --ca {directory} --principal "
+            "NAME adds one, --force replaces the CA"
+        )
     names = args.principal or ["client"]
     uris = create_dev_certificates(
         directory, names, hosts=args.host or ("localhost", "127.0.0.1", "::1")
@@ -89,9 +94,12 @@ def cmd_certs_issue(args: argparse.Namespace) -> Any:
     policy = Path(args.policy) if args.policy else ca / "policy.json"
     _add_to_policy(policy, [uri], roles)
     name = args.principal
-    return {"principal": uri, "roles": list(roles),
-            "certificate": [str(out / f"client-{name}.pem"), str(out / f"client-{name}.key")],
-            "policy": str(policy)}  # fmt: skip
+    return {
+        "principal": uri,
+        "roles": list(roles),
+        "certificate": [str(out / f"client-{name}.pem"), str(out / f"client-{name}.key")],
+        "policy": str(policy),
+    }
 
 
 def cmd_health(args: argparse.Namespace) -> Any:
@@ -106,8 +114,9 @@ def cmd_health(args: argparse.Namespace) -> Any:
         context = None
         if args.url.startswith("https:"):
             context = _dev_context(args.certs, args.cafile, args.cert, args.key, args.principal)
-            _check_own_certificate(args.cert or str(Path(args.certs) /
-                                   f"client-{args.principal or 'client'}.pem"))  # fmt: skip
+            _check_own_certificate(
+                args.cert or str(Path(args.certs) / f"client-{args.principal or 'client'}.pem")
+            )
         with urllib.request.urlopen(args.url, timeout=args.timeout, context=context) as answer:
             return answer.read().decode()
     except urllib.error.HTTPError as exc:
@@ -139,9 +148,11 @@ def _check_own_certificate(file: str) -> None:
         return  # _dev_context read it; a bad one fails the handshake below
     now = datetime.datetime.now(datetime.UTC)
     if cert.not_valid_after_utc < now:
-        raise ClientTlsProblem(f"the client certificate {file} expired on "
-                               f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: issue a new one "
-                               "(kvstore certs issue --ca DIR --principal NAME)")  # fmt: skip
+        raise ClientTlsProblem(
+            f"the client certificate {file} expired on "
+            f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: issue a new one "
+            "(kvstore certs issue --ca DIR --principal NAME)"
+        )
     if cert.not_valid_before_utc > now:
         raise ClientTlsProblem(
             f"the client certificate {file} is not valid before "

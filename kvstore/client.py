@@ -79,8 +79,11 @@ def _base(uri: str) -> str:
 
 
 def _block_path(compat_id: Hex, scope_id: Hex, block_key: Hex) -> str:
-    return block_path(hex_id(compat_id, 32, "compat_id"), hex_id(scope_id, 16, "scope_id"),
-                      hex_id(block_key, 32, "block_key"))  # fmt: skip
+    return block_path(
+        hex_id(compat_id, 32, "compat_id"),
+        hex_id(scope_id, 16, "scope_id"),
+        hex_id(block_key, 32, "block_key"),
+    )
 
 
 class _Http:
@@ -197,9 +200,14 @@ class HolderClient(_Http):
             if record is not None:
                 # Verified against the record, fetched from the holder asked.
                 source = record if record.holder == base else replace(record, holder=base)
-            requests.append(BlockRequest(hex_id(compat_id, 32, "compat_id"),
-                                         hex_id(scope_id, 16, "scope_id"),
-                                         hex_id(key, 32, "block_key"), (source,)))  # fmt: skip
+            requests.append(
+                BlockRequest(
+                    hex_id(compat_id, 32, "compat_id"),
+                    hex_id(scope_id, 16, "scope_id"),
+                    hex_id(key, 32, "block_key"),
+                    (source,),
+                )
+            )
         results = await self.fetcher().afetch(requests, limit=max(1, concurrency))
         for result in results:
             if result.data is None:
@@ -215,8 +223,9 @@ class HolderClient(_Http):
                 context = ssl.create_default_context()
                 context.check_hostname = False
                 context.verify_mode = ssl.CERT_NONE
-            self._fetcher = BlockFetcher(context, threads=self._fetch_threads,
-                                         timeout_s=self._timeout_s)  # fmt: skip
+            self._fetcher = BlockFetcher(
+                context, threads=self._fetch_threads, timeout_s=self._timeout_s
+            )
         return self._fetcher
 
     async def has_block(self, holder: str, compat_id: Hex, scope_id: Hex, block_key: Hex) -> bool:
@@ -539,12 +548,18 @@ class FrontEnd(_Http):
         deadline = None
         while True:
             if started:
-                stream = self._lines("GET", urljoin(_base(owner), f"sessions/{session}/tokens"),
-                                     params={"from": str(next_index)})  # fmt: skip
+                stream = self._lines(
+                    "GET",
+                    urljoin(_base(owner), f"sessions/{session}/tokens"),
+                    params={"from": str(next_index)},
+                )
             else:
-                stream = self._lines("POST", urljoin(_base(owner), "generate"),
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": JSON_MEDIA_TYPE})  # fmt: skip
+                stream = self._lines(
+                    "POST",
+                    urljoin(_base(owner), "generate"),
+                    data=json.dumps(body).encode(),
+                    headers={"Content-Type": JSON_MEDIA_TYPE},
+                )
             ended = None
             try:
                 async with contextlib.aclosing(stream):
@@ -562,8 +577,9 @@ class FrontEnd(_Http):
                                 continue  # CK3: delivered already
                             next_index += 1
                             deadline = None
-                            yield OutputToken(event["index"], event["token"], event["epoch"],
-                                              event.get("logprob"))  # fmt: skip
+                            yield OutputToken(
+                                event["index"], event["token"], event["epoch"], event.get("logprob")
+                            )
                         elif event.get("event") in ("done", "moved", "error"):
                             ended = event
                             break

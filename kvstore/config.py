@@ -333,8 +333,9 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
         tiers.append(TierConfig(backend, capacity, options))
     server = _section(ServerConfig, data.get("server", {}), "server", root)
     if server.log_level not in LOG_LEVELS:
-        raise ConfigError(f"server.log_level: one of {', '.join(LOG_LEVELS)}, "
-                          f"not {server.log_level!r}")  # fmt: skip
+        raise ConfigError(
+            f"server.log_level: one of {', '.join(LOG_LEVELS)}, not {server.log_level!r}"
+        )
     return Config(
         server=server,
         holder=_section(HolderConfig, data.get("holder", {}), "holder", root),
@@ -377,8 +378,10 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
             out.append(f"{ROLE_SECTIONS[role]}.policy: a policy file is required")
     if "holder" in roles or "instance" in roles:
         out += _check_storage(config.storage, max(1, config.server.workers))
-    for section, role, states in (("index", "index", ("memory", "redis", "replicated")),
-                                  ("controller", "pc", ("memory", "redis"))):  # fmt: skip
+    for section, role, states in (
+        ("index", "index", ("memory", "redis", "replicated")),
+        ("controller", "pc", ("memory", "redis")),
+    ):
         state = getattr(config, section).state
         if role in roles and state not in states:
             out.append(f"{section}.state: {state!r} is not one of {', '.join(states)}")
@@ -390,9 +393,11 @@ def check(config: Config, roles: Sequence[str]) -> list[str]:
         out.append('server.workers: at least 1 (or "auto": one per core)')
     elif server.workers > 1:
         if tuple(roles) != ("holder",):
-            out.append(f"server.workers: {server.workers} workers serve the holder role alone "
-                       f"(roles given: {','.join(roles)}); run the index, pc and instance "
-                       "roles in processes of their own")  # fmt: skip
+            out.append(
+                f"server.workers: {server.workers} workers serve the holder role alone "
+                f"(roles given: {','.join(roles)}); run the index, pc and instance "
+                "roles in processes of their own"
+            )
         if server.port == 0:
             out.append("server.port: workers listen on consecutive ports from it; not 0")
         if server.port + server.workers - 1 > 65535:
@@ -418,29 +423,41 @@ def _check_proxy(server: ServerConfig) -> list[str]:
     if trusted == "unix" and not server.unix_socket:
         out.append('server.trusted_proxy: "unix" needs server.unix_socket')
     if trusted and trusted != "unix" and (trusted == "localhost" or not is_loopback(trusted)):
-        out.append(f"server.trusted_proxy: {trusted!r}: \"unix\" or a loopback IP address only "
-                   "(a header from another host could be forged on the way)")  # fmt: skip
+        out.append(
+            f'server.trusted_proxy: {trusted!r}: "unix" or a loopback IP address only '
+            "(a header from another host could be forged on the way)"
+        )
     if server.trusted_proxy_header not in ("x-client-cert", "x-forwarded-client-cert"):
-        out.append(f"server.trusted_proxy_header: {server.trusted_proxy_header!r}; one of "
-                   "x-client-cert (nginx), x-forwarded-client-cert (Envoy, Istio)")  # fmt: skip
+        out.append(
+            f"server.trusted_proxy_header: {server.trusted_proxy_header!r}; one of "
+            "x-client-cert (nginx), x-forwarded-client-cert (Envoy, Istio)"
+        )
     if server.proxy_port:
         if not trusted or trusted == "unix":
-            out.append("server.proxy_port: serves a proxy over TCP; set trusted_proxy to "
-                       "its loopback address (127.0.0.6 for an Istio sidecar)")  # fmt: skip
+            out.append(
+                "server.proxy_port: serves a proxy over TCP; set trusted_proxy to "
+                "its loopback address (127.0.0.6 for an Istio sidecar)"
+            )
         if server.trusted_proxy_uid < 0:
-            out.append("server.proxy_port: set trusted_proxy_uid, the user id of the proxy "
-                       "(Istio's sidecar: 1337): any local process can connect from "
-                       "any loopback address")  # fmt: skip
+            out.append(
+                "server.proxy_port: set trusted_proxy_uid, the user id of the proxy "
+                "(Istio's sidecar: 1337): any local process can connect from "
+                "any loopback address"
+            )
         count = max(1, server.workers)
         ours = set(range(server.proxy_port, server.proxy_port + count))
         if not 0 < server.proxy_port <= 65536 - count:
-            out.append(f"server.proxy_port: {server.proxy_port}: a port, 1-65535, "
-                       "with room for every worker's")  # fmt: skip
+            out.append(
+                f"server.proxy_port: {server.proxy_port}: a port, 1-65535, "
+                "with room for every worker's"
+            )
         elif ours & set(range(server.port, server.port + count)):
             out.append("server.proxy_port: overlaps the TLS listener's ports")
     if trusted and server.insecure_http:
-        out.append("server.trusted_proxy: not with insecure_http (a request without the "
-                   "proxy's header would be anonymous)")  # fmt: skip
+        out.append(
+            "server.trusted_proxy: not with insecure_http (a request without the "
+            "proxy's header would be anonymous)"
+        )
     return out
 
 
@@ -453,8 +470,10 @@ def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
         out.append("storage.tiers: at least one [[storage.tiers]] is required")
     for index, tier in enumerate(cfg.tiers):
         if tier.backend not in BACKENDS:
-            out.append(f"storage.tiers[{index}].backend: {tier.backend!r} is an unknown "
-                       f"backend; known: {', '.join(sorted(BACKENDS))}")  # fmt: skip
+            out.append(
+                f"storage.tiers[{index}].backend: {tier.backend!r} is an unknown "
+                f"backend; known: {', '.join(sorted(BACKENDS))}"
+            )
             continue
         if (extra := missing_extra(tier.backend)) is not None:
             out.append(f"storage.tiers[{index}].backend: {extra}")
@@ -464,9 +483,11 @@ def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
             # LMDB never grows its map: a capacity above it fills the map
             # first, and PUTs fail as "full" with room left by the count.
             each = f" (of each of {workers} workers)" if workers > 1 else ""
-            out.append(f"storage.tiers[{index}].map_size: {map_size} octets, not above its "
-                       f"capacity{each} of {share}; LMDB's map must exceed the capacity "
-                       "(leave room for layer tables: capacity + 10%)")  # fmt: skip
+            out.append(
+                f"storage.tiers[{index}].map_size: {map_size} octets, not above its "
+                f"capacity{each} of {share}; LMDB's map must exceed the capacity "
+                "(leave room for layer tables: capacity + 10%)"
+            )
         deadline = tier.options.get("deadline_s")
         if deadline is not None and (
             isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0
@@ -477,8 +498,9 @@ def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
     if not 0 <= cfg.demote_above < 1:
         out.append("storage.demote_above: a fraction of a tier's capacity, 0 <= x < 1 (0: off)")
     if cfg.write_through and not any(t.backend in PERSISTENT_BACKENDS for t in cfg.tiers[1:]):
-        out.append("storage.write_through: needs a persistent tier (lmdb, redis, s3) "
-                   "below the first one")  # fmt: skip
+        out.append(
+            "storage.write_through: needs a persistent tier (lmdb, redis, s3) below the first one"
+        )
     return out
 
 
@@ -488,9 +510,13 @@ _AT_LEAST_ONE = {
     "holder": ("max_block_octets", "max_json_octets", "max_lease_keys", "replica_ttl_ms"),
     "index": ("max_json_octets", "max_targets", "max_lookup_keys", "max_ttl_ms"),
     "controller": ("max_json_octets", "max_place_keys", "max_checkpoint_octets"),
-    "instance": ("max_json_octets", "max_directive_blocks", "load_deadline_ms",
-                 "resume_deadline_ms"),
-}  # fmt: skip
+    "instance": (
+        "max_json_octets",
+        "max_directive_blocks",
+        "load_deadline_ms",
+        "resume_deadline_ms",
+    ),
+}
 
 
 def _check_limits(config: Config, roles: Sequence[str]) -> list[str]:
@@ -531,9 +557,14 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
 def _section_classes() -> dict[str, type]:
-    return {"server": ServerConfig, "holder": HolderConfig, "index": IndexConfig,
-            "controller": ControllerConfig, "instance": InstanceConfig,
-            "storage": StorageConfig}  # fmt: skip
+    return {
+        "server": ServerConfig,
+        "holder": HolderConfig,
+        "index": IndexConfig,
+        "controller": ControllerConfig,
+        "instance": InstanceConfig,
+        "storage": StorageConfig,
+    }
 
 
 def _env_value(name: str, raw: str, default: Any) -> Any:
@@ -574,8 +605,10 @@ def apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> dict[
             raise ConfigError(f"{name}: {section!r} is not a section ({', '.join(_SECTIONS)})")
         known = {f.name: f.default for f in fields(classes[section]) if is_key(f)}
         if key not in known or key == "tiers":
-            raise ConfigError(f"{name}: {section}.{key}: unknown key; known: "
-                              f"{sorted(k for k in known if k != 'tiers')}")  # fmt: skip
+            raise ConfigError(
+                f"{name}: {section}.{key}: unknown key; known: "
+                f"{sorted(k for k in known if k != 'tiers')}"
+            )
         target = out.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"{section}: must be a table")

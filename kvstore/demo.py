@@ -68,10 +68,19 @@ class Node:
     def start(self, timeout: float = 60.0) -> None:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvstore", "serve", "--roles", self.roles,
-                 "--config", str(self.config)],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstore",
+                    "serve",
+                    "--roles",
+                    self.roles,
+                    "--config",
+                    str(self.config),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         wait_for_port(self.port, timeout, self.log)
 
     def kill(self) -> None:
@@ -124,8 +133,9 @@ class Cluster:
         ports = {name: free_port() for name in ("control", "h1", *self.instances)}
         base = {name: f"https://127.0.0.1:{port}" for name, port in ports.items()}
         uris = self.uris
-        uris.update(index=f"{base['control']}/is/", pc=f"{base['control']}/pc/",
-                    h1=f"{base['h1']}/kvsp/")  # fmt: skip
+        uris.update(
+            index=f"{base['control']}/is/", pc=f"{base['control']}/pc/", h1=f"{base['h1']}/kvsp/"
+        )
         for name in self.instances:
             uris[name] = f"{base[name]}/ii/"
             uris[f"{name}-holder"] = f"{base[name]}/kvsp/"
@@ -137,19 +147,26 @@ class Cluster:
         }
         for name in self.instances:
             principals[f"urn:kvstore:{name}"] = {
-                "roles": ["instance", "holder"], "instance": uris[name],
-                "holder": uris[f"{name}-holder"], "read_scopes": ["*"], "write_scopes": ["*"],
-            }  # fmt: skip
+                "roles": ["instance", "holder"],
+                "instance": uris[name],
+                "holder": uris[f"{name}-holder"],
+                "read_scopes": ["*"],
+                "write_scopes": ["*"],
+            }
         (root / "policy.json").write_text(json.dumps({"principals": principals}, indent=1))
 
         def server(port: int) -> str:
-            return (f'[server]\nhost = "127.0.0.1"\nport = {port}\n'
-                    'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\n'
-                    'cafile = "certs/ca.pem"\n')  # fmt: skip
+            return (
+                f'[server]\nhost = "127.0.0.1"\nport = {port}\n'
+                'certfile = "certs/server.pem"\nkeyfile = "certs/server.key"\n'
+                'cafile = "certs/ca.pem"\n'
+            )
 
         def cert(name: str) -> str:
-            return (f'client_certfile = "certs/client-{name}.pem"\n'
-                    f'client_keyfile = "certs/client-{name}.key"\n')  # fmt: skip
+            return (
+                f'client_certfile = "certs/client-{name}.pem"\n'
+                f'client_keyfile = "certs/client-{name}.key"\n'
+            )
 
         tiers = '[[storage.tiers]]\nbackend = "host"\ncapacity = 268435456\n'
         configs = {
@@ -162,13 +179,16 @@ class Cluster:
             + cert("pc"),
             "h1": server(ports["h1"])
             + f'[holder]\nuri = "{uris["h1"]}"\npolicy = "policy.json"\n'
-            + f'index_uri = "{uris["index"]}"\n' + cert("h1") + tiers,
-        }  # fmt: skip
+            + f'index_uri = "{uris["index"]}"\n'
+            + cert("h1")
+            + tiers,
+        }
         for name in self.instances:
             configs[name] = (
                 server(ports[name])
                 + f'[holder]\nuri = "{uris[name + "-holder"]}"\npolicy = "policy.json"\n'
-                + f'index_uri = "{uris["index"]}"\n' + cert(name)
+                + f'index_uri = "{uris["index"]}"\n'
+                + cert(name)
                 + f'[instance]\nuri = "{uris[name]}"\npolicy = "policy.json"\n'
                 + f'controller_uri = "{uris["pc"]}"\nindex_uri = "{uris["index"]}"\n'
                 + cert(name)
@@ -177,13 +197,19 @@ class Cluster:
                 + f"block_tokens = {self.block_tokens}\n"
                 + f'scope_keys = ["scope.key"]\nstore_blocks_to = ["{uris["h1"]}"]\n'
                 + "checkpoint_tokens = 8\nrelease_tokens = 4\n"
-                + f"token_interval_ms = {self.token_interval_ms}\n" + tiers
-            )  # fmt: skip
+                + f"token_interval_ms = {self.token_interval_ms}\n"
+                + tiers
+            )
         roles = {"control": "index,pc", "h1": "holder"}
         for name, text in configs.items():
             (root / f"{name}.toml").write_text(text)
-            self.nodes[name] = Node(name, roles.get(name, "holder,instance"), ports[name],
-                                    root / f"{name}.toml", root / f"{name}.log")  # fmt: skip
+            self.nodes[name] = Node(
+                name,
+                roles.get(name, "holder,instance"),
+                ports[name],
+                root / f"{name}.toml",
+                root / f"{name}.log",
+            )
 
     def start(self) -> None:
         if not self.nodes:
@@ -210,8 +236,11 @@ class Cluster:
         from .tls import client_context
 
         certs = self.root / "certs"
-        return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                              str(certs / f"client-{name}.key"))  # fmt: skip
+        return client_context(
+            str(certs / "ca.pem"),
+            str(certs / f"client-{name}.pem"),
+            str(certs / f"client-{name}.key"),
+        )
 
     def keys(self, tokens: list[int]) -> list[str]:
         compat = bytes.fromhex(self.engine.descriptor.compat_id_hex)
@@ -238,8 +267,12 @@ class Cluster:
     async def wait_active(self, names: tuple[str, ...], timeout: float = 30.0) -> None:
         """Until the PC places on each of ``names`` (their status arrived, S1)."""
         deadline = time.monotonic() + timeout
-        probe = {"scope_id": self.scope_id, "compat_id": self.engine.descriptor.compat_id_hex,
-                 "block_keys": ["0" * 64], "tokens": 1}  # fmt: skip
+        probe = {
+            "scope_id": self.scope_id,
+            "compat_id": self.engine.descriptor.compat_id_hex,
+            "block_keys": ["0" * 64],
+            "tokens": 1,
+        }
         while True:
             try:
                 answer = await self.admin("POST", "place", probe)
@@ -257,8 +290,13 @@ class Cluster:
         from .instance.engine import sample
         from .protocol.control import Sampler
 
-        spec = Sampler(sampler.get("method", "greedy"), sampler.get("seed", 0), 0, False,
-                       {"p": 1.0, "temperature": 1.0, **sampler.get("params", {})})  # fmt: skip
+        spec = Sampler(
+            sampler.get("method", "greedy"),
+            sampler.get("seed", 0),
+            0,
+            False,
+            {"p": 1.0, "temperature": 1.0, **sampler.get("params", {})},
+        )
         run = self.engine.prefill(prompt)
         out: list[int] = []
         for step in range(n):
@@ -305,8 +343,9 @@ async def prefix_reuse(cluster: Cluster, n: int = 16) -> dict[str, Any]:
     shared = len(cluster.keys(first[:-1]))
     async with IndexClient(cluster.uris["index"], cluster.context("frontend")) as index:
         deadline = time.monotonic() + 20
-        while (await index.lookup(LookupRequest(cluster.scope_id, compat, tuple(keys)))
-               ).matched < shared:  # fmt: skip
+        while (
+            await index.lookup(LookupRequest(cluster.scope_id, compat, tuple(keys)))
+        ).matched < shared:
             if time.monotonic() > deadline:
                 raise RuntimeError("the prompt's blocks were never published")
             await asyncio.sleep(0.1)
@@ -315,28 +354,46 @@ async def prefix_reuse(cluster: Cluster, n: int = 16) -> dict[str, Any]:
         request_ref = str(uuid.uuid4())
         connector = aiohttp.TCPConnector(ssl=cluster.context("frontend"))
         async with aiohttp.ClientSession(connector=connector) as http:
-            body = {"scope_id": cluster.scope_id, "compat_id": compat, "block_keys": keys,
-                    "tokens": len(second), "request_ref": request_ref}  # fmt: skip
+            body = {
+                "scope_id": cluster.scope_id,
+                "compat_id": compat,
+                "block_keys": keys,
+                "tokens": len(second),
+                "request_ref": request_ref,
+            }
             async with http.post(cluster.uris["pc"] + "place", json=body) as response:
                 placement = await response.json()
                 if response.status != 200:
                     raise RuntimeError(f"place: {placement}")
         chosen = next(n for n in cluster.instances if cluster.uris[n] == placement["instance"])
         started = time.monotonic()
-        out_b, end_b, _ = await generate(cluster, chosen, second, n, request_ref=request_ref,
-                                         logprobs=True)  # fmt: skip
+        out_b, end_b, _ = await generate(
+            cluster, chosen, second, n, request_ref=request_ref, logprobs=True
+        )
         wall_b = time.monotonic() - started
     finally:
         await cluster.set_state("a", "active")
     return {
-        "first": {"instance": "a", "prompt_tokens": len(first), "stats": end_a["stats"],
-                  "tokens": [t.token for t in out_a], "wall_s": wall_a, "ttft_ms": ttft_a},
+        "first": {
+            "instance": "a",
+            "prompt_tokens": len(first),
+            "stats": end_a["stats"],
+            "tokens": [t.token for t in out_a],
+            "wall_s": wall_a,
+            "ttft_ms": ttft_a,
+        },
         "placement": placement,
-        "second": {"instance": chosen, "prompt_tokens": len(second), "stats": end_b["stats"],
-                   "tokens": [t.token for t in out_b], "wall_s": wall_b,
-                   "logprobs": [t.logprob for t in out_b], "prompt": second},
+        "second": {
+            "instance": chosen,
+            "prompt_tokens": len(second),
+            "stats": end_b["stats"],
+            "tokens": [t.token for t in out_b],
+            "wall_s": wall_b,
+            "logprobs": [t.logprob for t in out_b],
+            "prompt": second,
+        },
         "shared_blocks": shared,
-    }  # fmt: skip
+    }
 
 
 async def migration(
@@ -353,8 +410,9 @@ async def migration(
         body["sampler"] = sampler
     delivered: list[Any] = []
     killed_at = moved_at = None
-    async with FrontEnd(cluster.uris["pc"], cluster.context("frontend"),
-                        follow_timeout_s=30) as front:  # fmt: skip
+    async with FrontEnd(
+        cluster.uris["pc"], cluster.context("frontend"), follow_timeout_s=30
+    ) as front:
         started = time.monotonic()
         async for token in front.generate(cluster.uris["a"], body):
             delivered.append(token)
@@ -367,12 +425,18 @@ async def migration(
         end = front.last_end
     resumed_at = next((e for e in events if e.get("event") == "session" and e["epoch"] > 1), None)
     return {
-        "prompt": prompt, "tokens": [t.token for t in delivered],
-        "indexes": [t.index for t in delivered], "epochs": [t.epoch for t in delivered],
-        "events": events, "end": end, "killed_at_s": (killed_at or started) - started,
-        "wall_s": time.monotonic() - started, "resumed": resumed_at, "kill_after": kill_after,
+        "prompt": prompt,
+        "tokens": [t.token for t in delivered],
+        "indexes": [t.index for t in delivered],
+        "epochs": [t.epoch for t in delivered],
+        "events": events,
+        "end": end,
+        "killed_at_s": (killed_at or started) - started,
+        "wall_s": time.monotonic() - started,
+        "resumed": resumed_at,
+        "kill_after": kill_after,
         "moved_after_s": None if moved_at is None or killed_at is None else moved_at - killed_at,
-    }  # fmt: skip
+    }
 
 
 async def as_pc(cluster: Cluster, method: str, instance: str, path: str, body: Any = None) -> Any:
@@ -416,8 +480,9 @@ async def resharding(cluster: Cluster, blocks: int = 8) -> dict[str, Any]:
     compat = cluster.engine.descriptor.compat_id_hex
     async with IndexClient(cluster.uris["index"], cluster.context("frontend")) as index:
         deadline = time.monotonic() + 20
-        while (await index.lookup(LookupRequest(cluster.scope_id, compat, tuple(keys)))
-               ).matched < blocks:  # fmt: skip
+        while (
+            await index.lookup(LookupRequest(cluster.scope_id, compat, tuple(keys)))
+        ).matched < blocks:
             if time.monotonic() > deadline:
                 raise RuntimeError("the context's blocks were never published")
             await asyncio.sleep(0.1)
@@ -428,9 +493,19 @@ async def resharding(cluster: Cluster, blocks: int = 8) -> dict[str, Any]:
     v2 = [(0, third, "a"), (third, 2 * third, "b"), (2 * third, blocks * size, "c")]
     owned = {n: [[a, b] for a, b, m in v1 if m == n] for n in names}
     for name in names:
-        await as_pc(cluster, "PUT", name, f"contexts/{map_id}", {
-            "scope_id": cluster.scope_id, "compat_id": compat, "block_keys": keys,
-            "version": 1, "ranges": owned[name]})  # fmt: skip
+        await as_pc(
+            cluster,
+            "PUT",
+            name,
+            f"contexts/{map_id}",
+            {
+                "scope_id": cluster.scope_id,
+                "compat_id": compat,
+                "block_keys": keys,
+                "version": 1,
+                "ranges": owned[name],
+            },
+        )
     await cluster.admin("PUT", f"maps/{map_id}", layout(cluster, map_id, 1, v1))
 
     async def held() -> dict[str, Any]:
@@ -461,22 +536,35 @@ async def resharding(cluster: Cluster, blocks: int = 8) -> dict[str, Any]:
         aborted: Any
         try:
             aborted = await cluster.admin(
-                "POST", f"maps/{map_id}/reshard",
-                {"target": layout(cluster, map_id, 4, v2), "deadline_ms": 1500})  # fmt: skip
+                "POST",
+                f"maps/{map_id}/reshard",
+                {"target": layout(cluster, map_id, 4, v2), "deadline_ms": 1500},
+            )
         except RuntimeError as exc:
             aborted = str(exc)
-        after_abort = {n: await as_pc(cluster, "GET", n, f"contexts/{map_id}")
-                       for n in names if n != "c"}  # fmt: skip
+        after_abort = {
+            n: await as_pc(cluster, "GET", n, f"contexts/{map_id}") for n in names if n != "c"
+        }
         current = await cluster.admin("GET", f"maps/{map_id}")
     finally:
         node.process.send_signal(signal.SIGCONT)
     block_octets = cluster.engine.descriptor.block_octets
     return {
-        "map": map_id, "v1": v1, "v2": v2, "block_octets": block_octets,
-        "before": before, "split": out, "after_split": after_split, "split_s": split_s,
-        "merge": back, "after_merge": after_merge, "merge_s": merge_s,
-        "aborted": aborted, "after_abort": after_abort, "current": current,
-    }  # fmt: skip
+        "map": map_id,
+        "v1": v1,
+        "v2": v2,
+        "block_octets": block_octets,
+        "before": before,
+        "split": out,
+        "after_split": after_split,
+        "split_s": split_s,
+        "merge": back,
+        "after_merge": after_merge,
+        "merge_s": merge_s,
+        "aborted": aborted,
+        "after_abort": after_abort,
+        "current": current,
+    }
 
 
 def main(root: str | None = None) -> int:

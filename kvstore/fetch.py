@@ -183,8 +183,13 @@ class _Target:
 class Batch:
     """Requests handed to the pool: their results as each completes."""
 
-    def __init__(self, fetcher: BlockFetcher, requests: Sequence[BlockRequest],
-                 on_done: Callable[[Fetched], None] | None, limit: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fetcher: BlockFetcher,
+        requests: Sequence[BlockRequest],
+        on_done: Callable[[Fetched], None] | None,
+        limit: int | None,
+    ) -> None:
         self._fetcher = fetcher
         self.requests = list(requests)
         self._on_done = on_done
@@ -437,9 +442,11 @@ class BlockFetcher:
     def _fetch_one(self, batch: Batch, i: int, request: BlockRequest) -> Fetched:
         result = Fetched(i, request)
         try:
-            path = block_path(hex_id(request.compat_id, 32, "compat_id"),
-                              hex_id(request.scope_id, 16, "scope_id"),
-                              hex_id(request.block_key, 32, "block_key"))  # fmt: skip
+            path = block_path(
+                hex_id(request.compat_id, 32, "compat_id"),
+                hex_id(request.scope_id, 16, "scope_id"),
+                hex_id(request.block_key, 32, "block_key"),
+            )
         except (KvspError, ValueError) as exc:  # the caller's request, not a holder
             result.errors.append(exc if isinstance(exc, KvspError) else KvspError(str(exc)))
             return result
@@ -450,9 +457,13 @@ class BlockFetcher:
             if batch.cancelled:
                 raise _Cancelled
             if not self.down.up(holder):
-                result.errors.append(HolderUnavailable(
-                    f"{holder}: skipped, it failed within the last {self.down.down_s:g} s",
-                    uri=holder, reason="down"))  # fmt: skip
+                result.errors.append(
+                    HolderUnavailable(
+                        f"{holder}: skipped, it failed within the last {self.down.down_s:g} s",
+                        uri=holder,
+                        reason="down",
+                    )
+                )
                 continue
             try:
                 target = self._target(holder)
@@ -480,8 +491,7 @@ class BlockFetcher:
                 if batch.cancelled:
                     raise _Cancelled from exc
                 self.down.failed(holder)
-                log.info("holder %s unusable for %g s: %s", holder, self.down.down_s,
-                         exc.detail)  # fmt: skip
+                log.info("holder %s unusable for %g s: %s", holder, self.down.down_s, exc.detail)
                 result.errors.append(exc)
                 continue
             except KvspError as exc:  # 5xx, a malformed answer: the next replica
@@ -500,8 +510,9 @@ class BlockFetcher:
         if conn is not None:
             return conn, True
         if target.https:
-            conn = http.client.HTTPSConnection(target.host, target.port, timeout=self.timeout_s,
-                                               context=self._ssl)  # fmt: skip
+            conn = http.client.HTTPSConnection(
+                target.host, target.port, timeout=self.timeout_s, context=self._ssl
+            )
         else:
             conn = http.client.HTTPConnection(target.host, target.port, timeout=self.timeout_s)
         self._local.by_target[target.key] = conn
@@ -515,8 +526,15 @@ class BlockFetcher:
             self._all.discard(conn)
         conn.close()
 
-    def _get(self, batch: Batch, i: int, target: _Target, path: str,
-             record: ReplicaRecord | None, request: BlockRequest) -> memoryview:  # fmt: skip
+    def _get(
+        self,
+        batch: Batch,
+        i: int,
+        target: _Target,
+        path: str,
+        record: ReplicaRecord | None,
+        request: BlockRequest,
+    ) -> memoryview:
         url = f"{'https' if target.https else 'http'}://{target.host}:{target.port}{path}"
         for attempt in (0, 1):
             conn, reused = self._connection(target)
@@ -554,8 +572,14 @@ class BlockFetcher:
                 batch._reading(i, None)
         raise AssertionError("unreachable")
 
-    def _receive(self, batch: Batch, url: str, response: http.client.HTTPResponse,
-                 record: ReplicaRecord | None, request: BlockRequest) -> memoryview:  # fmt: skip
+    def _receive(
+        self,
+        batch: Batch,
+        url: str,
+        response: http.client.HTTPResponse,
+        record: ReplicaRecord | None,
+        request: BlockRequest,
+    ) -> memoryview:
         deadline = time.monotonic() + self.timeout_s
         headers = {k.lower(): v for k, v in response.getheaders()}
         if response.status != 200:
@@ -568,13 +592,16 @@ class BlockFetcher:
         if request.into is not None:
             buffer = _writable(request.into)
             if len(buffer) < length:
-                raise PayloadTooLarge(f"GET {url}: {length} octets do not fit the buffer "
-                                      f"given ({len(buffer)} octets)")  # fmt: skip
+                raise PayloadTooLarge(
+                    f"GET {url}: {length} octets do not fit the buffer given ({len(buffer)} octets)"
+                )
             view = buffer[:length]
         else:
             if length > self.max_octets:
-                raise PayloadTooLarge(f"GET {url}: the holder announces {length} octets, "
-                                      f"more than max_octets ({self.max_octets})")  # fmt: skip
+                raise PayloadTooLarge(
+                    f"GET {url}: the holder announces {length} octets, "
+                    f"more than max_octets ({self.max_octets})"
+                )
             view = memoryview(bytearray(length))
         check = _Check(url, headers, record, self.limits, self.verify, length, request.on_layer)
         filled = 0
@@ -609,20 +636,34 @@ class BlockFetcher:
         these). :class:`PreconditionFailed` when the holder has the block."""
         return self._put_pool.submit(self._put, holder, compat_id, scope_id, block_key, body)
 
-    async def aput(self, holder: str, compat_id: str, scope_id: str, block_key: str,
-                   body: BytesLike | Callable[[], BytesLike]) -> ReplicaRecord:  # fmt: skip
+    async def aput(
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        body: BytesLike | Callable[[], BytesLike],
+    ) -> ReplicaRecord:
         return await asyncio.wrap_future(self.put(holder, compat_id, scope_id, block_key, body))
 
-    def _put(self, holder: str, compat_id: str, scope_id: str, block_key: str,
-             body: BytesLike | Callable[[], BytesLike]) -> ReplicaRecord:  # fmt: skip
+    def _put(
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        body: BytesLike | Callable[[], BytesLike],
+    ) -> ReplicaRecord:
         data = memoryview(body() if callable(body) else body).cast("B")
         header = kc.decode_header(data, self.limits)
         if header is None or header.total_octets != len(data):
             raise MalformedContainer("PUT: the body is not one whole container")
         target = self._target(holder)
-        path = target.path + block_path(hex_id(compat_id, 32, "compat_id"),
-                                        hex_id(scope_id, 16, "scope_id"),
-                                        hex_id(block_key, 32, "block_key"))  # fmt: skip
+        path = target.path + block_path(
+            hex_id(compat_id, 32, "compat_id"),
+            hex_id(scope_id, 16, "scope_id"),
+            hex_id(block_key, 32, "block_key"),
+        )
         url = f"{'https' if target.https else 'http'}://{target.host}:{target.port}{path}"
         sent: bytes | None = None
         for attempt in (0, 1):
@@ -659,9 +700,11 @@ class BlockFetcher:
             assert sent is not None
             stored = ReplicaRecord.from_json(json.loads(answer))
             if bytes.fromhex(stored.digest.removeprefix("sha-256:")) != sent:
-                raise DigestMismatch(f"PUT {url}: the holder's record states replica digest "
-                                     f"{stored.digest}, the octets sent have "
-                                     f"sha-256:{sent.hex()}")  # fmt: skip
+                raise DigestMismatch(
+                    f"PUT {url}: the holder's record states replica digest "
+                    f"{stored.digest}, the octets sent have "
+                    f"sha-256:{sent.hex()}"
+                )
             return stored
         raise AssertionError("unreachable")
 
@@ -707,9 +750,16 @@ class _Check:
     record's the moment the layer is complete, the replica digest at the end
     (BL6). Nothing is copied: each range is hashed where it lies."""
 
-    def __init__(self, url: str, headers: dict[str, str], record: ReplicaRecord | None,
-                 limits: kc.Limits, verify: bool, length: int,
-                 on_layer: Callable[[kc.Layer], None] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        headers: dict[str, str],
+        record: ReplicaRecord | None,
+        limits: kc.Limits,
+        verify: bool,
+        length: int,
+        on_layer: Callable[[kc.Layer], None] | None,
+    ) -> None:
         self.url = url
         self.on_layer = on_layer
         self.verify = verify
@@ -743,24 +793,33 @@ class _Check:
 
     def _start(self, header: kc.ContainerHeader) -> None:
         if header.total_octets != self.length:
-            raise MalformedContainer(f"GET {self.url}: the container's header makes "
-                                     f"{header.total_octets} octets, Content-Length "
-                                     f"{self.length}")  # fmt: skip
+            raise MalformedContainer(
+                f"GET {self.url}: the container's header makes "
+                f"{header.total_octets} octets, Content-Length "
+                f"{self.length}"
+            )
         self.header = header
         offset = header.header_octets
         for n, (k_len, v_len) in enumerate(header.lengths):
-            self.spans.append((header.first_layer + n, offset, offset + k_len,
-                               offset + k_len + v_len))  # fmt: skip
+            self.spans.append(
+                (header.first_layer + n, offset, offset + k_len, offset + k_len + v_len)
+            )
             offset += k_len + v_len
         record = self.record
-        if (self.verify and record is not None and record.layer_digests is not None
-                and header.codec == record.codec):  # fmt: skip
+        if (
+            self.verify
+            and record is not None
+            and record.layer_digests is not None
+            and header.codec == record.codec
+        ):
             # With the replica's codec: every layer against the record (BL6);
             # transcoded, the Repr-Digest alone protects it.
             if header.last_layer >= len(record.layer_digests):
-                raise DigestMismatch(f"GET {self.url}: the record lists "
-                                     f"{len(record.layer_digests)} layer digests, the "
-                                     f"container reaches layer {header.last_layer}")  # fmt: skip
+                raise DigestMismatch(
+                    f"GET {self.url}: the record lists "
+                    f"{len(record.layer_digests)} layer digests, the "
+                    f"container reaches layer {header.last_layer}"
+                )
             self.layer_digests = [bytes.fromhex(d) for d in record.layer_digests]
             self.hashed = header.header_octets
 
@@ -775,8 +834,10 @@ class _Check:
             if self.hashed < stop:
                 return
             if self.layer.digest() != self.layer_digests[index]:
-                raise DigestMismatch(f"GET {self.url}: layer {index} does not match its "
-                                     "layer digest in the replica record")  # fmt: skip
+                raise DigestMismatch(
+                    f"GET {self.url}: layer {index} does not match its "
+                    "layer digest in the replica record"
+                )
             self.layer = hashlib.sha256()
             self.next += 1
             self._hand_over(view, self.next - 1)
@@ -798,18 +859,22 @@ class _Check:
     def _verify(self) -> None:
         assert self.expected is not None and self.header is not None
         if self.whole.digest() != self.expected:
-            raise DigestMismatch(f"GET {self.url}: Repr-Digest does not match the octets "
-                                 "received")  # fmt: skip
+            raise DigestMismatch(f"GET {self.url}: Repr-Digest does not match the octets received")
         record, header = self.record, self.header
-        if (self.layer_digests is None or record is None or header.first_layer != 0
-                or header.layer_count != len(self.layer_digests)):  # fmt: skip
+        if (
+            self.layer_digests is None
+            or record is None
+            or header.first_layer != 0
+            or header.layer_count != len(self.layer_digests)
+        ):
             return
         # All layers came: the replica digest too (BL6).
         if kc.replica_digest(self.layer_digests) != bytes.fromhex(
             record.digest.removeprefix("sha-256:")
         ):
-            raise DigestMismatch(f"GET {self.url}: the record's layer digests do not "
-                                 "make its replica digest")  # fmt: skip
+            raise DigestMismatch(
+                f"GET {self.url}: the record's layer digests do not make its replica digest"
+            )
 
 
 __all__ = ["Batch", "BlockFetcher", "BlockRequest", "Fetched", "Source", "default_threads"]

@@ -34,10 +34,17 @@ from .protocol.wire import block_path
 
 DIRECTORY = ".kvstore"
 EXAMPLE_DESCRIPTOR = {
-    "model": "kvstore-example", "model_digest": "sha-256:" + "0" * 64,
-    "tokenizer_digest": "sha-256:" + "1" * 64, "layers": 2, "kv_heads": 1, "head_dim": 8,
-    "kv_dtype": "fp16", "positional": "none", "block_tokens": 4, "layout": "kvsp-layout-1",
-}  # fmt: skip
+    "model": "kvstore-example",
+    "model_digest": "sha-256:" + "0" * 64,
+    "tokenizer_digest": "sha-256:" + "1" * 64,
+    "layers": 2,
+    "kv_heads": 1,
+    "head_dim": 8,
+    "kv_dtype": "fp16",
+    "positional": "none",
+    "block_tokens": 4,
+    "layout": "kvsp-layout-1",
+}
 EXAMPLE_TOKENS = [128000, 791, 6460, 374]
 
 
@@ -75,32 +82,43 @@ class FirstUse:
                 "  (below, the port is the container's: use the one it is published on)",
             ]
             certs, example = Path("kvstore-certs"), Path("kvstore-example")
-        tls = (f"--cacert {certs / 'ca.pem'} --cert {certs / 'client-client.pem'} "
-               f"--key {certs / 'client-client.key'}")  # fmt: skip
+        tls = (
+            f"--cacert {certs / 'ca.pem'} --cert {certs / 'client-client.pem'} "
+            f"--key {certs / 'client-client.key'}"
+        )
         block = example / "block.kvb"
         first = "made" if self.created else "reused"
-        return "\n".join([
-            f"kvstore: development server ({first} {self.root})",
-            *([f"  {self.note}"] if self.note else []),
-            f"  holder            {self.base}/kvsp/",
-            f"  index service     {self.base}/is/",
-            f"  controller        {self.base}/pc/",
-            f"  health            {self.base}/healthz  {self.base}/readyz",
-            *(take_out or [f"  certificates      {certs} (CA ca.pem; "
-                           "you are client-client.pem/.key)"]),
-            f"  configuration     {self.config}",
-            *([] if container is not None else
-              [f"  what it holds     {_command()} status {self.base}/kvsp/ {self.base}/pc/"]),
-            "",
-            "  store a block (201; 412 once it is there: the key names the prefix, the",
-            "  holder keeps its copy), then fetch it back and compare:",
-            f"    curl {tls} -X PUT -H 'If-None-Match: *' \\",
-            f"      -H 'Content-Type: application/kvsp-block' --data-binary @{block} \\",
-            f"      {self.block_url}",
-            f"    curl {tls} -o /tmp/fetched.kvb \\",
-            f"      {self.block_url} && cmp /tmp/fetched.kvb {block}",
-            "",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"kvstore: development server ({first} {self.root})",
+                *([f"  {self.note}"] if self.note else []),
+                f"  holder            {self.base}/kvsp/",
+                f"  index service     {self.base}/is/",
+                f"  controller        {self.base}/pc/",
+                f"  health            {self.base}/healthz  {self.base}/readyz",
+                *(
+                    take_out
+                    or [f"  certificates      {certs} (CA ca.pem; you are client-client.pem/.key)"]
+                ),
+                f"  configuration     {self.config}",
+                *(
+                    []
+                    if container is not None
+                    else [
+                        f"  what it holds     {_command()} status {self.base}/kvsp/ {self.base}/pc/"
+                    ]
+                ),
+                "",
+                "  store a block (201; 412 once it is there: the key names the prefix, the",
+                "  holder keeps its copy), then fetch it back and compare:",
+                f"    curl {tls} -X PUT -H 'If-None-Match: *' \\",
+                f"      -H 'Content-Type: application/kvsp-block' --data-binary @{block} \\",
+                f"      {self.block_url}",
+                f"    curl {tls} -o /tmp/fetched.kvb \\",
+                f"      {self.block_url} && cmp /tmp/fetched.kvb {block}",
+                "",
+            ]
+        )
 
 
 def _command() -> str:
@@ -160,13 +178,27 @@ def _public_base(host: str, port: int) -> str:
 
 
 def _policy(base: str) -> str:
-    return json.dumps({"principals": {
-        "urn:kvstore:client": {"roles": ["admin", "metrics"], "read_scopes": ["*"],
-                               "write_scopes": ["*"]},
-        "urn:kvstore:holder": {"roles": ["holder"], "holder": f"{base}/kvsp/",
-                               "write_scopes": ["*"]},
-        "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
-    }}, indent=2) + "\n"  # fmt: skip
+    return (
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:client": {
+                        "roles": ["admin", "metrics"],
+                        "read_scopes": ["*"],
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:holder": {
+                        "roles": ["holder"],
+                        "holder": f"{base}/kvsp/",
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
+                }
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def _moved(root: Path, host: str | None, port: int | None) -> tuple[str, str]:
@@ -232,8 +264,11 @@ def _prepare(root: Path, port: int | None, host: str | None) -> FirstUse:
     if created:
         base = _public_base(host, port)
     if not (root / "certs" / "ca.pem").exists():
-        create_dev_certificates(root / "certs", ["client", "holder", "pc"],
-                                hosts=("localhost", "127.0.0.1", "::1", host))  # fmt: skip
+        create_dev_certificates(
+            root / "certs",
+            ["client", "holder", "pc"],
+            hosts=("localhost", "127.0.0.1", "::1", host),
+        )
     if not (root / "storage.key").exists():
         fd = os.open(root / "storage.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as out:
@@ -264,8 +299,7 @@ def _prepare(root: Path, port: int | None, host: str | None) -> FirstUse:
 
 
 def _config(base: str, host: str, port: int) -> str:
-    client = ('client_certfile = "certs/client-{0}.pem"\n'
-              'client_keyfile = "certs/client-{0}.key"\n')  # fmt: skip
+    client = 'client_certfile = "certs/client-{0}.pem"\nclient_keyfile = "certs/client-{0}.key"\n'
     return f"""# Made by `kvstore serve` on its first start; edit freely.
 [server]
 host = "{host}"

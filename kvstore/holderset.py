@@ -88,10 +88,16 @@ class BlockClient(Protocol):
     ) -> ReplicaRecord: ...
 
     async def get_block(
-        self, holder: str, compat_id: str, scope_id: str, block_key: str, *,
-        layers: tuple[int, int] | None = None, codec: int | None = None,
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        codec: int | None = None,
         record: ReplicaRecord | None = None,
-    ) -> bytes: ...  # fmt: skip
+    ) -> bytes: ...
 
 
 class NoHolder(KvspError):
@@ -112,9 +118,12 @@ class HolderSet:
     rediscover_s = 30.0
 
     def __init__(
-        self, seeds: Sequence[str], *, down_s: float = 5.0,
+        self,
+        seeds: Sequence[str],
+        *,
+        down_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not seeds:
             raise ValueError("a holder set needs at least one holder URI")
         self.seeds = tuple(dict.fromkeys(base(s) for s in seeds))
@@ -145,8 +154,9 @@ class HolderSet:
             except KvspError as exc:
                 listed = [seed]  # a lone holder (404), another implementation (any 4xx)
                 if fails_holder(exc):  # unreachable, 5xx: asked again later
-                    log.warning("holder %s: no shard list (%s); using it alone for now",
-                                seed, exc.detail)  # fmt: skip
+                    log.warning(
+                        "holder %s: no shard list (%s); using it alone for now", seed, exc.detail
+                    )
                     complete = False
             found.update(dict.fromkeys(listed or [seed]))
         self.holders = tuple(found)
@@ -164,8 +174,12 @@ class HolderSet:
     def failed(self, holder: str, exc: BaseException | None = None) -> None:
         """Skip ``holder`` for ``down_s`` (a request to it failed)."""
         self.down.failed(holder)
-        log.warning("holder %s failed (%s); skipped for %.0f s", holder,
-                    getattr(exc, "detail", exc), self.down_s)  # fmt: skip
+        log.warning(
+            "holder %s failed (%s); skipped for %.0f s",
+            holder,
+            getattr(exc, "detail", exc),
+            self.down_s,
+        )
 
     def order(self, block_key: str) -> list[str]:
         """The set in rendezvous order for ``block_key``, holders marked
@@ -177,9 +191,13 @@ class HolderSet:
         return self.order(block_key)[0]
 
     async def put_block(
-        self, client: BlockClient, compat_id: str, scope_id: str, block_key: str,
+        self,
+        client: BlockClient,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
         data: BytesLike,
-    ) -> tuple[str, ReplicaRecord | None]:  # fmt: skip
+    ) -> tuple[str, ReplicaRecord | None]:
         """Store a block at the first holder of its order that takes it:
         ``(holder, record)``; the record is None when that holder had it
         already (BL7's 412). A holder with no room (507) passes it to the
@@ -188,8 +206,7 @@ class HolderSet:
         last: BaseException | None = None
         for holder in self.order(block_key):
             try:
-                return holder, await client.put_block(holder, compat_id, scope_id, block_key,
-                                                      data)  # fmt: skip
+                return holder, await client.put_block(holder, compat_id, scope_id, block_key, data)
             except PreconditionFailed:
                 return holder, None
             except KvspError as exc:
@@ -203,10 +220,16 @@ class HolderSet:
         raise NoHolder(f"no holder of {len(self.holders)} took block {block_key[:16]}: {last}")
 
     async def get_block(
-        self, client: BlockClient, compat_id: str, scope_id: str, block_key: str, *,
-        layers: tuple[int, int] | None = None, record: ReplicaRecord | None = None,
+        self,
+        client: BlockClient,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        record: ReplicaRecord | None = None,
         tries: int = 2,
-    ) -> tuple[str, bytes]:  # fmt: skip
+    ) -> tuple[str, bytes]:
         """Fetch (and verify, BL6) a block from the first of its order that
         serves it, asking at most ``tries`` holders: a block is at the first
         holder of its order unless that one was down when it was written.
@@ -215,8 +238,9 @@ class HolderSet:
         last: BaseException | None = None
         for holder in self.order(block_key)[:tries]:
             try:
-                return holder, await client.get_block(holder, compat_id, scope_id, block_key,
-                                                      layers=layers, record=record)  # fmt: skip
+                return holder, await client.get_block(
+                    holder, compat_id, scope_id, block_key, layers=layers, record=record
+                )
             except NotFound as exc:
                 missing += 1
                 last = exc

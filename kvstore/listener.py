@@ -62,9 +62,12 @@ def server_class() -> Any:
         """
 
         def __init__(
-            self, config: Any, listening: Listening, shutdown: Shutdown,
+            self,
+            config: Any,
+            listening: Listening,
+            shutdown: Shutdown,
             proxy_sockets: Sequence[tuple[socket.socket, str]] = (),
-        ) -> None:  # fmt: skip
+        ) -> None:
             super().__init__(config)
             self.listening, self.shutdown_budget = listening, shutdown
             self.proxy_sockets = proxy_sockets
@@ -87,9 +90,11 @@ def server_class() -> Any:
             def create_protocol(_loop: Any = None) -> asyncio.Protocol:
                 protocol: Any = getattr(config, "kvstore_plain_protocol")  # noqa: B009
                 return protocol(  # type: ignore[no-any-return]
-                    config=config, server_state=self.server_state,
-                    app_state=self.lifespan.state, _loop=_loop,
-                )  # fmt: skip
+                    config=config,
+                    server_state=self.server_state,
+                    app_state=self.lifespan.state,
+                    _loop=_loop,
+                )
 
             server = await asyncio.get_running_loop().create_server(
                 create_protocol, sock=sock, backlog=config.backlog
@@ -110,8 +115,11 @@ def server_class() -> Any:
                 log.warning("signal %d while stopping: finishing the stop first", sig)
             else:
                 self.shutdown_budget.begin()
-                log.info("stopping (signal %d): in-flight requests get %.0f s", sig,
-                         self.config.timeout_graceful_shutdown or 0)  # fmt: skip
+                log.info(
+                    "stopping (signal %d): in-flight requests get %.0f s",
+                    sig,
+                    self.config.timeout_graceful_shutdown or 0,
+                )
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -216,8 +224,10 @@ def check_tls_files(config: Config) -> None:
     try:
         server_context(server.certfile, server.keyfile, server.cafile)
     except (ssl.SSLError, ValueError) as exc:
-        raise ConfigError(f"server.certfile/keyfile/cafile ({server.certfile}, "
-                          f"{server.keyfile}, {server.cafile}): {exc}") from None  # fmt: skip
+        raise ConfigError(
+            f"server.certfile/keyfile/cafile ({server.certfile}, "
+            f"{server.keyfile}, {server.cafile}): {exc}"
+        ) from None
 
 
 def bind_listener(config: Config) -> socket.socket:
@@ -225,8 +235,9 @@ def bind_listener(config: Config) -> socket.socket:
     port in use is one line (a ConfigError), and nothing was touched."""
     host, port = config.server.host, config.server.port
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)  # fmt: skip
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
         raise ConfigError(f"server.host: {host!r}: {exc.strerror}") from None
     family, kind, proto, _, address = infos[0]
@@ -242,8 +253,10 @@ def bind_listener(config: Config) -> socket.socket:
     except OSError as exc:
         sock.close()
         hint = " (another server there? --port or KVSTORE_SERVER__PORT picks another)"
-        raise ConfigError(f"server.port: cannot listen on {host}:{port}: {exc.strerror}"
-                          + (hint if exc.errno == errno.EADDRINUSE else "")) from None  # fmt: skip
+        raise ConfigError(
+            f"server.port: cannot listen on {host}:{port}: {exc.strerror}"
+            + (hint if exc.errno == errno.EADDRINUSE else "")
+        ) from None
     sock.set_inheritable(True)
     return sock
 

@@ -147,9 +147,13 @@ class CountersCollector(Collector):
 class Metrics:
     """A registry plus the request instruments of one app."""
 
-    def __init__(self, store: Snapshots | None = None,
-                 publisher: PublisherStatsSource | None = None, counters: Any = None,
-                 counters_prefix: str = "kvstore") -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Snapshots | None = None,
+        publisher: PublisherStatsSource | None = None,
+        counters: Any = None,
+        counters_prefix: str = "kvstore",
+    ) -> None:
         self.registry = CollectorRegistry()
         #: Labels every sample carries (set for a worker by ``kvstore serve``).
         self.labels: dict[str, str] = {}
@@ -190,8 +194,9 @@ class _Labelled:
 
     def collect(self) -> Iterator[Any]:
         for family in self.registry.collect():
-            family.samples = [s._replace(labels={**s.labels, **self.labels})
-                              for s in family.samples]  # fmt: skip
+            family.samples = [
+                s._replace(labels={**s.labels, **self.labels}) for s in family.samples
+            ]
             yield family
 
 
@@ -237,5 +242,12 @@ class MetricsMiddleware:
             m.sent.labels(route).inc(sent)
             # One line per request at debug level; paths carry keys and scope
             # ids, never a scope key, and bodies are never logged.
-            log.debug("%s %s %d in=%d out=%d %.1fms", scope["method"], scope["path"], status,
-                      received, sent, 1000 * (time.perf_counter() - start))  # fmt: skip
+            log.debug(
+                "%s %s %d in=%d out=%d %.1fms",
+                scope["method"],
+                scope["path"],
+                status,
+                received,
+                sent,
+                1000 * (time.perf_counter() - start),
+            )

@@ -32,71 +32,115 @@ COMPONENTS: dict[str, Any] = {
         "type": "object",
         "description": "RFC 9457 problem details (H3); KVSP types are "
         "https://iana.org/assignments/kvsp#<suffix>",
-        "properties": {"type": {"type": "string"}, "title": {"type": "string"},
-                       "status": {"type": "integer"}, "detail": {"type": "string"}},
+        "properties": {
+            "type": {"type": "string"},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+        },
         "required": ["type", "title", "status"],
     },
     "Residency": {
         "type": "object",
-        "properties": {"tier": {"type": "string"}, "layers": RANGE,
-                       "read_mbit_per_s": {"type": ["number", "null"]}},
+        "properties": {
+            "tier": {"type": "string"},
+            "layers": RANGE,
+            "read_mbit_per_s": {"type": ["number", "null"]},
+        },
         "required": ["tier", "layers"],
     },
     "ReplicaRecord": {
         "type": "object",
         "description": "R2",
         "properties": {
-            "block_key": HEX32, "compat_id": HEX32, "scope_id": HEX16, "holder": URI,
-            "codec": {"type": "integer"}, "size": {"type": "integer"}, "digest": DIGEST,
+            "block_key": HEX32,
+            "compat_id": HEX32,
+            "scope_id": HEX16,
+            "holder": URI,
+            "codec": {"type": "integer"},
+            "size": {"type": "integer"},
+            "digest": DIGEST,
             "layer_digests": {"type": ["array", "null"], "items": HEX32},
             "residency": {"type": "array", "items": {"$ref": "#/components/schemas/Residency"}},
-            "ttl_ms": {"type": "integer"}, "moqt_namespace": {"type": ["string", "null"]},
+            "ttl_ms": {"type": "integer"},
+            "moqt_namespace": {"type": ["string", "null"]},
         },
-        "required": ["block_key", "compat_id", "scope_id", "holder", "codec", "size", "digest",
-                     "residency", "ttl_ms"],
+        "required": [
+            "block_key",
+            "compat_id",
+            "scope_id",
+            "holder",
+            "codec",
+            "size",
+            "digest",
+            "residency",
+            "ttl_ms",
+        ],
     },
     "LeaseRequest": {
         "type": "object",
-        "properties": {"block_keys": {"type": "array", "items": HEX32, "minItems": 1},
-                       "ttl_ms": {"type": "integer", "minimum": 1},
-                       "scope_id": HEX16, "compat_id": HEX32},
+        "properties": {
+            "block_keys": {"type": "array", "items": HEX32, "minItems": 1},
+            "ttl_ms": {"type": "integer", "minimum": 1},
+            "scope_id": HEX16,
+            "compat_id": HEX32,
+        },
         "required": ["block_keys", "ttl_ms"],
     },
     "LeaseGrant": {
         "type": "object",
-        "properties": {"lease": {"type": "string"}, "ttl_ms": {"type": "integer"},
-                       "block_keys": {"type": "array", "items": HEX32}},
+        "properties": {
+            "lease": {"type": "string"},
+            "ttl_ms": {"type": "integer"},
+            "block_keys": {"type": "array", "items": HEX32},
+        },
         "required": ["lease", "ttl_ms"],
     },
     "LookupRequest": {
         "type": "object",
         "description": "L1; shapes_only is ours",
-        "properties": {"scope_id": HEX16, "compat_id": HEX32,
-                       "block_keys": {"type": "array", "items": HEX32},
-                       "targets": {"type": ["array", "null"], "items": URI},
-                       "shapes_only": {"type": ["boolean", "null"]}},
+        "properties": {
+            "scope_id": HEX16,
+            "compat_id": HEX32,
+            "block_keys": {"type": "array", "items": HEX32},
+            "targets": {"type": ["array", "null"], "items": URI},
+            "shapes_only": {"type": ["boolean", "null"]},
+        },
         "required": ["scope_id", "compat_id", "block_keys"],
     },
     "PlaceRequest": {
         "type": "object",
         "description": "ours: the keys as block_keys (hex) or block_keys_b64 (base64 of "
-                       "their 32 octets each, concatenated), not both",
-        "properties": {"scope_id": HEX16, "compat_id": HEX32,
-                       "block_keys": {"type": "array", "items": HEX32},
-                       "block_keys_b64": {"type": "string", "contentEncoding": "base64"},
-                       "tokens": {"type": "integer", "minimum": 0},
-                       "request_ref": {"type": "string", "maxLength": 256}},
+        "their 32 octets each, concatenated), not both",
+        "properties": {
+            "scope_id": HEX16,
+            "compat_id": HEX32,
+            "block_keys": {"type": "array", "items": HEX32},
+            "block_keys_b64": {"type": "string", "contentEncoding": "base64"},
+            "tokens": {"type": "integer", "minimum": 0},
+            "request_ref": {"type": "string", "maxLength": 256},
+        },
         "required": ["scope_id", "compat_id"],
     },
     "LookupResponse": {
         "type": "object",
         "properties": {
             "matched": {"type": "integer", "minimum": 0},
-            "replicas": {"type": "array", "items": {
-                "type": "array", "items": {"$ref": "#/components/schemas/ReplicaRecord"}}},
-            "targets": {"type": "array", "items": {"type": "object", "properties": {
-                "instance": URI, "fetch_us": {"type": ["number", "null"]},
-                "recompute_us": {"type": ["number", "null"]}}}},
+            "replicas": {
+                "type": "array",
+                "items": {"type": "array", "items": {"$ref": "#/components/schemas/ReplicaRecord"}},
+            },
+            "targets": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "instance": URI,
+                        "fetch_us": {"type": ["number", "null"]},
+                        "recompute_us": {"type": ["number", "null"]},
+                    },
+                },
+            },
             "shapes": {"type": "object"},
         },
         "required": ["matched"],
@@ -105,52 +149,104 @@ COMPONENTS: dict[str, Any] = {
         "type": "object",
         "description": "R3",
         "properties": {
-            "instance": URI, "epoch": {"type": "integer", "minimum": 0},
+            "instance": URI,
+            "epoch": {"type": "integer", "minimum": 0},
             "state": {"enum": ["active", "draining", "sleeping", "failed"]},
-            "running": U32, "queued": U32, "batch_size": U32,
+            "running": U32,
+            "queued": U32,
+            "batch_size": U32,
             "kv_utilization": {"type": "number", "minimum": 0, "maximum": 1},
             "prefill_tokens_per_s": {"type": "number", "minimum": 0},
             "decode_tokens_per_s": {"type": "number", "minimum": 0},
-            "links": {"type": "array", "items": {"type": "object", "properties": {
-                "holder": URI, "mbit_per_s": {"type": "number"}, "rtt_us": {"type": "number"}},
-                "required": ["holder", "mbit_per_s", "rtt_us"]}},
+            "links": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "holder": URI,
+                        "mbit_per_s": {"type": "number"},
+                        "rtt_us": {"type": "number"},
+                    },
+                    "required": ["holder", "mbit_per_s", "rtt_us"],
+                },
+            },
             "requested_state": {"enum": ["active", "draining", "sleeping", "failed", None]},
             "ttl_ms": {"type": "integer", "minimum": 1},
         },
-        "required": ["instance", "epoch", "state", "running", "queued", "batch_size",
-                     "kv_utilization", "prefill_tokens_per_s", "decode_tokens_per_s", "ttl_ms"],
+        "required": [
+            "instance",
+            "epoch",
+            "state",
+            "running",
+            "queued",
+            "batch_size",
+            "kv_utilization",
+            "prefill_tokens_per_s",
+            "decode_tokens_per_s",
+            "ttl_ms",
+        ],
     },
-    "StateChange": {"type": "object",
-                    "properties": {"state": {"enum": ["active", "draining", "sleeping", "failed"]}},
-                    "required": ["state"]},
-    "Sampler": {"type": "object", "properties": {
-        "method": {"type": "string"}, "params": {"type": ["object", "null"]},
-        "seed": {"type": "integer"}, "step": {"type": "integer", "minimum": 0},
-        "deterministic": {"type": "boolean"}},
-        "required": ["method", "seed", "step", "deterministic"]},
+    "StateChange": {
+        "type": "object",
+        "properties": {"state": {"enum": ["active", "draining", "sleeping", "failed"]}},
+        "required": ["state"],
+    },
+    "Sampler": {
+        "type": "object",
+        "properties": {
+            "method": {"type": "string"},
+            "params": {"type": ["object", "null"]},
+            "seed": {"type": "integer"},
+            "step": {"type": "integer", "minimum": 0},
+            "deterministic": {"type": "boolean"},
+        },
+        "required": ["method", "seed", "step", "deterministic"],
+    },
     "SessionCheckpoint": {
         "type": "object",
         "description": "R4; kvstore_limits is ours",
         "properties": {
-            "session": UUID, "epoch": {"type": "integer", "minimum": 0},
-            "compat_id": HEX32, "scope_id": HEX16,
+            "session": UUID,
+            "epoch": {"type": "integer", "minimum": 0},
+            "compat_id": HEX32,
+            "scope_id": HEX16,
             "prompt_blocks": {"type": "array", "items": HEX32},
-            "prompt_tail": TOKENS, "generated": TOKENS,
+            "prompt_tail": TOKENS,
+            "generated": TOKENS,
             "output_offset": {"type": "integer", "minimum": 0},
             "sampler": {"$ref": "#/components/schemas/Sampler"},
-            "kvstore_limits": {"type": "object", "properties": {
-                "max_tokens": U32, "stop_tokens": TOKENS}},
+            "kvstore_limits": {
+                "type": "object",
+                "properties": {"max_tokens": U32, "stop_tokens": TOKENS},
+            },
         },
-        "required": ["session", "epoch", "compat_id", "scope_id", "prompt_blocks",
-                     "prompt_tail", "generated", "output_offset", "sampler"],
+        "required": [
+            "session",
+            "epoch",
+            "compat_id",
+            "scope_id",
+            "prompt_blocks",
+            "prompt_tail",
+            "generated",
+            "output_offset",
+            "sampler",
+        ],
     },
     "ShardMap": {
         "type": "object",
         "description": "RS1",
-        "properties": {"map": {"type": "string"}, "version": {"type": "integer", "minimum": 0},
-                       "shards": {"type": "array", "items": {"type": "object", "properties": {
-                           "tokens": RANGE, "instance": URI},
-                           "required": ["tokens", "instance"]}}},
+        "properties": {
+            "map": {"type": "string"},
+            "version": {"type": "integer", "minimum": 0},
+            "shards": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"tokens": RANGE, "instance": URI},
+                    "required": ["tokens", "instance"],
+                },
+            },
+        },
         "required": ["map", "version", "shards"],
     },
     "Reshard": {
@@ -158,12 +254,18 @@ COMPONENTS: dict[str, Any] = {
         "description": "RS2 plan {map, from, to, deadline_ms, retain, fetch, release}, "
         "or {map, commit}, or {map, abort}",
         "properties": {
-            "map": {"type": "string"}, "from": {"type": "integer"}, "to": {"type": "integer"},
-            "deadline_ms": {"type": "integer"}, "retain": {"type": "array", "items": RANGE},
-            "fetch": {"type": "array", "items": {"type": "object", "properties": {
-                "tokens": RANGE, "from": URI}}},
+            "map": {"type": "string"},
+            "from": {"type": "integer"},
+            "to": {"type": "integer"},
+            "deadline_ms": {"type": "integer"},
+            "retain": {"type": "array", "items": RANGE},
+            "fetch": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"tokens": RANGE, "from": URI}},
+            },
             "release": {"type": "array", "items": RANGE},
-            "commit": {"type": "integer"}, "abort": {"type": "integer"},
+            "commit": {"type": "integer"},
+            "abort": {"type": "integer"},
         },
         "required": ["map"],
     },
@@ -171,11 +273,18 @@ COMPONENTS: dict[str, Any] = {
         "type": "object",
         "description": "PF1",
         "properties": {
-            "directive": UUID, "request_ref": {"type": ["string", "null"]},
-            "scope_id": HEX16, "compat_id": HEX32,
-            "blocks": {"type": "array", "items": {"type": "object", "properties": {
-                "block_key": HEX32, "sources": {"type": "array", "items": URI}},
-                "required": ["block_key", "sources"]}},
+            "directive": UUID,
+            "request_ref": {"type": ["string", "null"]},
+            "scope_id": HEX16,
+            "compat_id": HEX32,
+            "blocks": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"block_key": HEX32, "sources": {"type": "array", "items": URI}},
+                    "required": ["block_key", "sources"],
+                },
+            },
             "layer_order": {"const": "ascending"},
             "deadline_ms": {"type": "integer", "minimum": 0},
             "lease_ms": {"type": "integer", "minimum": 0},
@@ -184,9 +293,11 @@ COMPONENTS: dict[str, Any] = {
     },
     "PrefetchStatus": {
         "type": "object",
-        "properties": {"directive": UUID,
-                       "state": {"enum": ["pending", "partial", "complete", "failed"]},
-                       "loaded": {"type": "array", "items": HEX32}},
+        "properties": {
+            "directive": UUID,
+            "state": {"enum": ["pending", "partial", "complete", "failed"]},
+            "loaded": {"type": "array", "items": HEX32},
+        },
         "required": ["directive", "state", "loaded"],
     },
     "Shards": {
@@ -195,7 +306,7 @@ COMPONENTS: dict[str, Any] = {
         "required": ["holders", "self"],
     },
     "Object": {"type": "object", "description": "a JSON object described in the docs"},
-}  # fmt: skip
+}
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -206,8 +317,14 @@ def _json(name: str) -> dict[str, Any]:
     return {"content": {JSON: {"schema": _ref(name)}}}
 
 
-def _op(summary: str, ok: dict[str, Any], body: str | None = None,
-        body_type: str = JSON, ours: bool = False, **extra: Any) -> dict[str, Any]:  # fmt: skip
+def _op(
+    summary: str,
+    ok: dict[str, Any],
+    body: str | None = None,
+    body_type: str = JSON,
+    ours: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
     """An operation: its 2xx answers in ``ok``, any error a problem (default)."""
     op: dict[str, Any] = {
         "summary": summary + (" (ours, not KVSP)" if ours else ""),
@@ -242,34 +359,56 @@ def document(role: str) -> dict[str, Any]:
     if role == "holder":
         paths["/blocks/{compat}/{scope}/{block_key}"] = {
             "parameters": block,
-            "get": _op("Retrieve a block, or a layer range of it (BL1-BL4)",
-                       {"200": {"description": "the KV Block Container",
-                                "content": {BLOCK: {"schema": {"type": "string",
-                                                               "format": "binary"}}}}},
-                       parameters=[
-                           {"name": "layers", "in": "query",
-                            "schema": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"}},
-                           {"name": "codec", "in": "query", "schema": {"type": "integer"}}]),
-            "put": _op("Store a block with If-None-Match: * (BL7)",
-                       _ok("201", "ReplicaRecord", "stored; the replica's record"), "Object",
-                       body_type=BLOCK, parameters=[{"name": "If-None-Match", "in": "header",
-                                                     "required": True,
-                                                     "schema": {"const": "*"}}]),
-            "delete": _op("An operator removes a block, withdrawn from the IS first (P3); "
-                          "the admin role only; a leased block is a 412 unless force=true",
-                          {"204": {"description": "removed"}}, ours=True,
-                          parameters=[{"name": "force", "in": "query",
-                                       "schema": {"type": "boolean"}}]),
-        }  # fmt: skip
+            "get": _op(
+                "Retrieve a block, or a layer range of it (BL1-BL4)",
+                {
+                    "200": {
+                        "description": "the KV Block Container",
+                        "content": {BLOCK: {"schema": {"type": "string", "format": "binary"}}},
+                    }
+                },
+                parameters=[
+                    {
+                        "name": "layers",
+                        "in": "query",
+                        "schema": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
+                    },
+                    {"name": "codec", "in": "query", "schema": {"type": "integer"}},
+                ],
+            ),
+            "put": _op(
+                "Store a block with If-None-Match: * (BL7)",
+                _ok("201", "ReplicaRecord", "stored; the replica's record"),
+                "Object",
+                body_type=BLOCK,
+                parameters=[
+                    {
+                        "name": "If-None-Match",
+                        "in": "header",
+                        "required": True,
+                        "schema": {"const": "*"},
+                    }
+                ],
+            ),
+            "delete": _op(
+                "An operator removes a block, withdrawn from the IS first (P3); "
+                "the admin role only; a leased block is a 412 unless force=true",
+                {"204": {"description": "removed"}},
+                ours=True,
+                parameters=[{"name": "force", "in": "query", "schema": {"type": "boolean"}}],
+            ),
+        }
         paths["/scopes/{scope}"] = {
             "parameters": _path(("scope", HEX16)),
-            "delete": _op("An operator purges a scope: every block of it removed, each "
-                          "withdrawn first (P3); the admin role only; leased blocks stay "
-                          "unless force=true", _ok("200", "Object", "how many went, and "
-                                                   "how many leased ones stayed"), ours=True,
-                          parameters=[{"name": "force", "in": "query",
-                                       "schema": {"type": "boolean"}}]),
-        }  # fmt: skip
+            "delete": _op(
+                "An operator purges a scope: every block of it removed, each "
+                "withdrawn first (P3); the admin role only; leased blocks stay "
+                "unless force=true",
+                _ok("200", "Object", "how many went, and how many leased ones stayed"),
+                ours=True,
+                parameters=[{"name": "force", "in": "query", "schema": {"type": "boolean"}}],
+            ),
+        }
         paths["/leases"] = {
             "post": _op("Create a lease (LE1)", _ok("201", "LeaseGrant"), "LeaseRequest")
         }
@@ -280,17 +419,25 @@ def document(role: str) -> dict[str, Any]:
             "delete": _op("Release a lease", {"204": {"description": "released"}}),
         }
         paths["/shards"] = {
-            "get": _op("The base URIs of every worker of this holder process "
-                       "(docs/workers.md)", _ok("200", "Shards"), ours=True),
-        }  # fmt: skip
+            "get": _op(
+                "The base URIs of every worker of this holder process (docs/workers.md)",
+                _ok("200", "Shards"),
+                ours=True,
+            ),
+        }
     elif role == "index":
         paths["/replicas/{holder_id}/{block_key}"] = {
             "parameters": _path(("holder_id", {"type": "string"}), ("block_key", HEX32)),
-            "put": _op("Publish a replica record (P1, L4)", {
-                "200": {"description": "kept; the granted TTL", **_json("Object")},
-                "204": {"description": "kept"}}, "ReplicaRecord"),
+            "put": _op(
+                "Publish a replica record (P1, L4)",
+                {
+                    "200": {"description": "kept; the granted TTL", **_json("Object")},
+                    "204": {"description": "kept"},
+                },
+                "ReplicaRecord",
+            ),
             "delete": _op("Withdraw a replica record (P3)", {"204": {"description": "gone"}}),
-        }  # fmt: skip
+        }
         paths["/lookup"] = {
             "post": _op(
                 "Longest-prefix lookup (L1-L3)", _ok("200", "LookupResponse"), "LookupRequest"
@@ -341,16 +488,29 @@ def document(role: str) -> dict[str, Any]:
             ),
         }
         place = _op("Place a request (PL1-PL3)", _ok("200", "Object"), "PlaceRequest", ours=True)
-        place["requestBody"]["content"]["application/octet-stream"] = {"schema": {
-            "type": "string", "format": "binary",
-            "description": "the keys packed: a PlaceRequest without block_keys as one JSON "
-                           "line, a newline, then each block key as 32 raw octets"}}  # fmt: skip
+        place["requestBody"]["content"]["application/octet-stream"] = {
+            "schema": {
+                "type": "string",
+                "format": "binary",
+                "description": "the keys packed: a PlaceRequest without block_keys as one JSON "
+                "line, a newline, then each block key as 32 raw octets",
+            }
+        }
         paths["/place"] = {"post": place}
     else:
         session = _path(("session", {"type": "string"}))
-        paths["/prefetch"] = {"post": _op("A prefetch directive (PF1)", {
-            "202": {"description": "accepted; Location names its status",
-                    **_json("PrefetchStatus")}}, "PrefetchDirective")}  # fmt: skip
+        paths["/prefetch"] = {
+            "post": _op(
+                "A prefetch directive (PF1)",
+                {
+                    "202": {
+                        "description": "accepted; Location names its status",
+                        **_json("PrefetchStatus"),
+                    }
+                },
+                "PrefetchDirective",
+            )
+        }
         paths["/prefetch/{directive}"] = {
             "parameters": _path(("directive", {"type": "string"})),
             "get": _op("A directive's state (PF3)", _ok("200", "PrefetchStatus")),
@@ -406,12 +566,15 @@ def document(role: str) -> dict[str, Any]:
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": f"{titles[role]} (kvstore)", "version": "1",
-                 "description": "Paths are relative to the role's base URI. Every request "
-                 "authenticates with a client certificate (mutual TLS 1.3, H1)."},
+        "info": {
+            "title": f"{titles[role]} (kvstore)",
+            "version": "1",
+            "description": "Paths are relative to the role's base URI. Every request "
+            "authenticates with a client certificate (mutual TLS 1.3, H1).",
+        },
         "paths": paths,
         "components": {"schemas": COMPONENTS},
-    }  # fmt: skip
+    }
 
 
 def render(role: str) -> str:

@@ -50,12 +50,20 @@ class RoleView:
         if self.error:
             out["error"] = self.error
         if "holder" in self.roles:
-            used, capacity = (self.by("kvstore_tier_used_bytes", "tier"),
-                              self.by("kvstore_tier_capacity_bytes", "tier"))  # fmt: skip
+            used, capacity = (
+                self.by("kvstore_tier_used_bytes", "tier"),
+                self.by("kvstore_tier_capacity_bytes", "tier"),
+            )
             degraded = self.by("kvstore_tier_degraded", "tier")
-            out["tiers"] = [{"tier": t, "used": int(used.get(t, 0)), "capacity": int(c),
-                             "degraded": bool(degraded.get(t))}
-                            for t, c in capacity.items()]  # fmt: skip
+            out["tiers"] = [
+                {
+                    "tier": t,
+                    "used": int(used.get(t, 0)),
+                    "capacity": int(c),
+                    "degraded": bool(degraded.get(t)),
+                }
+                for t, c in capacity.items()
+            ]
             hits, misses = (
                 self.value("kvstore_store_hits_total"),
                 self.value("kvstore_store_misses_total"),
@@ -90,8 +98,12 @@ class RoleView:
 
 def _roles(samples: Samples) -> list[str]:
     names = " ".join(samples)
-    markers = {"holder": "kvstore_tier_", "index": "kvstore_index_",
-               "pc": "kvstore_controller_", "instance": "kvstore_instance_"}  # fmt: skip
+    markers = {
+        "holder": "kvstore_tier_",
+        "index": "kvstore_index_",
+        "pc": "kvstore_controller_",
+        "instance": "kvstore_instance_",
+    }
     return [role for role, marker in markers.items() if marker in names]
 
 
@@ -116,8 +128,11 @@ async def gather(bases: list[str], context: ssl.SSLContext | None) -> list[RoleV
         for view in views:
             out.append(view)
             workers = view.ready.get("workers")
-            others = [u for u in (workers if isinstance(workers, dict) else ())
-                      if isinstance(u, str) and u not in seen]  # fmt: skip
+            others = [
+                u
+                for u in (workers if isinstance(workers, dict) else ())
+                if isinstance(u, str) and u not in seen
+            ]
             seen.update(others)
             out += await asyncio.gather(*(_view(http, u) for u in others))
         return out
@@ -170,34 +185,49 @@ def render(views: list[RoleView]) -> Any:
         seat = (s["ready"].get("workers") or {}).get(view.base)
         if isinstance(seat, dict):  # one of the workers of a holder (docs/workers.md)
             title += f"  worker {seat.get('worker')}, restarts {seat.get('restarts')}"
-        parts.append(f"[bold]{title}[/bold]  ready: "
-                     f"{'[green]' if ready == 'ok' else '[red]'}{ready}[/]")  # fmt: skip
+        parts.append(
+            f"[bold]{title}[/bold]  ready: {'[green]' if ready == 'ok' else '[red]'}{ready}[/]"
+        )
         if "tiers" in s:
             table = Table("tier", "used", "capacity", "fill", "state")
             for tier in s["tiers"]:
                 fill = tier["used"] / tier["capacity"] if tier["capacity"] else 0.0
-                table.add_row(tier["tier"], _octets(tier["used"]), _octets(tier["capacity"]),
-                              f"{fill:.0%}", "degraded" if tier["degraded"] else "ok")  # fmt: skip
+                table.add_row(
+                    tier["tier"],
+                    _octets(tier["used"]),
+                    _octets(tier["capacity"]),
+                    f"{fill:.0%}",
+                    "degraded" if tier["degraded"] else "ok",
+                )
             parts.append(table)
             ratio = "-" if s["hit_ratio"] is None else f"{s['hit_ratio']:.1%}"
-            parts.append(f"hit ratio {ratio}, leases {s['leases']} (rejected "
-                         f"{s['lease_rejections']}), replicas published "
-                         f"{s['replicas_published']} / withdrawn {s['replicas_withdrawn']}, "
-                         f"digest failures {s['digest_failures']}")  # fmt: skip
+            parts.append(
+                f"hit ratio {ratio}, leases {s['leases']} (rejected "
+                f"{s['lease_rejections']}), replicas published "
+                f"{s['replicas_published']} / withdrawn {s['replicas_withdrawn']}, "
+                f"digest failures {s['digest_failures']}"
+            )
         if "lookups" in s:
             ratio = "-" if s["lookup_hit_ratio"] is None else f"{s['lookup_hit_ratio']:.1%}"
             parts.append(f"index: {s['lookups']} lookups, key hit ratio {ratio}")
         if "placements" in s:
-            parts.append(f"controller: {s['placements']} placements, "
-                         f"{s['migrations']} migrations")  # fmt: skip
+            parts.append(f"controller: {s['placements']} placements, {s['migrations']} migrations")
             table = Table("instance", "state", "epoch", "running", "queued", "kv", "prefill/s")
             for i in s["instances"]:
-                table.add_row(i["instance"], i["state"], str(i["epoch"]), str(i["running"]),
-                              str(i["queued"]), f"{i['kv_utilization']:.0%}",
-                              f"{i['prefill_tokens_per_s']:.0f}")  # fmt: skip
+                table.add_row(
+                    i["instance"],
+                    i["state"],
+                    str(i["epoch"]),
+                    str(i["running"]),
+                    str(i["queued"]),
+                    f"{i['kv_utilization']:.0%}",
+                    f"{i['prefill_tokens_per_s']:.0f}",
+                )
             parts.append(table)
         if "sessions" in s:
-            parts.append(f"instance: {s['sessions']} sessions, tokens fetched "
-                         f"{s['fetched_tokens']} / recomputed {s['recomputed_tokens']}, "
-                         f"output {s['output_tokens']}")  # fmt: skip
+            parts.append(
+                f"instance: {s['sessions']} sessions, tokens fetched "
+                f"{s['fetched_tokens']} / recomputed {s['recomputed_tokens']}, "
+                f"output {s['output_tokens']}"
+            )
     return Group(*parts)

@@ -122,15 +122,18 @@ def forwarded_principal(carried: dict[bytes, bytes], header: bytes = NGINX_HEADE
     too (the proxy was to set one and remove the other: a client's own
     value of the other one passed on would be a forgery)."""
     if set(carried) != {header}:
-        raise BadRequest(f"only the {header.decode()} identity header is believed here; "
-                         "the proxy must remove the other")  # fmt: skip
+        raise BadRequest(
+            f"only the {header.decode()} identity header is believed here; "
+            "the proxy must remove the other"
+        )
     raw = carried[header]
     if len(raw) > MAX_HEADER_OCTETS:
         raise BadRequest("the forwarded client certificate is too long")
     try:
         text = raw.decode("latin-1")
-        found = principal_of_escaped_pem(text) if header == NGINX_HEADER else (
-            principal_of_xfcc(text))  # fmt: skip
+        found = (
+            principal_of_escaped_pem(text) if header == NGINX_HEADER else (principal_of_xfcc(text))
+        )
     except Exception as exc:  # cryptography raises more than ValueError on odd certificates
         raise BadRequest(f"the forwarded client certificate is malformed: {exc}") from None
     if not found:
@@ -144,9 +147,12 @@ class ForwardedIdentity:
     peer only when that user owns its socket."""
 
     def __init__(
-        self, app: ASGIApp, trusted: str, header: str = "x-client-cert",
+        self,
+        app: ASGIApp,
+        trusted: str,
+        header: str = "x-client-cert",
         trusted_uid: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if trusted != "unix":
             import ipaddress
 
@@ -166,17 +172,23 @@ class ForwardedIdentity:
         try:
             # The peer first: nothing another peer sends is parsed.
             if extensions.get(PEER) != self.trusted or not self._trusted_user(extensions):
-                raise Forbidden("a forwarded client identity is believed only from the "
-                                "trusted proxy")  # fmt: skip
+                raise Forbidden(
+                    "a forwarded client identity is believed only from the trusted proxy"
+                )
             principal = forwarded_principal(carried, self.header)
         except KvspError as exc:
             await _problem(send, exc)
             return
         tls: dict[str, Any] = {
-            "client_cert_chain": [], "client_cert_name": None, "tls_version": None,
-            "cipher_suite": None, "server_cert": None, "client_cert_error": None,
-            PRINCIPAL: principal, "kvstore.forwarded": True,
-        }  # fmt: skip
+            "client_cert_chain": [],
+            "client_cert_name": None,
+            "tls_version": None,
+            "cipher_suite": None,
+            "server_cert": None,
+            "client_cert_error": None,
+            PRINCIPAL: principal,
+            "kvstore.forwarded": True,
+        }
         await self.app({**scope, "extensions": {**extensions, "tls": tls}}, receive, send)
 
     def _trusted_user(self, extensions: dict[str, Any]) -> bool:
@@ -190,7 +202,15 @@ class ForwardedIdentity:
 
 async def _problem(send: Any, error: KvspError) -> None:
     body = json.dumps(error.to_problem()).encode()
-    await send({"type": "http.response.start", "status": error.status, "headers": [
-        (b"content-type", b"application/problem+json"), (b"cache-control", b"no-store"),
-        (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/problem+json"),
+                (b"cache-control", b"no-store"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

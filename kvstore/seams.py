@@ -66,17 +66,28 @@ class Holders(Protocol):
     (:class:`kvstore.client.HolderClient`)."""
 
     async def lease(
-        self, holder: str, block_keys: Sequence[str], ttl_ms: int, *,
-        scope_id: str | None = None, compat_id: str | None = None,
-    ) -> LeaseGrant: ...  # fmt: skip
+        self,
+        holder: str,
+        block_keys: Sequence[str],
+        ttl_ms: int,
+        *,
+        scope_id: str | None = None,
+        compat_id: str | None = None,
+    ) -> LeaseGrant: ...
 
     async def release_lease(self, holder: str, lease_id: str) -> None: ...
 
     async def get_block(
-        self, holder: str, compat_id: str, scope_id: str, block_key: str, *,
-        layers: tuple[int, int] | None = None, codec: int | None = None,
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        codec: int | None = None,
         record: ReplicaRecord | None = None,
-    ) -> bytes: ...  # fmt: skip
+    ) -> bytes: ...
 
     async def put_block(
         self, holder: str, compat_id: str, scope_id: str, block_key: str, data: BytesLike

@@ -35,10 +35,13 @@ class Seat:
     def states(self) -> dict[str, dict[str, Any]]:
         """Every worker's state and restarts, by base URI (``/readyz``)."""
         return {
-            uri: {"worker": i, "state": STATE_NAMES[self.board.states[i]],
-                  "restarts": self.board.restarts[i]}
+            uri: {
+                "worker": i,
+                "state": STATE_NAMES[self.board.states[i]],
+                "restarts": self.board.restarts[i],
+            }
             for i, uri in enumerate(self.uris)
-        }  # fmt: skip
+        }
 
 
 class SeatService:

@@ -177,8 +177,10 @@ def _grant(raw: Any, path: str, problems: list[tuple[str, str]]) -> Grant | None
                 (_member(path, name), f"unknown member; known: {', '.join(GRANT_MEMBERS)}")
             )
     roles = _strings(raw, "roles", path, problems, "role names", _role)
-    scopes = {name: _strings(raw, name, path, problems, 'scope ids or "*"', _scope)
-              for name in ("read_scopes", "write_scopes")}  # fmt: skip
+    scopes = {
+        name: _strings(raw, name, path, problems, 'scope ids or "*"', _scope)
+        for name in ("read_scopes", "write_scopes")
+    }
     uris = {"instance": _check_uri(raw.get("instance"), _member(path, "instance"), problems)}
     holders: list[str] = []
     raw_holder = raw.get("holder")
@@ -314,9 +316,14 @@ def _write_key_and_cert(directory: Path, stem: str, key: Any, cert: Any) -> None
 
 
 def _issue(
-    ca_key: Any, ca_cert: Any, common_name: str, sans: list[Any], usage: Any,
-    start: datetime.datetime, end: datetime.datetime,
-) -> tuple[Any, Any]:  # fmt: skip
+    ca_key: Any,
+    ca_cert: Any,
+    common_name: str,
+    sans: list[Any],
+    usage: Any,
+    start: datetime.datetime,
+    end: datetime.datetime,
+) -> tuple[Any, Any]:
     """A key and a certificate for ``sans`` signed by the CA, valid start..end."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
@@ -397,16 +404,21 @@ def create_dev_certificates(
             server_sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             server_sans.append(x509.DNSName(host))
-    server = _issue(ca_key, ca_cert, "kvstore server", server_sans,
-                    ExtendedKeyUsageOID.SERVER_AUTH, start, end)  # fmt: skip
+    server = _issue(
+        ca_key, ca_cert, "kvstore server", server_sans, ExtendedKeyUsageOID.SERVER_AUTH, start, end
+    )
     _write_key_and_cert(out, "server", *server)
     return {name: issue_certificate(out, name, days=days) for name in principals}
 
 
 def issue_certificate(
-    ca_directory: str | Path, principal: str, *, days: int = 365,
-    out: str | Path | None = None, not_before: datetime.datetime | None = None,
-) -> str:  # fmt: skip
+    ca_directory: str | Path,
+    principal: str,
+    *,
+    days: int = 365,
+    out: str | Path | None = None,
+    not_before: datetime.datetime | None = None,
+) -> str:
     """One more client certificate from the CA of ``ca_directory`` (its
     ca.pem and ca.key): ``client-<principal>.pem`` and ``.key`` in ``out``
     (default: that directory), SAN URI ``urn:kvstore:<principal>``, valid
@@ -423,13 +435,20 @@ def issue_certificate(
         ca_cert = x509.load_pem_x509_certificate((ca / "ca.pem").read_bytes())
         ca_key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), None)
     except OSError as exc:
-        raise ValueError(f"{exc.filename}: {exc.strerror} (a CA made by kvstore certs init)"
-                         ) from None  # fmt: skip
+        raise ValueError(
+            f"{exc.filename}: {exc.strerror} (a CA made by kvstore certs init)"
+        ) from None
     start = not_before or datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
     uri = f"urn:kvstore:{principal}"
-    key, cert = _issue(ca_key, ca_cert, principal, [x509.UniformResourceIdentifier(uri)],
-                       ExtendedKeyUsageOID.CLIENT_AUTH, start,
-                       start + datetime.timedelta(days=days))  # fmt: skip
+    key, cert = _issue(
+        ca_key,
+        ca_cert,
+        principal,
+        [x509.UniformResourceIdentifier(uri)],
+        ExtendedKeyUsageOID.CLIENT_AUTH,
+        start,
+        start + datetime.timedelta(days=days),
+    )
     target = Path(out) if out is not None else ca
     target.mkdir(parents=True, exist_ok=True)
     _write_key_and_cert(target, f"client-{principal}", key, cert)

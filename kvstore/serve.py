@@ -77,8 +77,9 @@ def build_store(config: Config) -> TieredStore:
         except ImportError as exc:
             raise ConfigError(f"{where}.backend: {exc}") from None
         except OSError as exc:  # a directory that cannot be made or opened
-            raise ConfigError(f"{where}.path: {exc.filename or options.get('path')}: "
-                              f"{exc.strerror}") from None  # fmt: skip
+            raise ConfigError(
+                f"{where}.path: {exc.filename or options.get('path')}: {exc.strerror}"
+            ) from None
         except KvspError as exc:  # TierUnavailable: LMDB cannot open its environment
             raise ConfigError(f"{where}: {exc.detail}") from None
         if deadline is not None:
@@ -136,9 +137,12 @@ def build_publisher(config: Config, store: TieredStore) -> IndexPublisher | None
 
 
 def build_holder(
-    config: Config, store: TieredStore, publisher: IndexPublisher | None = None,
-    listening: Listening | None = None, shutdown: Shutdown | None = None,
-) -> Starlette:  # fmt: skip
+    config: Config,
+    store: TieredStore,
+    publisher: IndexPublisher | None = None,
+    listening: Listening | None = None,
+    shutdown: Shutdown | None = None,
+) -> Starlette:
     """The holder app over ``store``, with its publisher (see :func:`.holder.create_app`)."""
     cfg = config.holder
     descriptors = {}
@@ -147,10 +151,12 @@ def build_holder(
         descriptors[descriptor.compat_id_hex] = descriptor
     # The [holder] section is the holder's settings; serve adds what it
     # derives: the descriptors its files hold, plain-HTTP development mode.
-    settings = dataclasses.replace(cfg, known_descriptors=descriptors,
-                                   allow_anonymous=config.server.insecure_http)  # fmt: skip
-    return create_app(settings, store, Policy.load(cfg.policy), publisher,
-                      listening=listening, shutdown=shutdown)  # fmt: skip
+    settings = dataclasses.replace(
+        cfg, known_descriptors=descriptors, allow_anonymous=config.server.insecure_http
+    )
+    return create_app(
+        settings, store, Policy.load(cfg.policy), publisher, listening=listening, shutdown=shutdown
+    )
 
 
 def controller_state(config: Config) -> ControllerState:
@@ -168,22 +174,28 @@ def controller_state(config: Config) -> ControllerState:
     if cfg.state == "redis":
         from .controller.redis_state import RedisControllerState
 
-        return RedisControllerState(cfg.redis_url, cfg.redis_prefix,
-                                    cluster=cfg.redis_cluster, **rules)  # fmt: skip
+        return RedisControllerState(
+            cfg.redis_url, cfg.redis_prefix, cluster=cfg.redis_cluster, **rules
+        )
     raise ConfigError(f"controller.state: {cfg.state!r} is not 'memory' or 'redis'")
 
 
 def index_in_process(config: Config, roles: Sequence[str]) -> bool:
     """The PC's placer asks this process's IS directly: both roles here, and
     ``controller.index_uri`` unset or naming this IS."""
-    return "pc" in roles and "index" in roles and (
-        config.controller.index_uri in ("", config.index.uri))  # fmt: skip
+    return (
+        "pc" in roles
+        and "index" in roles
+        and (config.controller.index_uri in ("", config.index.uri))
+    )
 
 
 def build_controller(
-    config: Config, state: ControllerState, listening: Listening | None = None,
+    config: Config,
+    state: ControllerState,
+    listening: Listening | None = None,
     local_index: Lookups | None = None,
-) -> Starlette:  # fmt: skip
+) -> Starlette:
     """The Placement Controller app over ``state``; ``local_index``: the IS
     of this process, asked in process (no HTTP, no JSON) instead of over
     ``controller.index_uri``."""
@@ -191,12 +203,22 @@ def build_controller(
 
     cfg = config.controller
     index: Any = local_index if local_index is not None else index_client(config, "controller")
-    settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),
-                                   allow_anonymous=config.server.insecure_http)  # fmt: skip
+    settings = dataclasses.replace(
+        cfg,
+        block_tokens=_block_tokens(cfg.descriptors),
+        allow_anonymous=config.server.insecure_http,
+    )
     instances = instance_client(config)
     closing = [c.close for c in (instances, index) if c is not None]
-    return create_controller(settings, state, Policy.load(cfg.policy), index, instances,
-                             closing=closing, listening=listening)  # fmt: skip
+    return create_controller(
+        settings,
+        state,
+        Policy.load(cfg.policy),
+        index,
+        instances,
+        closing=closing,
+        listening=listening,
+    )
 
 
 def instance_client(config: Config) -> InstanceClient:
@@ -210,9 +232,11 @@ def instance_client(config: Config) -> InstanceClient:
 
 
 def build_instance(
-    config: Config, store: TieredStore, with_holder: bool = False,
+    config: Config,
+    store: TieredStore,
+    with_holder: bool = False,
     listening: Listening | None = None,
-) -> Starlette:  # fmt: skip
+) -> Starlette:
     """The Inference Instance app over ``store``; its lifespan runs its
     sessions and status reporter and closes the clients made here."""
     from .client import ControllerClient, HolderClient, IndexClient
@@ -230,26 +254,43 @@ def build_instance(
     prefetcher = Prefetcher(store, holders, index=index, max_pending=cfg.max_pending_directives)
     lifecycle = Lifecycle()
     settings = dataclasses.replace(cfg, allow_anonymous=config.server.insecure_http)
-    load = Load(prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-                decode_tokens_per_s=cfg.decode_tokens_per_s)  # fmt: skip
+    load = Load(
+        prefill_tokens_per_s=cfg.prefill_tokens_per_s, decode_tokens_per_s=cfg.decode_tokens_per_s
+    )
     controller = ControllerClient(cfg.controller_uri, context) if cfg.controller_uri else None
     sessions = None
     if cfg.engine:
-        sessions = build_sessions(config, settings, store, prefetcher, holders, controller,
-                                  lifecycle, load)  # fmt: skip
+        sessions = build_sessions(
+            config, settings, store, prefetcher, holders, controller, lifecycle, load
+        )
     from .instance.shards import Shards
 
     policy = Policy.load(cfg.policy)
     shards = Shards(store, prefetcher, policy, cfg.block_tokens)
     reporter = None
     if controller is not None:
-        reporter = StatusReporter(cfg.uri, controller, lifecycle, load, store,
-                                  ttl_ms=cfg.status_ttl_ms,
-                                  idle_s=cfg.sleep_idle_s or None)  # fmt: skip
+        reporter = StatusReporter(
+            cfg.uri,
+            controller,
+            lifecycle,
+            load,
+            store,
+            ttl_ms=cfg.status_ttl_ms,
+            idle_s=cfg.sleep_idle_s or None,
+        )
     # Closed after the sessions and the prefetcher that use them.
     closing = [c.close for c in (holders, index, controller) if c is not None]
-    return create_app(settings, prefetcher, policy, lifecycle, sessions, shards,
-                      reporter=reporter, closing=closing, listening=listening)  # fmt: skip
+    return create_app(
+        settings,
+        prefetcher,
+        policy,
+        lifecycle,
+        sessions,
+        shards,
+        reporter=reporter,
+        closing=closing,
+        listening=listening,
+    )
 
 
 def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
@@ -267,9 +308,15 @@ def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
 
 
 def build_sessions(
-    config: Config, settings: InstanceSettings, store: TieredStore, prefetcher: Prefetcher,
-    holders: HolderClient, controller: ControllerClient | None, lifecycle: Lifecycle, load: Load,
-) -> Sessions:  # fmt: skip
+    config: Config,
+    settings: InstanceSettings,
+    store: TieredStore,
+    prefetcher: Prefetcher,
+    holders: HolderClient,
+    controller: ControllerClient | None,
+    lifecycle: Lifecycle,
+    load: Load,
+) -> Sessions:
     """The instance's engine and its sessions ([instance] engine)."""
     from .instance.sessions import Sessions
 
@@ -280,20 +327,29 @@ def build_sessions(
         raise ConfigError(f"instance.engine: the engine extra is not installed ({exc})") from exc
     directory = engine_directory(config)
     try:
-        engine = ReferenceEngine(directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed,
-                                 device=cfg.engine_device)  # fmt: skip
+        engine = ReferenceEngine(
+            directory, block_tokens=cfg.block_tokens, seed=cfg.engine_seed, device=cfg.engine_device
+        )
     except ImportError as exc:  # torch, transformers: imported when the engine is made
         raise ConfigError(
             f"instance.engine: the reference engine needs {exc.name or exc}, "
             "which is not installed (pip install 'kvsp-kvstore[engine]')"
         ) from None
-    log.info("engine %s, compat_id %s", engine.descriptor.model,
-                engine.descriptor.compat_id_hex)  # fmt: skip
+    log.info("engine %s, compat_id %s", engine.descriptor.model, engine.descriptor.compat_id_hex)
     scope_keys = read_scope_keys(cfg.scope_keys)
     if not scope_keys:
         log.warning("instance.scope_keys: none; no session can start")
-    return Sessions(settings, engine, store, scope_keys, lifecycle, load,
-                    prefetcher=prefetcher, controller=controller, holders=holders)  # fmt: skip
+    return Sessions(
+        settings,
+        engine,
+        store,
+        scope_keys,
+        lifecycle,
+        load,
+        prefetcher=prefetcher,
+        controller=controller,
+        holders=holders,
+    )
 
 
 def engine_directory(config: Config) -> str:
@@ -327,17 +383,26 @@ def build_index(
     elif cfg.state == "replicated":
         from .index.replicated import ReplicatedState
 
-        state = ReplicatedState(cfg.redis_url, cfg.redis_prefix, cluster=cfg.redis_cluster,
-                                max_records=cfg.max_records, max_ttl_ms=cfg.max_ttl_ms)  # fmt: skip
+        state = ReplicatedState(
+            cfg.redis_url,
+            cfg.redis_prefix,
+            cluster=cfg.redis_cluster,
+            max_records=cfg.max_records,
+            max_ttl_ms=cfg.max_ttl_ms,
+        )
     else:
         raise ConfigError(f"index.state: {cfg.state!r} is not memory, redis or replicated")
-    settings = dataclasses.replace(cfg, block_tokens=_block_tokens(cfg.descriptors),
-                                   allow_anonymous=config.server.insecure_http)  # fmt: skip
+    settings = dataclasses.replace(
+        cfg,
+        block_tokens=_block_tokens(cfg.descriptors),
+        allow_anonymous=config.server.insecure_http,
+    )
     return create_index(settings, state, Policy.load(cfg.policy), statuses), state
 
 
-def readiness(store: Snapshots | None, publisher: PublisherStatsSource | None
-              ) -> tuple[bool, dict[str, Any]]:  # fmt: skip
+def readiness(
+    store: Snapshots | None, publisher: PublisherStatsSource | None
+) -> tuple[bool, dict[str, Any]]:
     """``/readyz``: every tier reachable, and for a holder the IS it publishes to."""
     checks: dict[str, Any] = {}
     if store is not None:
@@ -381,8 +446,12 @@ def compose(
         if seat is not None and request.url.path == "/readyz":
             checks["workers"] = seat.states()  # this one's readiness is its own
         body = json.dumps({"status": "ok" if ok else "unavailable", **checks}).encode()
-        return Response(body, 200 if ok else 503, headers={"Cache-Control": NO_STORE},
-                        media_type="application/json")  # fmt: skip
+        return Response(
+            body,
+            200 if ok else 503,
+            headers={"Cache-Control": NO_STORE},
+            media_type="application/json",
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -435,9 +504,12 @@ async def serve(
             from .proxy import ForwardedIdentity
 
             uid = config.server.trusted_proxy_uid
-            app = ForwardedIdentity(app, config.server.trusted_proxy,
-                                    config.server.trusted_proxy_header,
-                                    uid if uid >= 0 else None)  # fmt: skip
+            app = ForwardedIdentity(
+                app,
+                config.server.trusted_proxy,
+                config.server.trusted_proxy_header,
+                uid if uid >= 0 else None,
+            )
         proxy_sockets = []
         path = config.server.unix_socket
         if path:
@@ -454,15 +526,20 @@ async def serve(
         await run_steps(closing, "closing after a failed start")
         raise
     scheme = "http" if config.server.insecure_http else "https"
-    log.info("serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host,
-             config.server.port)  # fmt: skip
+    log.info(
+        "serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host, config.server.port
+    )
     await server.serve(sockets=[listener])
 
 
 async def _build(
-    config: Config, roles: Sequence[str], listening: Listening, shutdown: Shutdown,
-    closing: list[Step], seat: Seat | None = None,
-) -> Starlette:  # fmt: skip
+    config: Config,
+    roles: Sequence[str],
+    listening: Listening,
+    shutdown: Shutdown,
+    closing: list[Step],
+    seat: Seat | None = None,
+) -> Starlette:
     """The composed app of ``roles``; what to close at the end goes to ``closing``."""
     store = publisher = pc_state = None
     apps: list[Starlette] = []
@@ -512,8 +589,12 @@ async def _build(
     if "pc" in roles:
         assert pc_state is not None
         apps.append(build_controller(config, pc_state, listening, local))
-        log.info("controller %s (%s state%s)", config.controller.uri, config.controller.state,
-                 ", the IS in process" if local else "")  # fmt: skip
+        log.info(
+            "controller %s (%s state%s)",
+            config.controller.uri,
+            config.controller.state,
+            ", the IS in process" if local else "",
+        )
     if index_app is not None:
         apps.append(index_app)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
@@ -521,8 +602,16 @@ async def _build(
         services.append(SeatService(seat))  # up once it listens
         for role_app in apps:
             role_app.state.metrics.labels = {"worker": str(seat.index)}
-    return compose(apps, store, publisher, closing, services=services, listening=listening,
-                   shutdown=shutdown, seat=seat)  # fmt: skip
+    return compose(
+        apps,
+        store,
+        publisher,
+        closing,
+        services=services,
+        listening=listening,
+        shutdown=shutdown,
+        seat=seat,
+    )
 
 
 def _serving(config: Config, roles: Sequence[str]) -> str:

@@ -119,9 +119,11 @@ class RefusedHandshakes:
     remembered; the oldest go first."""
 
     def __init__(
-        self, window_s: float = 60.0, limit: int = 4096,
+        self,
+        window_s: float = 60.0,
+        limit: int = 4096,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.window_s, self.limit, self.clock = window_s, limit, clock
         #: (peer, reason) -> (when last logged, refusals not logged since)
         self._seen: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
@@ -166,9 +168,10 @@ class _RefusalLoggingSSL(asyncio.sslproto.SSLProtocol):
 
 
 def logged_tls(
-    protocol_class: Callable[..., asyncio.BaseProtocol], context: ssl.SSLContext,
+    protocol_class: Callable[..., asyncio.BaseProtocol],
+    context: ssl.SSLContext,
     refusals: RefusedHandshakes,
-) -> Callable[..., asyncio.BaseProtocol]:  # fmt: skip
+) -> Callable[..., asyncio.BaseProtocol]:
     """A protocol factory for a server given no ``ssl``: each connection's
     ``protocol_class`` under asyncio's TLS layer with ``context``, its
     refused handshakes logged by ``refusals``. The app sees the same
@@ -322,9 +325,12 @@ class _WithTLS:
     __slots__ = ("app", "extensions")
 
     def __init__(
-        self, app: ASGIApp, tls: dict[str, Any] | None, peer: str | None = None,
+        self,
+        app: ASGIApp,
+        tls: dict[str, Any] | None,
+        peer: str | None = None,
         user: PeerUser | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app = app
         self.extensions: dict[str, Any] = {PEER: peer, PEER_USER: user}
         if tls is not None:
@@ -332,8 +338,7 @@ class _WithTLS:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
-            scope = {**scope, "extensions": {**(scope.get("extensions") or {}),
-                                             **self.extensions}}  # fmt: skip
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), **self.extensions}}
         await self.app(scope, receive, send)
 
 
@@ -371,9 +376,11 @@ def _request_timeout() -> bytes:
     from .protocol.problems import RequestTimeout, render_problem
 
     body = render_problem(RequestTimeout("the request headers did not arrive in time"))
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\n"
-            b"cache-control: no-store\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\n"
+        b"cache-control: no-store\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
 
 
 class _HeaderDeadline(_HttpTools):
@@ -436,8 +443,9 @@ class _HeaderDeadline(_HttpTools):
         self._header_timer = None
         if self.transport.is_closing() or not self._serving_nothing():
             return  # never a 408 into a response in flight
-        log.info("closing a connection whose request headers took over %.1f s",
-                 self.header_timeout_s)  # fmt: skip
+        log.info(
+            "closing a connection whose request headers took over %.1f s", self.header_timeout_s
+        )
         if self._reading_headers:
             self.transport.write(_request_timeout())
         # Nothing received at all: closed without an answer, so a client's
@@ -509,9 +517,11 @@ def http2_protocol() -> type[asyncio.Protocol]:
         def _switch(self, http2: bool, initial_data: bytes = b"") -> None:
             protocol_class = TLSZttpH2Protocol if http2 else TLSZttpProtocol
             protocol = protocol_class(
-                config=self.config, server_state=self.server_state,
-                app_state=self.app_state, _loop=self.loop,
-            )  # fmt: skip
+                config=self.config,
+                server_state=self.server_state,
+                app_state=self.app_state,
+                _loop=self.loop,
+            )
             self.transport.set_protocol(protocol)
             protocol.connection_made(self.transport)
             if initial_data:

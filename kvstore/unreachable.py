@@ -36,16 +36,20 @@ def unreachable(method: str, url: str, exc: BaseException, timeout_s: float) -> 
     :class:`HolderUnavailable` (the caller narrows it) with the reason."""
     text = str(exc).lower()
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        reason = (f"the server's certificate failed verification "
-                  f"({exc.certificate_error}): check the CA the client trusts")  # fmt: skip
+        reason = (
+            f"the server's certificate failed verification "
+            f"({exc.certificate_error}): check the CA the client trusts"
+        )
         return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
     for alert, reason in TLS_ALERTS.items():
         if alert in text:
             return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
     if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:"):
-        reason = ("the server closed the connection at once; with TLS 1.3 that is how a "
-                  "refused client certificate looks (expired, from another CA, or none): "
-                  "check the client's certfile and keyfile, and the server's log")  # fmt: skip
+        reason = (
+            "the server closed the connection at once; with TLS 1.3 that is how a "
+            "refused client certificate looks (expired, from another CA, or none): "
+            "check the client's certfile and keyfile, and the server's log"
+        )
         return TlsRefused(f"{method} {url}: {reason}", uri=url, reason=reason)
     if isinstance(exc, TimeoutError):
         reason = f"no answer within {timeout_s:g} s"

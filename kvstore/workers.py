@@ -167,14 +167,20 @@ class Supervisor:
     def _start(self, index: int) -> None:
         self.board.states[index] = STARTING
         process = self.context.Process(
-            target=_worker_main, args=(self.config, index, self.board, os.getpid()),
-            name=f"kvstore-worker-{index}", daemon=False,
-        )  # fmt: skip
+            target=_worker_main,
+            args=(self.config, index, self.board, os.getpid()),
+            name=f"kvstore-worker-{index}",
+            daemon=False,
+        )
         process.start()
         self.processes[index] = process
         self.started_at[index] = time.monotonic()
-        log.info("worker %d started: pid %d, %s", index, process.pid,
-                 worker_uri(self.config.holder.uri, index))  # fmt: skip
+        log.info(
+            "worker %d started: pid %d, %s",
+            index,
+            process.pid,
+            worker_uri(self.config.holder.uri, index),
+        )
 
     def _signal(self, sig: int, frame: Any) -> None:
         """The first SIGTERM or SIGINT stops every worker with SIGTERM (their
@@ -210,16 +216,26 @@ class Supervisor:
         if self.stopping is not None:
             return
         if not self.ever_up[index]:
-            log.error("worker %d exited with %s during its first start; stopping every worker "
-                      "(see its log lines above)", index, process.exitcode)  # fmt: skip
+            log.error(
+                "worker %d exited with %s during its first start; stopping every worker "
+                "(see its log lines above)",
+                index,
+                process.exitcode,
+            )
             self.failed = True
             self._signal(signal.SIGTERM, None)
             return
         if ran >= RESTART_RESET_S:
             self.delay[index] = RESTART_FIRST_S
         self.due[index] = time.monotonic() + self.delay[index]
-        log.warning("worker %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",
-                    index, process.pid, process.exitcode, ran, self.delay[index])  # fmt: skip
+        log.warning(
+            "worker %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",
+            index,
+            process.pid,
+            process.exitcode,
+            ran,
+            self.delay[index],
+        )
         self.delay[index] = min(self.delay[index] * 2, RESTART_MAX_S)
 
     def run(self) -> int:

@@ -41,15 +41,19 @@ COMPAT = "c" * 64
 H1, H2 = "https://h1.test/kvsp/", "https://h2.test/kvsp/"
 II1 = "https://ii1.test/ii/"
 PRINCIPALS = ("holder1", "holder2", "pc", "ii1", "alice", "bob", "stranger", None)
-POLICY = Policy.from_json({"principals": {
-    "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [A]},
-    "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [A, B]},
-    "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
-    "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": [A]},
-    "urn:kvstore:alice": {"read_scopes": [A], "write_scopes": [A]},
-    "urn:kvstore:bob": {"read_scopes": [B], "write_scopes": [B]},
-    # "stranger" has a certificate of our CA but no entry in the policy.
-}})  # fmt: skip
+POLICY = Policy.from_json(
+    {
+        "principals": {
+            "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [A]},
+            "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [A, B]},
+            "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
+            "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": [A]},
+            "urn:kvstore:alice": {"read_scopes": [A], "write_scopes": [A]},
+            "urn:kvstore:bob": {"read_scopes": [B], "write_scopes": [B]},
+            # "stranger" has a certificate of our CA but no entry in the policy.
+        }
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,26 +70,39 @@ class Roles:
         self.pc_state = MemoryControllerState()
         self.apps = {
             "holder": (H1, create_holder(HolderSettings(H1), self.store, POLICY)),
-            "index": ("https://is.test/is/", create_index(
-                IndexSettings("https://is.test/is/"), MemoryState(), POLICY)),
-            "pc": ("https://pc.test/pc/", create_controller(
-                ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}),
-                self.pc_state, POLICY)),
-            "instance": (II1, create_instance(
-                InstanceSettings(II1), Prefetcher(self.store, None), POLICY, Lifecycle())),
-        }  # fmt: skip
+            "index": (
+                "https://is.test/is/",
+                create_index(IndexSettings("https://is.test/is/"), MemoryState(), POLICY),
+            ),
+            "pc": (
+                "https://pc.test/pc/",
+                create_controller(
+                    ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}),
+                    self.pc_state,
+                    POLICY,
+                ),
+            ),
+            "instance": (
+                II1,
+                create_instance(
+                    InstanceSettings(II1), Prefetcher(self.store, None), POLICY, Lifecycle()
+                ),
+            ),
+        }
         self.clients: list[httpx.AsyncClient] = []
 
     def as_(self, role: str, who: str | None) -> httpx.AsyncClient:
         base, app = self.apps[role]
         cert = (self.certs / f"client-{who}.pem").read_text() if who else None
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(AsPrincipal(app, cert)),
-                                   base_url=base)  # fmt: skip
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(AsPrincipal(app, cert)), base_url=base
+        )
         self.clients.append(client)
         return client
 
-    async def status(self, role: str, who: str | None, method: str, path: str,
-                     **kw: Any) -> tuple[int, str | None]:  # fmt: skip
+    async def status(
+        self, role: str, who: str | None, method: str, path: str, **kw: Any
+    ) -> tuple[int, str | None]:
         response = await self.as_(role, who).request(method, path, **kw)
         kind = None
         problem = response.headers.get("content-type", "").startswith("application/problem+json")
@@ -111,17 +128,36 @@ def block_path(scope: str, n: int) -> str:
 
 
 def record(holder: str, n: int, scope: str = A) -> dict[str, Any]:
-    return {"block_key": key(n), "compat_id": COMPAT, "scope_id": scope, "holder": holder,
-            "codec": 1, "size": 100, "digest": "sha-256:" + "0" * 64,
-            "residency": [{"tier": "host", "layers": [0, 7]}], "ttl_ms": 60000}  # fmt: skip
+    return {
+        "block_key": key(n),
+        "compat_id": COMPAT,
+        "scope_id": scope,
+        "holder": holder,
+        "codec": 1,
+        "size": 100,
+        "digest": "sha-256:" + "0" * 64,
+        "residency": [{"tier": "host", "layers": [0, 7]}],
+        "ttl_ms": 60000,
+    }
 
 
 async def test_holder_resources(roles: Roles) -> None:
     headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
-    assert (await roles.status("holder", "alice", "PUT", block_path(A, 1), content=block(),
-                               headers=headers))[0] == 201  # fmt: skip
-    expected = {"alice": 200, "pc": 200, "bob": 403, "holder1": 403, "holder2": 403,
-                "ii1": 403, "stranger": 403, None: 401}  # fmt: skip
+    assert (
+        await roles.status(
+            "holder", "alice", "PUT", block_path(A, 1), content=block(), headers=headers
+        )
+    )[0] == 201
+    expected = {
+        "alice": 200,
+        "pc": 200,
+        "bob": 403,
+        "holder1": 403,
+        "holder2": 403,
+        "ii1": 403,
+        "stranger": 403,
+        None: 401,
+    }
     for who, code in expected.items():
         held = await roles.status("holder", who, "GET", block_path(A, 1))
         absent = await roles.status("holder", who, "GET", block_path(A, 2))
@@ -129,8 +165,14 @@ async def test_holder_resources(roles: Roles) -> None:
         if code != 200:
             assert held == absent, who  # not yours == absent (no existence oracle)
     for who, code in {"alice": 201, "bob": 403, "pc": 403, "stranger": 403, None: 401}.items():
-        got = await roles.status("holder", who, "PUT", block_path(A, 10 + len(str(who))),
-                                 content=block(), headers=headers)  # fmt: skip
+        got = await roles.status(
+            "holder",
+            who,
+            "PUT",
+            block_path(A, 10 + len(str(who))),
+            content=block(),
+            headers=headers,
+        )
         assert got[0] == code, (who, got)
     # Leases only over blocks of scopes the client may read: bob's lease of
     # A's key pins nothing, and answers as for a key nobody holds.
@@ -139,8 +181,9 @@ async def test_holder_resources(roles: Roles) -> None:
     held_ref = BlockRef(COMPAT, A, key(1))
     lease = {"block_keys": [key(1)], "ttl_ms": 1000}
     bob_held = await roles.status("holder", "bob", "POST", "leases", json=lease)
-    bob_absent = await roles.status("holder", "bob", "POST", "leases",
-                                    json={**lease, "block_keys": [key(2)]})  # fmt: skip
+    bob_absent = await roles.status(
+        "holder", "bob", "POST", "leases", json={**lease, "block_keys": [key(2)]}
+    )
     assert not roles.store.leases.is_leased(held_ref)
     assert bob_held == bob_absent, (bob_held, bob_absent)
     granted = await roles.as_("holder", "alice").post("leases", json=lease)
@@ -168,14 +211,25 @@ async def test_holder_resources(roles: Roles) -> None:
 
 async def test_index_resources(roles: Roles) -> None:
     put = f"replicas/{role_id(H1)}/{key(1)}"
-    expected = {"holder1": (200, 204), "holder2": (403,), "pc": (403,), "ii1": (403,),
-                "alice": (403,), "bob": (403,), "stranger": (403,), None: (401,)}  # fmt: skip
+    expected = {
+        "holder1": (200, 204),
+        "holder2": (403,),
+        "pc": (403,),
+        "ii1": (403,),
+        "alice": (403,),
+        "bob": (403,),
+        "stranger": (403,),
+        None: (401,),
+    }
     for who, codes in expected.items():
         got = await roles.status("index", who, "PUT", put, json=record(H1, 1))
         assert got[0] in codes, (who, got)
     # A holder trusted for A only cannot publish B's (SEC2); its own only.
-    assert (await roles.status("index", "holder1", "PUT", f"replicas/{role_id(H1)}/{key(3)}",
-                               json=record(H1, 3, B)))[0] == 403  # fmt: skip
+    assert (
+        await roles.status(
+            "index", "holder1", "PUT", f"replicas/{role_id(H1)}/{key(3)}", json=record(H1, 3, B)
+        )
+    )[0] == 403
     lookup = {"scope_id": A, "compat_id": COMPAT, "block_keys": [key(1)]}
     absent = {**lookup, "block_keys": [key(9)]}
     for who in ("alice", "pc"):
@@ -203,14 +257,21 @@ def _status(instance: str) -> dict[str, Any]:
 
 
 def _checkpoint(session: str, scope: str = A) -> dict[str, Any]:
-    return SessionCheckpoint(session, 1, COMPAT, scope, (), (1, 2), (), 0,
-                             Sampler("greedy", 0, 0, False)).to_json()  # fmt: skip
+    return SessionCheckpoint(
+        session, 1, COMPAT, scope, (), (1, 2), (), 0, Sampler("greedy", 0, 0, False)
+    ).to_json()
 
 
 async def test_controller_resources(roles: Roles) -> None:
     path = f"instances/{role_id(II1)}/status"
-    for who, code in {"ii1": 200, "holder1": 403, "pc": 403, "alice": 403, "stranger": 403,
-                      None: 401}.items():  # fmt: skip
+    for who, code in {
+        "ii1": 200,
+        "holder1": 403,
+        "pc": 403,
+        "alice": 403,
+        "stranger": 403,
+        None: 401,
+    }.items():
         assert (await roles.status("pc", who, "PUT", path, json=_status(II1)))[0] == code, who
     session = str(uuid.uuid4())
     checkpoint = f"sessions/{session}/checkpoint"
@@ -219,8 +280,11 @@ async def test_controller_resources(roles: Roles) -> None:
         assert got[0] == code, (who, got)
     # An instance only in scopes it may write.
     other = str(uuid.uuid4())
-    assert (await roles.status("pc", "ii1", "PUT", f"sessions/{other}/checkpoint",
-                               json=_checkpoint(other, B)))[0] == 403  # fmt: skip
+    assert (
+        await roles.status(
+            "pc", "ii1", "PUT", f"sessions/{other}/checkpoint", json=_checkpoint(other, B)
+        )
+    )[0] == 403
     assert (await roles.status("pc", "ii1", "PUT", checkpoint, json=_checkpoint(session)))[0] == 200
     # Where a session is: readers of its scope; others cannot tell it exists.
     assert (await roles.status("pc", "alice", "GET", f"sessions/{session}"))[0] == 200
@@ -238,9 +302,13 @@ async def test_controller_resources(roles: Roles) -> None:
         assert (await roles.status("pc", who, "POST", "place", json=place))[0] == code, who
     # Operators' resources: admin (or metrics for the listing) only.
     shard_map = {"map": "m", "version": 1, "shards": [{"tokens": [0, 4], "instance": II1}]}
-    operators = (("GET", "instances", None), ("PUT", "maps/m", shard_map), ("GET", "maps/m", None),
-                 ("POST", "maps/m/reshard", {"target": {**shard_map, "version": 2}}),
-                 ("PUT", f"instances/{role_id(II1)}/state", {"state": "draining"}))  # fmt: skip
+    operators = (
+        ("GET", "instances", None),
+        ("PUT", "maps/m", shard_map),
+        ("GET", "maps/m", None),
+        ("POST", "maps/m/reshard", {"target": {**shard_map, "version": 2}}),
+        ("PUT", f"instances/{role_id(II1)}/state", {"state": "draining"}),
+    )
     for method, path, body in operators:
         for who in ("alice", "pc", "ii1", "holder1", "stranger"):
             got = await roles.status("pc", who, method, path, json=body)
@@ -249,26 +317,43 @@ async def test_controller_resources(roles: Roles) -> None:
 
 
 async def test_instance_resources(roles: Roles) -> None:
-    directive = {"directive": str(uuid.uuid4()), "scope_id": A, "compat_id": COMPAT,
-                 "blocks": [], "deadline_ms": 10, "lease_ms": 10}  # fmt: skip
-    for who, code in {"pc": 202, "alice": 403, "ii1": 403, "holder1": 403, "stranger": 403,
-                      None: 401}.items():  # fmt: skip
+    directive = {
+        "directive": str(uuid.uuid4()),
+        "scope_id": A,
+        "compat_id": COMPAT,
+        "blocks": [],
+        "deadline_ms": 10,
+        "lease_ms": 10,
+    }
+    for who, code in {
+        "pc": 202,
+        "alice": 403,
+        "ii1": 403,
+        "holder1": 403,
+        "stranger": 403,
+        None: 401,
+    }.items():
         got = await roles.status(
             "instance", who, "POST", "prefetch", json={**directive, "directive": str(uuid.uuid4())}
         )
         assert got[0] == code, (who, got)
-    for path, body in (("state", {"state": "active"}),
-                       ("reshard", {"map": "m", "commit": 2}),
-                       (f"sessions/{uuid.uuid4()}/resume", {"epoch": 2})):  # fmt: skip
+    for path, body in (
+        ("state", {"state": "active"}),
+        ("reshard", {"map": "m", "commit": 2}),
+        (f"sessions/{uuid.uuid4()}/resume", {"epoch": 2}),
+    ):
         for who in ("alice", "ii1", "holder1", "stranger"):
-            got = await roles.status("instance", who, "POST" if path != "state" else "PUT",
-                                     path, json=body)  # fmt: skip
+            got = await roles.status(
+                "instance", who, "POST" if path != "state" else "PUT", path, json=body
+            )
             assert got[0] == 403, (path, who, got)
-        got = await roles.status("instance", None, "POST" if path != "state" else "PUT", path,
-                                 json=body)  # fmt: skip
+        got = await roles.status(
+            "instance", None, "POST" if path != "state" else "PUT", path, json=body
+        )
         assert got[0] == 401, (path, got)
-    assert (await roles.status("instance", "pc", "PUT", "state",
-                               json={"state": "active"}))[0] == 200  # fmt: skip
+    assert (await roles.status("instance", "pc", "PUT", "state", json={"state": "active"}))[
+        0
+    ] == 200
 
 
 async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
@@ -284,25 +369,47 @@ async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
 
     from .instance.test_sessions import PROMPT, SCOPE, SCOPE_KEY
 
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [SCOPE]},
-        "urn:kvstore:pc": {"roles": ["pc"]},
-        "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": [SCOPE]},
-        "urn:kvstore:alice": {"read_scopes": [SCOPE]},
-        "urn:kvstore:bob": {"read_scopes": [B]},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [SCOPE]},
+                "urn:kvstore:pc": {"roles": ["pc"]},
+                "urn:kvstore:ii1": {
+                    "roles": ["instance"],
+                    "instance": II1,
+                    "write_scopes": [SCOPE],
+                },
+                "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+                "urn:kvstore:bob": {"read_scopes": [B]},
+            }
+        }
+    )
     store = TieredStore([(HostTier(), 64 << 20)])
     prefetcher, lifecycle = Prefetcher(store, None), Lifecycle()
-    sessions = Sessions(InstanceSettings(II1), ReferenceEngine(tmp_path, block_tokens=8), store,
-                        {SCOPE: SCOPE_KEY}, lifecycle, Load(), prefetcher=prefetcher)  # fmt: skip
-    app = create_instance(InstanceSettings(II1), prefetcher, policy, lifecycle, sessions,
-                          Shards(store, prefetcher, policy, 8))  # fmt: skip
+    sessions = Sessions(
+        InstanceSettings(II1),
+        ReferenceEngine(tmp_path, block_tokens=8),
+        store,
+        {SCOPE: SCOPE_KEY},
+        lifecycle,
+        Load(),
+        prefetcher=prefetcher,
+    )
+    app = create_instance(
+        InstanceSettings(II1),
+        prefetcher,
+        policy,
+        lifecycle,
+        sessions,
+        Shards(store, prefetcher, policy, 8),
+    )
     clients: list[httpx.AsyncClient] = []
 
     async def status(who: str | None, method: str, path: str, **kw: Any) -> tuple[int, str]:
         cert = (certs / f"client-{who}.pem").read_text() if who else None
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(AsPrincipal(app, cert)),
-                                   base_url=II1)  # fmt: skip
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(AsPrincipal(app, cert)), base_url=II1
+        )
         clients.append(client)
         response = await client.request(method, path, **kw)
         if response.status_code < 400:
@@ -313,8 +420,13 @@ async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
     try:
         session = str(uuid.uuid4())
         body = {"session": session, "scope_id": SCOPE, "tokens": PROMPT, "max_tokens": 3}
-        for who, code in {"bob": 403, "holder1": 403, "pc": 403, "stranger": 403,
-                          None: 401}.items():  # fmt: skip
+        for who, code in {
+            "bob": 403,
+            "holder1": 403,
+            "pc": 403,
+            "stranger": 403,
+            None: 401,
+        }.items():
             got = await status(who, "POST", "generate", json={**body, "session": str(uuid.uuid4())})
             assert got[0] == code, (who, got)
         assert (await status("alice", "POST", "generate", json=body))[0] == 200
@@ -325,8 +437,11 @@ async def test_instance_session_resources(certs: Path, tmp_path: Path) -> None:
                 held = await status(who, "GET", path)
                 missing = await status(who, "GET", path.replace(session, absent))
                 assert held == missing and held[0] in (401, 403, 404), (path, who, held)
-        pc_only = (("GET", f"prefetch/{uuid.uuid4()}", {}), ("GET", "contexts/m", {}),
-                   ("PUT", "contexts/m", {"json": {"block_keys": []}}))  # fmt: skip
+        pc_only = (
+            ("GET", f"prefetch/{uuid.uuid4()}", {}),
+            ("GET", "contexts/m", {}),
+            ("PUT", "contexts/m", {"json": {"block_keys": []}}),
+        )
         for method, path, extra in pc_only:
             for who in ("alice", "bob", "holder1", "ii1", "stranger"):
                 assert (await status(who, method, path, **extra))[0] == 403, (path, who)

@@ -80,10 +80,18 @@ def test_comparison_goal_is_a_ratio_in_the_rows_direction() -> None:
 def test_json_carries_the_kind_direction_and_judgement() -> None:
     plain = json.loads(json.dumps(Result("p99", "ms", 39.2, goal=10.0).to_json()))
     assert plain == {
-        "name": "p99", "unit": "ms", "value": 39.2, "kind": "plain", "baseline_name": None,
-        "baseline": None, "ratio": None, "goal": 10.0, "goal_of": "value",
-        "lower_is_better": True, "met": False,
-    }  # fmt: skip
+        "name": "p99",
+        "unit": "ms",
+        "value": 39.2,
+        "kind": "plain",
+        "baseline_name": None,
+        "baseline": None,
+        "ratio": None,
+        "goal": 10.0,
+        "goal_of": "value",
+        "lower_is_better": True,
+        "met": False,
+    }
     compared = Result("host put", "GB/s", 0.3, "one sha256 pass", 0.5, goal=0.8).to_json()
     assert compared["kind"] == "ratio" and compared["goal_of"] == "ratio"
     assert compared["ratio"] == pytest.approx(0.6) and compared["met"] is False
@@ -117,10 +125,13 @@ def test_percentile_is_nearest_rank() -> None:
 
 def test_index_lookup_rows() -> None:
     latencies = [0.020, 0.030, 0.040]
-    rows = bench_index.lookup_rows("lookup 8k keys x3, redis", 8192, latencies,
-                                   {"redis-py EXISTS pipeline p50": 25.0,
-                                    "raw HVALS pipeline, same records": 60.0},
-                                   bench_index.SHARED_P99_GOAL_MS)  # fmt: skip
+    rows = bench_index.lookup_rows(
+        "lookup 8k keys x3, redis",
+        8192,
+        latencies,
+        {"redis-py EXISTS pipeline p50": 25.0, "raw HVALS pipeline, same records": 60.0},
+        bench_index.SHARED_P99_GOAL_MS,
+    )
     _assert_rows_sound(rows)
     by_name: dict[str, list[Result]] = {}
     for row in rows:
@@ -178,8 +189,13 @@ def _report(**fields: Any) -> bench_soak.SoakReport:
 
 
 def test_soak_rows() -> None:
-    report = _report(operations=1000, first_tenth_ops=100, acknowledged=300,
-                     lost=["7: altered"], rss=[(0.0, 50 << 20), (1.0, 60 << 20)])  # fmt: skip
+    report = _report(
+        operations=1000,
+        first_tenth_ops=100,
+        acknowledged=300,
+        lost=["7: altered"],
+        rss=[(0.0, 50 << 20), (1.0, 60 << 20)],
+    )
     rows = bench_soak.report_rows(report, 10.0, 8)
     _assert_rows_sound(rows)
     named = {r.name: r for r in rows}

@@ -26,13 +26,24 @@ from kvstore.storage import TieredStore
 
 from .storage.helpers import block
 
-OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
-                                                      "write_scopes": ["*"]}}})  # fmt: skip
+OPEN = Policy.from_json(
+    {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+)
 GEOMETRY = Geometry(layers=8, kv_heads=2, head_dim=8, kv_dtype="bf16", block_tokens=4)
-DESCRIPTOR = parse_descriptor({"model": "m", "model_digest": "sha-256:" + "1" * 64,
-                               "tokenizer_digest": "sha-256:" + "2" * 64, "positional": "rope",
-                               "layers": 8, "kv_heads": 2, "head_dim": 8, "kv_dtype": "bf16",
-                               "block_tokens": 4, "layout": "kvsp-layout-1"})  # fmt: skip
+DESCRIPTOR = parse_descriptor(
+    {
+        "model": "m",
+        "model_digest": "sha-256:" + "1" * 64,
+        "tokenizer_digest": "sha-256:" + "2" * 64,
+        "positional": "rope",
+        "layers": 8,
+        "kv_heads": 2,
+        "head_dim": 8,
+        "kv_dtype": "bf16",
+        "block_tokens": 4,
+        "layout": "kvsp-layout-1",
+    }
+)
 
 
 class Holder:
@@ -53,8 +64,9 @@ class Holder:
     async def start(self) -> None:
         settings = HolderSettings(self.uri, allow_anonymous=True, shards=self.shards)
         app = create_app(settings, self.store, OPEN)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", lifespan="off"))  # fmt: skip
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
+        )
         self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]))
         while not self.server.started:
             await asyncio.sleep(0.01)
@@ -79,11 +91,17 @@ async def holders() -> AsyncIterator[list[Holder]]:
         await holder.stop()
 
 
-def settings(holders: list[Holder], key: bytes = bytes(range(32)), namespace: str = "t",
-             **kw: object) -> ChunkSettings:  # fmt: skip
-    return ChunkSettings(holders=tuple(h.uri for h in holders), scope_key=key,
-                         descriptor=DESCRIPTOR, namespace=namespace, timeout_s=2.0,
-                         **kw)  # type: ignore[arg-type]  # fmt: skip
+def settings(
+    holders: list[Holder], key: bytes = bytes(range(32)), namespace: str = "t", **kw: object
+) -> ChunkSettings:
+    return ChunkSettings(
+        holders=tuple(h.uri for h in holders),
+        scope_key=key,
+        descriptor=DESCRIPTOR,
+        namespace=namespace,
+        timeout_s=2.0,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 async def test_names_spread_over_holders_and_come_back_in_one_lease_each(
@@ -206,10 +224,13 @@ async def test_names_are_kept_apart_by_scope_descriptor_and_namespace(
 def test_options_are_checked(tmp_path: Path) -> None:
     (tmp_path / "key").write_text(os.urandom(32).hex())
     (tmp_path / "short").write_text(os.urandom(8).hex())
-    options = {"holders": "http://127.0.0.1:1/kvsp, http://127.0.0.1:2/kvsp/",
-               "scope_key_file": str(tmp_path / "key"), "model": "m",
-               "model_digest": "sha-256:" + "1" * 64,
-               "tokenizer_digest": "sha-256:" + "2" * 64}  # fmt: skip
+    options = {
+        "holders": "http://127.0.0.1:1/kvsp, http://127.0.0.1:2/kvsp/",
+        "scope_key_file": str(tmp_path / "key"),
+        "model": "m",
+        "model_digest": "sha-256:" + "1" * 64,
+        "tokenizer_digest": "sha-256:" + "2" * 64,
+    }
     found = ChunkSettings.from_options(options, namespace="t", geometry=GEOMETRY)
     assert found.holders == ("http://127.0.0.1:1/kvsp/", "http://127.0.0.1:2/kvsp/")
     assert found.descriptor.layers == 8 and found.descriptor.positional == "rope"

@@ -56,9 +56,15 @@ def test_keys_reproduces_the_appendix(descriptor_file: Path) -> None:
 
 def test_keys_reads_tokens_from_stdin(descriptor_file: Path) -> None:
     out = kvstore(
-        "keys", "--descriptor", str(descriptor_file), "--scope-key", SCOPE_KEY.hex(),
-        "--tokens", "-", stdin=json.dumps(TOKENS),
-    )  # fmt: skip
+        "keys",
+        "--descriptor",
+        str(descriptor_file),
+        "--scope-key",
+        SCOPE_KEY.hex(),
+        "--tokens",
+        "-",
+        stdin=json.dumps(TOKENS),
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["block_keys"] == [K0, K1]
 
@@ -81,12 +87,26 @@ def test_keys_bad_input(descriptor_file: Path, args: list[str], message: str) ->
 
 def test_keys_takes_the_scope_key_from_a_file(descriptor_file: Path, tmp_path: Path) -> None:
     (tmp_path / "scope.key").write_text(SCOPE_KEY.hex() + "\n")
-    out = kvstore("keys", "--descriptor", str(descriptor_file), "--scope-key-file",
-                  str(tmp_path / "scope.key"), "--tokens", ",".join(map(str, TOKENS)))  # fmt: skip
+    out = kvstore(
+        "keys",
+        "--descriptor",
+        str(descriptor_file),
+        "--scope-key-file",
+        str(tmp_path / "scope.key"),
+        "--tokens",
+        ",".join(map(str, TOKENS)),
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["block_keys"] == [K0, K1]
-    missing = kvstore("keys", "--descriptor", str(descriptor_file), "--scope-key-file",
-                      str(tmp_path / "none"), "--tokens", "1")  # fmt: skip
+    missing = kvstore(
+        "keys",
+        "--descriptor",
+        str(descriptor_file),
+        "--scope-key-file",
+        str(tmp_path / "none"),
+        "--tokens",
+        "1",
+    )
     assert missing.returncode == 2 and "--scope-key-file" in missing.stderr
 
 
@@ -173,9 +193,15 @@ def test_help_lists_the_commands() -> None:
 
 def test_bench_store_quick_covers_every_tier(redis_server: Any, s3_endpoint: str) -> None:
     out = kvstore(
-        "bench", "store", "--quick", "--json",
-        "--redis-url", redis_server.url, "--s3-endpoint", s3_endpoint,
-    )  # fmt: skip
+        "bench",
+        "store",
+        "--quick",
+        "--json",
+        "--redis-url",
+        redis_server.url,
+        "--s3-endpoint",
+        s3_endpoint,
+    )
     assert out.returncode == 0, out.stderr
     names = {r["name"] for r in json.loads(out.stdout)}
     for tier in ("host", "LMDB", "Redis", "S3"):
@@ -205,13 +231,18 @@ def test_certs_init_makes_a_working_ca(tmp_path: Path) -> None:
     ("toml", "message"),
     [
         ("[server\n", "kvstore: error:"),
-        ('[server]\nhost="0.0.0.0"\ninsecure_http=true\n[holder]\npolicy="p.json"\n'
-         '[[storage.tiers]]\nbackend="host"\ncapacity=1024\n', "non-loopback"),
+        (
+            '[server]\nhost="0.0.0.0"\ninsecure_http=true\n[holder]\npolicy="p.json"\n'
+            '[[storage.tiers]]\nbackend="host"\ncapacity=1024\n',
+            "non-loopback",
+        ),
         ('[[storage.tiers]]\nbackend="host"\ncapacity=1024\n', "holder.policy"),
-        ('[holder]\npolicy="p.json"\n[[storage.tiers]]\nbackend="floppy"\ncapacity=1\n',
-         "unknown backend"),
+        (
+            '[holder]\npolicy="p.json"\n[[storage.tiers]]\nbackend="floppy"\ncapacity=1\n',
+            "unknown backend",
+        ),
     ],
-)  # fmt: skip
+)
 def test_serve_refuses_bad_configuration(tmp_path: Path, toml: str, message: str) -> None:
     (tmp_path / "p.json").write_text('{"principals": {}}')
     (tmp_path / "k.toml").write_text(toml)
@@ -275,8 +306,17 @@ def test_bench_controller_quick() -> None:
 def test_bench_load_quick_drives_real_holders(redis_server: Any) -> None:
     # Mixed PUT/GET traffic against holder processes over mTLS: every chain
     # but S3 (moto is the slow part), 1 and 16 clients, no errors.
-    out = kvstore("bench", "load", "--quick", "--json", "--seconds", "1", "--no-s3",
-                  "--redis-url", redis_server.url)  # fmt: skip
+    out = kvstore(
+        "bench",
+        "load",
+        "--quick",
+        "--json",
+        "--seconds",
+        "1",
+        "--no-s3",
+        "--redis-url",
+        redis_server.url,
+    )
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert not [n for n in rows if n.endswith("errors")], rows
@@ -291,8 +331,10 @@ def test_instance_config_is_checked(tmp_path: Path) -> None:
 
     (tmp_path / "policy.json").write_text('{"principals": {}}')
     for key, value in (("status_ttl_ms", 10), ("max_pending_directives", 0)):
-        config = parse({"instance": {"policy": "policy.json", key: value},
-                        "server": {"insecure_http": True}}, tmp_path)  # fmt: skip
+        config = parse(
+            {"instance": {"policy": "policy.json", key: value}, "server": {"insecure_http": True}},
+            tmp_path,
+        )
         problems = check(config, ("instance",))
         assert (
             [p for p in problems if p.startswith("instance.")]
@@ -303,8 +345,10 @@ def test_instance_config_is_checked(tmp_path: Path) -> None:
 
 def test_config_check_names_the_key(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
-    good.write_text('[server]\ninsecure_http = true\n[holder]\npolicy = "p.json"\n'
-                    '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n')  # fmt: skip
+    good.write_text(
+        '[server]\ninsecure_http = true\n[holder]\npolicy = "p.json"\n'
+        '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n'
+    )
     (tmp_path / "p.json").write_text('{"principals": {}}')
     done = kvstore("config", "check", str(good))
     assert done.returncode == 0 and "ok for roles holder" in done.stdout, done.stderr
@@ -313,13 +357,18 @@ def test_config_check_names_the_key(tmp_path: Path) -> None:
     failed = kvstore("config", "check", str(bad))
     assert failed.returncode == 2 and "holder.bogus: unknown key" in failed.stderr
     wrong = tmp_path / "wrong.toml"
-    wrong.write_text('[server]\nhost = "0.0.0.0"\ninsecure_http = true\n'
-                     '[holder]\npolicy = "p.json"\n[index]\npolicy = "p.json"\nstate = "reddis"\n'
-                     '[[storage.tiers]]\nbackend = "lmbd"\ncapacity = 1024\n')  # fmt: skip
+    wrong.write_text(
+        '[server]\nhost = "0.0.0.0"\ninsecure_http = true\n'
+        '[holder]\npolicy = "p.json"\n[index]\npolicy = "p.json"\nstate = "reddis"\n'
+        '[[storage.tiers]]\nbackend = "lmbd"\ncapacity = 1024\n'
+    )
     refused = kvstore("config", "check", str(wrong), "--roles", "holder,index")
     assert refused.returncode == 2
-    for message in ("storage.tiers[0].backend: 'lmbd'", "index.state: 'reddis'",
-                    "server.insecure_http: refused on a non-loopback address"):  # fmt: skip
+    for message in (
+        "storage.tiers[0].backend: 'lmbd'",
+        "index.state: 'reddis'",
+        "server.insecure_http: refused on a non-loopback address",
+    ):
         assert message in refused.stderr, refused.stderr
     missing = kvstore("config", "check", str(good), "--roles", "holder,pc")
     assert missing.returncode == 2 and "controller.policy: a policy file is required" in (
@@ -345,8 +394,11 @@ def test_the_grafana_dashboard_uses_documented_metrics() -> None:
     root = Path(__file__).resolve().parent.parent
     dashboard = json.loads((root / "docker" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    names = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs
-             for n in re.findall(r"\bkvstore_\w+", e)}  # fmt: skip
+    names = {
+        re.sub(r"_(bucket|sum|count)$", "", n)
+        for e in exprs
+        for n in re.findall(r"\bkvstore_\w+", e)
+    }
     documented = (root / "docs" / "operations.md").read_text()
     for name in names:
         stem = name.removesuffix("_total")
@@ -355,28 +407,44 @@ def test_the_grafana_dashboard_uses_documented_metrics() -> None:
     assert len(dashboard["panels"]) >= 10
 
 
-GOOD_TOML = ('[server]\ninsecure_http = true\n[holder]\npolicy = "p.json"\n'
-             '[index]\npolicy = "p.json"\n'
-             '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n')  # fmt: skip
+GOOD_TOML = (
+    '[server]\ninsecure_http = true\n[holder]\npolicy = "p.json"\n'
+    '[index]\npolicy = "p.json"\n'
+    '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n'
+)
 
 
 @pytest.mark.parametrize(
     ("policy", "paths"),
     [
-        ({"principals": {"urn:x": {"read_scopes": ["*", "A1"]}}},
-         ['principals["urn:x"].read_scopes[1]: must be a hex16 scope id']),
-        ({"principals": {"urn:h": {"roles": ["holder", "hodler"], "holder": "h1/kvsp/"},
-                         "urn:c": {"write_scopes": "*", "read_scope": ["*"]}}},
-         ["principals[\"urn:h\"].roles[1]: unknown role 'hodler'",
-          'principals["urn:h"].holder: must be an absolute https (or http) base URI',
-          'principals["urn:c"].read_scope: unknown member',
-          'principals["urn:c"].write_scopes: must be an array']),
-        ({"principals": {"urn:i": {"roles": "instance", "instance": 8443}}},
-         ['principals["urn:i"].roles: must be an array of role names',
-          'principals["urn:i"].instance: must be an absolute']),
+        (
+            {"principals": {"urn:x": {"read_scopes": ["*", "A1"]}}},
+            ['principals["urn:x"].read_scopes[1]: must be a hex16 scope id'],
+        ),
+        (
+            {
+                "principals": {
+                    "urn:h": {"roles": ["holder", "hodler"], "holder": "h1/kvsp/"},
+                    "urn:c": {"write_scopes": "*", "read_scope": ["*"]},
+                }
+            },
+            [
+                "principals[\"urn:h\"].roles[1]: unknown role 'hodler'",
+                'principals["urn:h"].holder: must be an absolute https (or http) base URI',
+                'principals["urn:c"].read_scope: unknown member',
+                'principals["urn:c"].write_scopes: must be an array',
+            ],
+        ),
+        (
+            {"principals": {"urn:i": {"roles": "instance", "instance": 8443}}},
+            [
+                'principals["urn:i"].roles: must be an array of role names',
+                'principals["urn:i"].instance: must be an absolute',
+            ],
+        ),
         ({"principal": {}}, ["principal: unknown member", "principals: required member"]),
     ],
-)  # fmt: skip
+)
 def test_config_check_names_each_invalid_policy_member(
     tmp_path: Path, policy: Any, paths: list[str]
 ) -> None:
@@ -432,8 +500,9 @@ class _TLSProbe:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        context = server_context(str(certs / "server.pem"), str(certs / "server.key"),
-                                 str(certs / "ca.pem"))  # fmt: skip
+        context = server_context(
+            str(certs / "server.pem"), str(certs / "server.key"), str(certs / "ca.pem")
+        )
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.url = f"https://127.0.0.1:{self.server.server_address[1]}/healthz"
@@ -466,19 +535,29 @@ def test_health_picks_the_client_certificate(tmp_path: Path) -> None:
         done = kvstore("health", probe.url, "--certs", str(certs), "--principal", "ops")
         assert done.returncode == 0, done.stderr
         # --cert/--key/--cafile: any files, no directory.
-        done = kvstore("health", probe.url, "--certs", str(tmp_path / "none"),
-                       "--cert", str(elsewhere / "client-ops.pem"),
-                       "--key", str(elsewhere / "client-ops.key"),
-                       "--cafile", str(elsewhere / "ca.pem"))  # fmt: skip
+        done = kvstore(
+            "health",
+            probe.url,
+            "--certs",
+            str(tmp_path / "none"),
+            "--cert",
+            str(elsewhere / "client-ops.pem"),
+            "--key",
+            str(elsewhere / "client-ops.key"),
+            "--cafile",
+            str(elsewhere / "ca.pem"),
+        )
         assert done.returncode == 0, done.stderr
         assert probe.seen == ["urn:kvstore:client", "urn:kvstore:ops", "urn:kvstore:ops"]
         # Missing files: one line naming the file, unhealthy (exit 1).
         for args, named in (
             (["--principal", "nobody"], f"client certificate {certs / 'client-nobody.pem'}"),
             (["--cafile", str(tmp_path / "ca.pem")], f"CA certificate {tmp_path / 'ca.pem'}"),
-            (["--cert", str(elsewhere / "client-ops.pem"), "--key", str(elsewhere / "x.key")],
-             f"client key {elsewhere / 'x.key'}"),
-        ):  # fmt: skip
+            (
+                ["--cert", str(elsewhere / "client-ops.pem"), "--key", str(elsewhere / "x.key")],
+                f"client key {elsewhere / 'x.key'}",
+            ),
+        ):
             done = kvstore("health", probe.url, "--certs", str(certs), *args)
             assert done.returncode == 1, done.stderr
             assert done.stderr.strip().splitlines() == [
@@ -522,24 +601,41 @@ def test_descriptor_of_an_instance_configuration(tmp_path: Path) -> None:
     # of [instance], its weights from engine_seed unless engine_dir has some.
     from kvstore.instance.reference import ReferenceEngine
 
-    (tmp_path / "k.toml").write_text('[instance]\nengine = "reference"\nengine_dir = "engine"\n'
-                                     "engine_seed = 3\nblock_tokens = 8\n")  # fmt: skip
+    (tmp_path / "k.toml").write_text(
+        '[instance]\nengine = "reference"\nengine_dir = "engine"\n'
+        "engine_seed = 3\nblock_tokens = 8\n"
+    )
     expected = ReferenceEngine(tmp_path / "seed3", block_tokens=8, seed=3).descriptor
     done = kvstore("descriptor", "--config", str(tmp_path / "k.toml"), "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {
-        "compat_id": expected.compat_id_hex, "descriptor": expected.to_json()
-    }  # fmt: skip
+        "compat_id": expected.compat_id_hex,
+        "descriptor": expected.to_json(),
+    }
     assert not (tmp_path / "engine").exists()  # nothing made where serve keeps its weights
     (tmp_path / "seed3.json").write_text(json.dumps(expected.to_json()))
-    same = kvstore("descriptor", "--engine", "reference", "--seed", "3", "--block-tokens", "8",
-                   "--descriptor", str(tmp_path / "seed3.json"))  # fmt: skip
+    same = kvstore(
+        "descriptor",
+        "--engine",
+        "reference",
+        "--seed",
+        "3",
+        "--block-tokens",
+        "8",
+        "--descriptor",
+        str(tmp_path / "seed3.json"),
+    )
     assert same.returncode == 0, same.stderr
     assert same.stdout.splitlines()[0] == f"compat_id {expected.compat_id_hex}"
     # Weights already in engine_dir are what serve would load.
     ReferenceEngine(tmp_path / "engine", block_tokens=8, seed=4)
-    other = kvstore("descriptor", "--config", str(tmp_path / "k.toml"),
-                    "--descriptor", str(tmp_path / "seed3.json"))  # fmt: skip
+    other = kvstore(
+        "descriptor",
+        "--config",
+        str(tmp_path / "k.toml"),
+        "--descriptor",
+        str(tmp_path / "seed3.json"),
+    )
     assert other.returncode == 2
     assert "is not the engine's" in other.stderr and "(model_digest differ)" in other.stderr
     (tmp_path / "none.toml").write_text("[instance]\n")

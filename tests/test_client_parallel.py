@@ -22,8 +22,9 @@ from kvstore.storage import TieredStore
 
 from .storage.helpers import COMPAT, SCOPE, block, ref
 
-OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
-                                                      "write_scopes": ["*"]}}})  # fmt: skip
+OPEN = Policy.from_json(
+    {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+)
 
 
 class Corrupting:

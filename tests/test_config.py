@@ -13,8 +13,10 @@ MINIMAL = {"storage": {"tiers": [{"backend": "host", "capacity": 1024}]}}
 
 def test_minimal_file_takes_defaults(tmp_path: Path) -> None:
     file = tmp_path / "k.toml"
-    file.write_text('[holder]\npolicy = "p.json"\n[[storage.tiers]]\nbackend = "lmdb"\n'
-                    'capacity = 4096\npath = "data"\nmap_size = 1048576\n')  # fmt: skip
+    file.write_text(
+        '[holder]\npolicy = "p.json"\n[[storage.tiers]]\nbackend = "lmdb"\n'
+        'capacity = 4096\npath = "data"\nmap_size = 1048576\n'
+    )
     config = load(file)
     assert config.server.port == 8443
     assert config.holder.policy == str(tmp_path / "p.json")
@@ -56,14 +58,21 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
     file = tmp_path / "k.toml"
     file.write_text('[server]\nport = 1\n[holder]\nuri = "https://a/kvsp/"\n')
-    config = load(file, {"KVSTORE_SERVER__PORT": "9443", "KVSTORE_SERVER__INSECURE_HTTP": "1",
-                         "KVSTORE_HOLDER__INDEX_URI": "https://is.example:8443/is/",
-                         "KVSTORE_INDEX__REDIS_PREFIX": "2026-01-01",
-                         "KVSTORE_INDEX__DESCRIPTORS": "a.json, b.json",
-                         "KVSTORE_INSTANCE__TOKEN_INTERVAL_MS": "5",
-                         # Not ours: what Kubernetes sets for a Service named kvstore.
-                         "KVSTORE_PORT": "tcp://10.0.0.1:8443",
-                         "KVSTORE_SERVICE_HOST": "10.0.0.1", "OTHER": "x"})  # fmt: skip
+    config = load(
+        file,
+        {
+            "KVSTORE_SERVER__PORT": "9443",
+            "KVSTORE_SERVER__INSECURE_HTTP": "1",
+            "KVSTORE_HOLDER__INDEX_URI": "https://is.example:8443/is/",
+            "KVSTORE_INDEX__REDIS_PREFIX": "2026-01-01",
+            "KVSTORE_INDEX__DESCRIPTORS": "a.json, b.json",
+            "KVSTORE_INSTANCE__TOKEN_INTERVAL_MS": "5",
+            # Not ours: what Kubernetes sets for a Service named kvstore.
+            "KVSTORE_PORT": "tcp://10.0.0.1:8443",
+            "KVSTORE_SERVICE_HOST": "10.0.0.1",
+            "OTHER": "x",
+        },
+    )
     assert config.server.port == 9443 and config.server.insecure_http is True
     assert config.holder.uri == "https://a/kvsp/"
     assert config.holder.index_uri == "https://is.example:8443/is/"
@@ -93,9 +102,14 @@ def test_every_key_is_documented_with_its_default() -> None:
     from kvstore.settings import is_key
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
-    sections = {"server": c.ServerConfig, "holder": c.HolderConfig, "index": c.IndexConfig,
-                "controller": c.ControllerConfig, "instance": c.InstanceConfig,
-                "storage": c.StorageConfig}  # fmt: skip
+    sections = {
+        "server": c.ServerConfig,
+        "holder": c.HolderConfig,
+        "index": c.IndexConfig,
+        "controller": c.ControllerConfig,
+        "instance": c.InstanceConfig,
+        "storage": c.StorageConfig,
+    }
     for name, cls in sections.items():
         part = doc.split(f"## [{name}]", 1)[1].split("\n## ", 1)[0]
         rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", part, re.M))
@@ -105,10 +119,14 @@ def test_every_key_is_documented_with_its_default() -> None:
             assert field.name in rows, f"{name}.{field.name} is not documented"
             default = field.default
             expected = (
-                ("true" if default else "false") if isinstance(default, bool)
-                else "[]" if isinstance(default, tuple)
-                else json.dumps(default) if isinstance(default, str) else repr(default)
-            )  # fmt: skip
+                ("true" if default else "false")
+                if isinstance(default, bool)
+                else "[]"
+                if isinstance(default, tuple)
+                else json.dumps(default)
+                if isinstance(default, str)
+                else repr(default)
+            )
             assert rows[field.name] == expected, f"{name}.{field.name}"
         assert set(rows) <= {f.name for f in fields(cls) if is_key(f)}, (
             f"[{name}] documents unknown keys"
@@ -155,12 +173,15 @@ def test_write_through_needs_a_persistent_tier_below_the_first(tmp_path: Path) -
     from kvstore.serve import build_store
 
     file = tmp_path / "k.toml"
-    file.write_text("[storage]\nwrite_through = true\n"
-                    '[[storage.tiers]]\nbackend = "host"\ncapacity = 4096\n')  # fmt: skip
+    file.write_text(
+        '[storage]\nwrite_through = true\n[[storage.tiers]]\nbackend = "host"\ncapacity = 4096\n'
+    )
     [problem] = [p for p in check(load(file), ("holder",)) if p.startswith("storage.")]
     assert problem.startswith("storage.write_through:")
     with file.open("a") as out:
-        out.write(f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 1048576\n'
-                  f'path = "{tmp_path / "lmdb"}"\nmap_size = 2097152\n')  # fmt: skip
+        out.write(
+            f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 1048576\n'
+            f'path = "{tmp_path / "lmdb"}"\nmap_size = 2097152\n'
+        )
     assert not [p for p in check(load(file), ("holder",)) if p.startswith("storage.")]
     assert build_store(load(file)).write_through

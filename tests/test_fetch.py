@@ -39,8 +39,9 @@ from kvstore.tls import client_context
 from .engines.holder import Holder, start_holder
 from .storage.helpers import COMPAT, SCOPE, block, ref
 
-OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
-                                                      "write_scopes": ["*"]}}})  # fmt: skip
+OPEN = Policy.from_json(
+    {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+)
 LAYERS, SECTION = 8, 4096
 
 
@@ -70,8 +71,12 @@ class Tamper:
         async def sending(message: Any) -> None:
             nonlocal offset
             if message["type"] == "http.response.start" and key in self.no_digest:
-                message = {**message, "headers": [(k, v) for k, v in message["headers"]
-                                                  if k.lower() != b"repr-digest"]}  # fmt: skip
+                message = {
+                    **message,
+                    "headers": [
+                        (k, v) for k, v in message["headers"] if k.lower() != b"repr-digest"
+                    ],
+                }
             if message["type"] != "http.response.body":
                 await send(message)
                 return
@@ -94,8 +99,9 @@ class Tamper:
                     await asyncio.sleep(0.05)
                     last = start + 4096 >= len(body)
                     piece = bytes(body[start : start + 4096])
-                    await send({"type": "http.response.body", "body": piece,
-                                "more_body": more or not last})  # fmt: skip
+                    await send(
+                        {"type": "http.response.body", "body": piece, "more_body": more or not last}
+                    )
                 return
             await send({**message, "body": bytes(body)})
 
@@ -109,8 +115,9 @@ async def served() -> AsyncIterator[tuple[str, Tamper]]:
     uri = f"http://127.0.0.1:{sock.getsockname()[1]}/kvsp/"
     store = TieredStore([(HostTier(), 256 << 20)])
     app = Tamper(create_app(HolderSettings(uri, allow_anonymous=True), store, OPEN))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off",
-                                           timeout_graceful_shutdown=5))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="error", lifespan="off", timeout_graceful_shutdown=5)
+    )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
@@ -119,8 +126,9 @@ async def served() -> AsyncIterator[tuple[str, Tamper]]:
     await asyncio.wait_for(task, 15)
 
 
-async def _put_all(fetcher: BlockFetcher, uri: str, count: int,
-                   section: int = SECTION) -> list[tuple[ReplicaRecord, bytes]]:  # fmt: skip
+async def _put_all(
+    fetcher: BlockFetcher, uri: str, count: int, section: int = SECTION
+) -> list[tuple[ReplicaRecord, bytes]]:
     out = []
     for n in range(count):
         data = block(LAYERS, section)
@@ -171,7 +179,8 @@ async def test_without_a_record_the_repr_digest_still_catches_a_flip(
         tamper.flip[record.block_key] = len(data) - 3
         tamper.no_digest.add(other.block_key)
         flipped, undigested = await f.afetch(
-            [BlockRequest(COMPAT, SCOPE, r.block_key, [uri]) for r in (record, other)])  # fmt: skip
+            [BlockRequest(COMPAT, SCOPE, r.block_key, [uri]) for r in (record, other)]
+        )
     assert not flipped.ok and "Repr-Digest does not match" in flipped.errors[0].detail
     assert not undigested.ok and "no Repr-Digest" in undigested.errors[0].detail
 
@@ -195,7 +204,8 @@ async def test_layers_are_handed_over_verified_as_they_arrive(served: tuple[str,
         (part,) = await f.afetch([ranged])
     assert result.ok
     assert [(i, k, v) for i, k, v, _ in seen] == [
-        (layer.index, bytes(layer.k), bytes(layer.v)) for layer in whole]  # fmt: skip
+        (layer.index, bytes(layer.k), bytes(layer.v)) for layer in whole
+    ]
     assert not any(done for *_, done in seen)  # all before the result
     assert part.ok and [x.index for x in kc.decode(part.data or b"")] == [2, 3, 4]
 
@@ -214,8 +224,10 @@ async def test_buffers_the_caller_gives_receive_exactly_the_octets(
         window = memoryview(arena)[size : 2 * size]
         tensor = torch.full((size + 8,), 7, dtype=torch.uint8)
         targets = [plain, window, tensor]
-        requests = [BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=t)
-                    for (r, _), t in zip(stored, targets, strict=True)]  # fmt: skip
+        requests = [
+            BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=t)
+            for (r, _), t in zip(stored, targets, strict=True)
+        ]
         results = await f.afetch(requests)
         small = BlockRequest(COMPAT, SCOPE, stored[0][0].block_key, [uri], into=bytearray(99))
         (too_small,) = await f.afetch([small])
@@ -233,18 +245,22 @@ async def test_a_missing_block_tries_the_next_source(served: tuple[str, Tamper])
     with BlockFetcher(threads=2) as f:
         ((record, data),) = await _put_all(f, uri, 1)
         absent = ref(99).block_key
-        missing, found = await f.afetch([
-            BlockRequest(COMPAT, SCOPE, absent, [uri, uri]),
-            BlockRequest(COMPAT, SCOPE, record.block_key, [uri]),
-        ])  # fmt: skip
+        missing, found = await f.afetch(
+            [
+                BlockRequest(COMPAT, SCOPE, absent, [uri, uri]),
+                BlockRequest(COMPAT, SCOPE, record.block_key, [uri]),
+            ]
+        )
     assert not missing.ok and [type(e) for e in missing.errors] == [NotFound, NotFound]
     assert found.ok and bytes(found.data or b"") == data
     # The caller's mistakes are errors of their request, not of a holder.
     with BlockFetcher(threads=1) as f:
-        bad_key, bad_source = await f.afetch([
-            BlockRequest(COMPAT, SCOPE, "not-hex", [uri]),
-            BlockRequest(COMPAT, SCOPE, record.block_key, ["ftp://example/", uri]),
-        ])  # fmt: skip
+        bad_key, bad_source = await f.afetch(
+            [
+                BlockRequest(COMPAT, SCOPE, "not-hex", [uri]),
+                BlockRequest(COMPAT, SCOPE, record.block_key, ["ftp://example/", uri]),
+            ]
+        )
     assert not bad_key.ok and "block_key" in str(bad_key.errors[0])
     assert bad_source.ok and "not an http(s) holder URI" in str(bad_source.errors[0])
 
@@ -265,12 +281,14 @@ async def test_a_slow_holder_costs_one_timeout_then_is_skipped(
             for n in range(4):
                 data = block(LAYERS, SECTION)
                 await f.aput(uri, COMPAT, scope, ref(n).block_key, data)
-                stored.append((await f.aput(holder.uri, COMPAT, scope, ref(n).block_key, data),
-                               data))  # fmt: skip
+                stored.append(
+                    (await f.aput(holder.uri, COMPAT, scope, ref(n).block_key, data), data)
+                )
             tamper.hang.update(r.block_key for r, _ in stored)
             started = time.monotonic()
-            results = await f.afetch([BlockRequest(COMPAT, scope, r.block_key, [uri, r])
-                                      for r, _ in stored])  # fmt: skip
+            results = await f.afetch(
+                [BlockRequest(COMPAT, scope, r.block_key, [uri, r]) for r, _ in stored]
+            )
             took = time.monotonic() - started
     finally:
         holder.stop()
@@ -297,8 +315,12 @@ async def test_a_holder_killed_mid_fetch_fails_its_own_blocks_only(tmp_path: Pat
     (b_root / "certs").symlink_to(tmp_path / "a" / "certs")
     b = _second_holder(b_root, a)
     try:
-        context = client_context(*(str(tmp_path / "a" / "certs" / n) for n in (
-            "ca.pem", "client-engine.pem", "client-engine.key")))  # fmt: skip
+        context = client_context(
+            *(
+                str(tmp_path / "a" / "certs" / n)
+                for n in ("ca.pem", "client-engine.pem", "client-engine.key")
+            )
+        )
         scope = _scope(a)
         with BlockFetcher(context, threads=1, timeout_s=5) as f:
             stored: list[tuple[ReplicaRecord, bytes]] = []
@@ -313,8 +335,9 @@ async def test_a_holder_killed_mid_fetch_fails_its_own_blocks_only(tmp_path: Pat
                     killed.set()
                     a.kill()  # SIGKILL, while the other blocks are still to come
 
-            results = await f.afetch([BlockRequest(COMPAT, scope, r.block_key, [r])
-                                      for r, _ in stored], on_done=on_done)  # fmt: skip
+            results = await f.afetch(
+                [BlockRequest(COMPAT, scope, r.block_key, [r]) for r, _ in stored], on_done=on_done
+            )
     finally:
         a.stop()
         b.stop()
@@ -338,11 +361,23 @@ def _second_holder(root: Path, first: Holder) -> Holder:
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
     scope = scope_id(bytes.fromhex(first.scope_key_file.read_text())).hex()
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:engine": {"roles": ["client"], "read_scopes": [scope],
-                               "write_scopes": [scope]}}}))  # fmt: skip
-    config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-              f'[[storage.tiers]]\nbackend = "host"\ncapacity = {64 << 20}\n')  # fmt: skip
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:engine": {
+                        "roles": ["client"],
+                        "read_scopes": [scope],
+                        "write_scopes": [scope],
+                    }
+                }
+            }
+        )
+    )
+    config = (
+        SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
+        f'[[storage.tiers]]\nbackend = "host"\ncapacity = {64 << 20}\n'
+    )
     process = Process(root, "holder", config, "holder")
     process.start(port)
     return Holder(root, uri, port, process, first.scope_key_file)
@@ -356,8 +391,10 @@ async def test_cancelling_leaves_no_thread_on_a_buffer(served: tuple[str, Tamper
         stored = await _put_all(f, uri, 8, section=32 << 10)
         tamper.slow.update(r.block_key for r, _ in stored)
         buffers = [bytearray(len(d)) for _, d in stored]
-        requests = [BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
-                    for (r, _), b in zip(stored, buffers, strict=True)]  # fmt: skip
+        requests = [
+            BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
+            for (r, _), b in zip(stored, buffers, strict=True)
+        ]
         task = asyncio.ensure_future(f.afetch(requests))
         await asyncio.sleep(0.5)
         assert any(any(b) for b in buffers)  # reads were under way

@@ -27,8 +27,10 @@ def test_what_is_printed_and_written_follows_the_port(tmp_path: Path) -> None:
     saved = tomllib.loads(first.config.read_text())
     assert saved["server"]["port"] == 18443
     assert {saved[r]["uri"] for r in ("holder", "index", "controller")} == {
-        "https://127.0.0.1:18443/kvsp/", "https://127.0.0.1:18443/is/",
-        "https://127.0.0.1:18443/pc/"}  # fmt: skip
+        "https://127.0.0.1:18443/kvsp/",
+        "https://127.0.0.1:18443/is/",
+        "https://127.0.0.1:18443/pc/",
+    }
     policy = json.loads((tmp_path / "d" / "policy.json").read_text())
     assert policy["principals"]["urn:kvstore:holder"]["holder"] == "https://127.0.0.1:18443/kvsp/"
     again = prepare(tmp_path / "d")  # no port asked: what it was made with
@@ -80,8 +82,13 @@ def test_an_unwritable_directory_is_one_line_naming_the_uid(tmp_path: Path) -> N
     command = [sys.executable, "-m", "kvstore", "serve", "--directory", str(data)]
     if os.geteuid() == 0:
         os.chown(data, 12345, 12345)
-        command = ["setpriv", "--inh-caps=-all",
-                   "--bounding-set=-dac_override,-dac_read_search", "--", *command]  # fmt: skip
+        command = [
+            "setpriv",
+            "--inh-caps=-all",
+            "--bounding-set=-dac_override,-dac_read_search",
+            "--",
+            *command,
+        ]
     else:
         data.chmod(0o555)
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)

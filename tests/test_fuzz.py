@@ -45,8 +45,9 @@ from kvstore.protocol.stream import StreamDecoder
 from kvstore.protocol.wire import parse_layers, parse_repr_digest
 
 HERE = Path(__file__).resolve().parent
-FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))  # fmt: skip
+FUZZ = settings(
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 VALID = bytes(kc.encode([(bytes(range(64)), bytes(64)), (b"k" * 64, b"v" * 64)], token_count=4))
 
 
@@ -60,11 +61,21 @@ def test_atheris_finds_no_crash_in_the_decoders(tmp_path: Path) -> None:
         # per-input timeout: libFuzzer's runs on a periodic SIGALRM, which on
         # a loaded machine could kill the process after "Done" (exit -14)
         # while it exits; a hang is caught by this run's own timeout.
-        [sys.executable, str(HERE / "fuzz" / "container_target.py"), "-atheris_runs=100000",
-         "-max_len=4096", "-rss_limit_mb=0", "-timeout=0",
-         f"-artifact_prefix={tmp_path}/", str(corpus)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(HERE / "fuzz" / "container_target.py"),
+            "-atheris_runs=100000",
+            "-max_len=4096",
+            "-rss_limit_mb=0",
+            "-timeout=0",
+            f"-artifact_prefix={tmp_path}/",
+            str(corpus),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     (tmp_path / "atheris.log").write_text(done.stderr)
     assert "Done 100000" in done.stderr, done.stderr[-3000:]
     # Every run done and no input saved as a finding. A SIGALRM that still
@@ -112,41 +123,94 @@ def test_decoders_raise_only_our_errors(data: bytes, cut: int) -> None:
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
     | st.text(max_size=80),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=20), inner,
-                                                                 max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=20), inner, max_size=6)
+    ),
     max_leaves=30,
-)  # fmt: skip
+)
 
 HEX16, HEX32 = "d" * 32, "c" * 64
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "replica": {"block_key": HEX32, "compat_id": HEX32, "scope_id": HEX16,
-                "holder": "https://h/kvsp/", "codec": 1, "size": 10,
-                "digest": "sha-256:" + hashlib.sha256(bytes.fromhex(HEX32)).hexdigest(),
-                "layer_digests": [HEX32],
-                "residency": [{"tier": "host", "layers": [0, 0]}], "ttl_ms": 1000},
+    "replica": {
+        "block_key": HEX32,
+        "compat_id": HEX32,
+        "scope_id": HEX16,
+        "holder": "https://h/kvsp/",
+        "codec": 1,
+        "size": 10,
+        "digest": "sha-256:" + hashlib.sha256(bytes.fromhex(HEX32)).hexdigest(),
+        "layer_digests": [HEX32],
+        "residency": [{"tier": "host", "layers": [0, 0]}],
+        "ttl_ms": 1000,
+    },
     "lookup": {"scope_id": HEX16, "compat_id": HEX32, "block_keys": [HEX32]},
     "lease": {"block_keys": [HEX32], "ttl_ms": 10},
-    "prefetch": {"directive": "a2b7c9e0-1f3d-4c1a-8f5b-6d2e9a7c3b10", "scope_id": HEX16,
-                 "compat_id": HEX32, "blocks": [{"block_key": HEX32, "sources": ["https://h/"]}],
-                 "deadline_ms": 5, "lease_ms": 5},
-    "status": {"instance": "https://i/", "epoch": 1, "state": "active", "running": 0,
-               "queued": 0, "batch_size": 1, "kv_utilization": 0.5,
-               "prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0, "ttl_ms": 10},
-    "checkpoint": {"session": "6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a11", "epoch": 1,
-                   "compat_id": HEX32, "scope_id": HEX16, "prompt_blocks": [HEX32],
-                   "prompt_tail": [1], "generated": [2], "output_offset": 1,
-                   "sampler": {"method": "top-p", "params": {"p": 0.9}, "seed": 7, "step": 1,
-                               "deterministic": False}},
+    "prefetch": {
+        "directive": "a2b7c9e0-1f3d-4c1a-8f5b-6d2e9a7c3b10",
+        "scope_id": HEX16,
+        "compat_id": HEX32,
+        "blocks": [{"block_key": HEX32, "sources": ["https://h/"]}],
+        "deadline_ms": 5,
+        "lease_ms": 5,
+    },
+    "status": {
+        "instance": "https://i/",
+        "epoch": 1,
+        "state": "active",
+        "running": 0,
+        "queued": 0,
+        "batch_size": 1,
+        "kv_utilization": 0.5,
+        "prefill_tokens_per_s": 1.0,
+        "decode_tokens_per_s": 1.0,
+        "ttl_ms": 10,
+    },
+    "checkpoint": {
+        "session": "6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a11",
+        "epoch": 1,
+        "compat_id": HEX32,
+        "scope_id": HEX16,
+        "prompt_blocks": [HEX32],
+        "prompt_tail": [1],
+        "generated": [2],
+        "output_offset": 1,
+        "sampler": {
+            "method": "top-p",
+            "params": {"p": 0.9},
+            "seed": 7,
+            "step": 1,
+            "deterministic": False,
+        },
+    },
     "map": {"map": "m", "version": 1, "shards": [{"tokens": [0, 4], "instance": "https://i/"}]},
-    "reshard": {"map": "m", "from": 1, "to": 2, "deadline_ms": 10, "retain": [[0, 4]],
-                "fetch": [{"tokens": [4, 8], "from": "https://i/"}], "release": []},
-    "generate": {"scope_id": HEX16, "tokens": [1, 2], "max_tokens": 4,
-                 "sampler": {"method": "top-p", "params": {"p": 0.5}, "seed": 1}},
-    "context": {"scope_id": HEX16, "compat_id": HEX32, "block_keys": [HEX32], "version": 1,
-                "ranges": [[0, 16]]},
-}  # fmt: skip
+    "reshard": {
+        "map": "m",
+        "from": 1,
+        "to": 2,
+        "deadline_ms": 10,
+        "retain": [[0, 4]],
+        "fetch": [{"tokens": [4, 8], "from": "https://i/"}],
+        "release": [],
+    },
+    "generate": {
+        "scope_id": HEX16,
+        "tokens": [1, 2],
+        "max_tokens": 4,
+        "sampler": {"method": "top-p", "params": {"p": 0.5}, "seed": 1},
+    },
+    "context": {
+        "scope_id": HEX16,
+        "compat_id": HEX32,
+        "block_keys": [HEX32],
+        "version": 1,
+        "ranges": [[0, 16]],
+    },
+}
 EXAMPLES["resume"] = {"epoch": 2, "checkpoint": EXAMPLES["checkpoint"]}
 # What clients parse from servers (a server can be hostile too).
 EXAMPLES["state"] = {"state": "draining"}
@@ -162,15 +226,22 @@ EXAMPLES["prefetch_status"] = {
     "loaded": [HEX32],
 }
 PARSERS: dict[str, Callable[[Any], Any]] = {
-    "replica": ReplicaRecord.from_json, "lookup": LookupRequest.from_json,
-    "lease": LeaseRequest.from_json, "prefetch": PrefetchDirective.from_json,
-    "status": InstanceStatus.from_json, "checkpoint": SessionCheckpoint.from_json,
-    "resume": ResumeRequest.from_json, "map": ShardMap.from_json, "reshard": parse_reshard,
+    "replica": ReplicaRecord.from_json,
+    "lookup": LookupRequest.from_json,
+    "lease": LeaseRequest.from_json,
+    "prefetch": PrefetchDirective.from_json,
+    "status": InstanceStatus.from_json,
+    "checkpoint": SessionCheckpoint.from_json,
+    "resume": ResumeRequest.from_json,
+    "map": ShardMap.from_json,
+    "reshard": parse_reshard,
     "generate": lambda v: GenerateRequest.from_json(v, max_prompt=64, max_output=64),
-    "context": ContextDefinition.from_json, "state": StateChange.from_json,
-    "lease_grant": LeaseGrant.from_json, "lookup_response": LookupResponse.from_json,
+    "context": ContextDefinition.from_json,
+    "state": StateChange.from_json,
+    "lease_grant": LeaseGrant.from_json,
+    "lookup_response": LookupResponse.from_json,
     "prefetch_status": PrefetchStatus.from_json,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))
@@ -216,8 +287,9 @@ def test_record_parsers_raise_only_our_errors(data: st.DataObject) -> None:
         assert 400 <= exc.status < 500, (name, exc)
 
 
-HEADER_TEXT = st.text(alphabet=st.sampled_from("0123456789-=:,; abcdefAZ+/sha-256\t\x00\xff"),
-                      max_size=80) | st.text(max_size=80)  # fmt: skip
+HEADER_TEXT = st.text(
+    alphabet=st.sampled_from("0123456789-=:,; abcdefAZ+/sha-256\t\x00\xff"), max_size=80
+) | st.text(max_size=80)
 
 
 @FUZZ

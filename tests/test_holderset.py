@@ -57,8 +57,9 @@ class FakeHolders:
         if holder in self.refusing:
             raise BadRequest("refused")
 
-    async def put_block(self, holder: str, compat_id: str, scope_id: str, block_key: str,
-                        data: BytesLike) -> ReplicaRecord:  # fmt: skip
+    async def put_block(
+        self, holder: str, compat_id: str, scope_id: str, block_key: str, data: BytesLike
+    ) -> ReplicaRecord:
         self._call("put", holder)
         held = self.blocks.setdefault(holder, set())
         if block_key in held:
@@ -66,9 +67,17 @@ class FakeHolders:
         held.add(block_key)
         return None  # type: ignore[return-value]  # the set passes it through
 
-    async def get_block(self, holder: str, compat_id: str, scope_id: str, block_key: str, *,
-                        layers: tuple[int, int] | None = None, codec: int | None = None,
-                        record: ReplicaRecord | None = None) -> bytes:  # fmt: skip
+    async def get_block(
+        self,
+        holder: str,
+        compat_id: str,
+        scope_id: str,
+        block_key: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        codec: int | None = None,
+        record: ReplicaRecord | None = None,
+    ) -> bytes:
         self._call("get", holder)
         if block_key not in self.blocks.get(holder, set()):
             raise NotFound("no such block")
@@ -153,10 +162,14 @@ def test_each_worker_has_its_port_uri_and_share_of_every_tier(tmp_path: Path) ->
     assert worker_uri("https://h.example:8443/kvsp/", 3) == "https://h.example:8446/kvsp/"
     assert worker_uri("https://h.example/kvsp/", 1) == "https://h.example:444/kvsp/"
     assert worker_uri("http://[::1]:80/k/", 2) == "http://[::1]:82/k/"
-    storage = StorageConfig(tiers=(
-        TierConfig("host", 1000), TierConfig("lmdb", 3000, {"path": str(tmp_path / "l")}),
-        TierConfig("redis", 900, {"url": "redis://x"}), TierConfig("s3", 600, {"prefix": "p/"}),
-    ))  # fmt: skip
+    storage = StorageConfig(
+        tiers=(
+            TierConfig("host", 1000),
+            TierConfig("lmdb", 3000, {"path": str(tmp_path / "l")}),
+            TierConfig("redis", 900, {"url": "redis://x"}),
+            TierConfig("s3", 600, {"prefix": "p/"}),
+        )
+    )
     one = worker_storage(storage, 1, 3)
     assert [t.capacity for t in one.tiers] == [333, 1000, 300, 200]
     assert one.tiers[1].options["path"] == str(tmp_path / "l" / "worker-1")
@@ -174,9 +187,11 @@ def test_each_worker_has_its_port_uri_and_share_of_every_tier(tmp_path: Path) ->
 def _file(tmp_path: Path, server: str, holder: str = "") -> Path:
     (tmp_path / "p.json").write_text('{"principals": {}}')
     file = tmp_path / "k.toml"
-    file.write_text(f'[server]\nport = 9443\ninsecure_http = true\n{server}\n[holder]\n'
-                    f'uri = "http://127.0.0.1:9443/kvsp/"\npolicy = "p.json"\n{holder}\n'
-                    '[[storage.tiers]]\nbackend = "host"\ncapacity = 1000\n')  # fmt: skip
+    file.write_text(
+        f"[server]\nport = 9443\ninsecure_http = true\n{server}\n[holder]\n"
+        f'uri = "http://127.0.0.1:9443/kvsp/"\npolicy = "p.json"\n{holder}\n'
+        '[[storage.tiers]]\nbackend = "host"\ncapacity = 1000\n'
+    )
     return file
 
 
@@ -202,12 +217,18 @@ def test_the_workers_key_auto_the_environment_and_its_checks(tmp_path: Path) -> 
     assert second.storage.tiers[0].capacity == 333
     assert check(second, ("holder",)) == []
     assert second.server.unix_socket == ""
-    proxied = dataclasses.replace(config, server=dataclasses.replace(
-        config.server, unix_socket="/run/kv/kvstore.sock", trusted_proxy="unix"))  # fmt: skip
+    proxied = dataclasses.replace(
+        config,
+        server=dataclasses.replace(
+            config.server, unix_socket="/run/kv/kvstore.sock", trusted_proxy="unix"
+        ),
+    )
     assert worker_config(proxied, 2).server.unix_socket == "/run/kv/kvstore-2.sock"
     assert second.server.proxy_port == 0
-    sidecar = dataclasses.replace(config, server=dataclasses.replace(
-        config.server, proxy_port=9500, trusted_proxy="127.0.0.6"))  # fmt: skip
+    sidecar = dataclasses.replace(
+        config,
+        server=dataclasses.replace(config.server, proxy_port=9500, trusted_proxy="127.0.0.6"),
+    )
     assert [worker_config(sidecar, i).server.proxy_port for i in range(3)] == [9500, 9501, 9502]
 
 

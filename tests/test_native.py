@@ -105,8 +105,15 @@ def test_walk_matches_on_every_kind_of_stop() -> None:
             for form in (keys, tuple(keys), packed, memoryview(packed)):
                 for fn, groups in ((walk, c_groups), (py_walk, py_groups)):
                     got: tuple[list[Any], list[Any]] = [], []
-                    at = fn(groups, form, start, "kind", now, got[0] if records_on else None,
-                            got[1] if shapes_on else None)  # fmt: skip
+                    at = fn(
+                        groups,
+                        form,
+                        start,
+                        "kind",
+                        now,
+                        got[0] if records_on else None,
+                        got[1] if shapes_on else None,
+                    )
                     outcomes.append((at, got))
             assert all(o == outcomes[0] for o in outcomes), (start, records_on, shapes_on)
     for form in (keys, packed):

@@ -37,10 +37,19 @@ from kvstore.settings import ControllerSettings, InstanceSettings
 from kvstore.storage import TieredStore
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "openapi"
-ANYONE = Policy.from_json({"principals": {"anonymous": {
-    "roles": ["admin", "metrics", "pc", "holder", "instance"], "read_scopes": ["*"],
-    "write_scopes": ["*"], "holder": "http://test/kvsp/",
-    "instance": "http://test/ii/"}}})  # fmt: skip
+ANYONE = Policy.from_json(
+    {
+        "principals": {
+            "anonymous": {
+                "roles": ["admin", "metrics", "pc", "holder", "instance"],
+                "read_scopes": ["*"],
+                "write_scopes": ["*"],
+                "holder": "http://test/kvsp/",
+                "instance": "http://test/ii/",
+            }
+        }
+    }
+)
 
 
 @schemathesis.serializer("application/kvsp-block")
@@ -59,24 +68,37 @@ def test_the_documents_are_current() -> None:
 def _apps() -> dict[str, tuple[str, Callable[[], Any]]]:
     def holder() -> Any:
         store = TieredStore([(HostTier(), 16 << 20)])
-        return create_holder(HolderSettings("http://test/kvsp/", allow_anonymous=True), store,
-                             ANYONE)  # fmt: skip
+        return create_holder(
+            HolderSettings("http://test/kvsp/", allow_anonymous=True), store, ANYONE
+        )
 
     def index() -> Any:
-        return create_index(IndexSettings("http://test/is/", allow_anonymous=True),
-                            MemoryState(), ANYONE)  # fmt: skip
+        return create_index(
+            IndexSettings("http://test/is/", allow_anonymous=True), MemoryState(), ANYONE
+        )
 
     def controller() -> Any:
-        return create_controller(ControllerSettings("http://test/pc/", allow_anonymous=True),
-                                 MemoryControllerState(), ANYONE)  # fmt: skip
+        return create_controller(
+            ControllerSettings("http://test/pc/", allow_anonymous=True),
+            MemoryControllerState(),
+            ANYONE,
+        )
 
     def instance() -> Any:
         store = TieredStore([(HostTier(), 16 << 20)])
-        return create_instance(InstanceSettings("http://test/ii/", allow_anonymous=True),
-                               Prefetcher(store, None), ANYONE, Lifecycle())  # fmt: skip
+        return create_instance(
+            InstanceSettings("http://test/ii/", allow_anonymous=True),
+            Prefetcher(store, None),
+            ANYONE,
+            Lifecycle(),
+        )
 
-    return {"holder": ("/kvsp/", holder), "index": ("/is/", index),
-            "controller": ("/pc/", controller), "instance": ("/ii/", instance)}  # fmt: skip
+    return {
+        "holder": ("/kvsp/", holder),
+        "index": ("/is/", index),
+        "controller": ("/pc/", controller),
+        "instance": ("/ii/", instance),
+    }
 
 
 class Served:
@@ -91,17 +113,27 @@ class Served:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/openapi.json":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": self.spec})
             return
         await self.app(scope, receive, send)
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]  # fmt: skip
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))  # fmt: skip
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+SETTINGS = settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 
 
 def _schema(role: str) -> Any:
@@ -146,8 +178,16 @@ def test_every_route_is_documented(role: str) -> None:
     base, make = _apps()[role]
     app = make()
     mounted = next(r for r in app.routes if isinstance(r, Mount))
-    routes = {(r.path, m) for r in mounted.routes for m in (r.methods or ())  # type: ignore[attr-defined]
-              if m != "HEAD" and r.path != "/metrics"}  # fmt: skip
-    documented = {(p, m.upper()) for p, ops in document(role)["paths"].items()
-                  for m in ops if m != "parameters"}  # fmt: skip
+    routes = {
+        (r.path, m)
+        for r in mounted.routes
+        for m in (r.methods or ())  # type: ignore[attr-defined]
+        if m != "HEAD" and r.path != "/metrics"
+    }
+    documented = {
+        (p, m.upper())
+        for p, ops in document(role)["paths"].items()
+        for m in ops
+        if m != "parameters"
+    }
     assert routes == documented, base

@@ -62,8 +62,17 @@ def test_round_trip_is_octet_exact(layout: str, dtype: torch.dtype) -> None:
     layers = [paged(layout, dtype, seed) for seed in range(3)]
     backend = "CPU" if layout == "cpu" else "FLASH_ATTN"
     hnd = layout == "kv-second-hnd"
-    views = [layer_views(t, block_tokens=N, kv_heads=H, head_dim=D, backend=backend,
-                         layout="kv-second-hnd" if hnd else None) for t in layers]  # fmt: skip
+    views = [
+        layer_views(
+            t,
+            block_tokens=N,
+            kv_heads=H,
+            head_dim=D,
+            backend=backend,
+            layout="kv-second-hnd" if hnd else None,
+        )
+        for t in layers
+    ]
     assert {v.layout for v in views} == {layout}
     ids = [4, 1, 5]
     gathered = gather(views, ids)
@@ -78,8 +87,10 @@ def test_round_trip_is_octet_exact(layout: str, dtype: torch.dtype) -> None:
     # Into an empty cache of the same layout: those pages, octet for octet,
     # and nothing else written.
     empty = [torch.zeros_like(t) for t in layers]
-    targets = [layer_views(t, block_tokens=N, kv_heads=H, head_dim=D, layout=views[0].layout)
-               for t in empty]  # fmt: skip
+    targets = [
+        layer_views(t, block_tokens=N, kv_heads=H, head_dim=D, layout=views[0].layout)
+        for t in empty
+    ]
     moved = {4: 0, 1: 2}  # page 4's block into page 0, page 1's into page 2
     for i, target in enumerate(targets):
         pages = []
@@ -91,7 +102,8 @@ def test_round_trip_is_octet_exact(layout: str, dtype: torch.dtype) -> None:
         for source, dest in moved.items():
             for side in (0, 1):
                 assert expected_section(t, layout, side, dest) == expected_section(
-                    layers[i], layout, side, source)  # fmt: skip
+                    layers[i], layout, side, source
+                )
         for b in set(range(BLOCKS)) - set(moved.values()):
             assert not any(expected_section(t, layout, side, b).strip(b"\0") for side in (0, 1))
 
@@ -106,19 +118,29 @@ def test_gather_owns_its_copies() -> None:
 
 
 def test_layouts_are_told_by_shape_and_backend() -> None:
-    assert guess_layout((9, H, N, 2 * D), block_tokens=N, kv_heads=H, head_dim=D,
-                        backend="CPU_ATTN") == "cpu"  # fmt: skip
-    assert guess_layout((9, H, N, 2 * D), block_tokens=N, kv_heads=H, head_dim=D,
-                        backend="FLASHINFER") == "content"  # fmt: skip
+    assert (
+        guess_layout((9, H, N, 2 * D), block_tokens=N, kv_heads=H, head_dim=D, backend="CPU_ATTN")
+        == "cpu"
+    )
+    assert (
+        guess_layout((9, H, N, 2 * D), block_tokens=N, kv_heads=H, head_dim=D, backend="FLASHINFER")
+        == "content"
+    )
     assert guess_layout((2, 9, N, H, D), block_tokens=N, kv_heads=H, head_dim=D) == "kv-first"
     assert guess_layout((9, 2, N, H, D), block_tokens=N, kv_heads=H, head_dim=D) == "kv-second"
     assert guess_layout((9, 2, H, N, D), block_tokens=N, kv_heads=H, head_dim=D) == (
-        "kv-second-hnd")  # fmt: skip
+        "kv-second-hnd"
+    )
     with pytest.raises(LayoutError, match=r"shape \[9, 3, 4, 8\]"):
         guess_layout((9, H, N, D), block_tokens=N, kv_heads=H, head_dim=D)
     with pytest.raises(LayoutError, match="contiguous"):
-        layer_views(paged("cpu").transpose(1, 2).contiguous().transpose(1, 2), block_tokens=N,
-                    kv_heads=H, head_dim=D, backend="CPU")  # fmt: skip
+        layer_views(
+            paged("cpu").transpose(1, 2).contiguous().transpose(1, 2),
+            block_tokens=N,
+            kv_heads=H,
+            head_dim=D,
+            backend="CPU",
+        )
 
 
 def test_a_container_of_another_geometry_is_refused() -> None:

@@ -54,8 +54,9 @@ def test_the_example_grants_what_the_doc_says(policy: Policy) -> None:
     # ii1 reports as itself and may serve tenant A only; ii2 both.
     ii1 = policy.require_role(urn("ii1"), "instance")
     assert (ii1.instance, ii1.holder) == (
-        "https://ii1.example:8443/ii/", "https://ii1.example:8443/kvsp/"
-    )  # fmt: skip
+        "https://ii1.example:8443/ii/",
+        "https://ii1.example:8443/kvsp/",
+    )
     assert ii1.can_write(A) and not ii1.can_write(B)
     assert policy.grant(urn("ii2")).can_write(B) and "holder" in policy.grant(urn("ii2")).roles
     # Only the PC drives instances; its lookups see every scope.
@@ -88,28 +89,44 @@ def test_the_example_grants_what_the_doc_says(policy: Policy) -> None:
 BROKEN: list[tuple[Any, list[str]]] = [
     ([], ['policy: must be a JSON object {"principals": {...}}']),
     ({}, ["policy: principals: required member is missing"]),
-    ({"principals": [], "version": 1}, [
-        "policy: version: unknown member; known: principals",
-        "policy: principals: must be an object",
-    ]),
-    ({"principals": {"urn:x": {"read_scopes": ["*", "ABC"]}}},
-     ['policy: principals["urn:x"].read_scopes[1]: must be a hex16 scope id']),
-    ({"principals": {"urn:x": {"roles": ["hodler", 7], "write_scopes": "*"}}}, [
-        "policy: principals[\"urn:x\"].roles[0]: unknown role 'hodler'; known: admin, client",
-        'policy: principals["urn:x"].roles[1]: must be a string (role names)',
-        'policy: principals["urn:x"].write_scopes: must be an array of scope ids or "*"',
-    ]),
-    ({"principals": {"urn:h": {"roles": ["holder"], "holder": "h1:8443/kvsp/"},
-                     "urn:i": {"instance": 5, "read_scope": ["*"]}, "": {},
-                     "urn:v6": {"holder": "https://[::1:8443/"}}}, [
-        'policy: principals["urn:h"].holder: must be an absolute https (or http) base URI',
-        'policy: principals["urn:i"].read_scope: unknown member; known: roles, read_scopes',
-        'policy: principals["urn:i"].instance: must be an absolute https (or http) base URI',
-        'policy: principals[""]: a principal name must be a non-empty string',
-        'policy: principals["urn:v6"].holder: must be an absolute https (or http) base URI',
-    ]),
+    (
+        {"principals": [], "version": 1},
+        [
+            "policy: version: unknown member; known: principals",
+            "policy: principals: must be an object",
+        ],
+    ),
+    (
+        {"principals": {"urn:x": {"read_scopes": ["*", "ABC"]}}},
+        ['policy: principals["urn:x"].read_scopes[1]: must be a hex16 scope id'],
+    ),
+    (
+        {"principals": {"urn:x": {"roles": ["hodler", 7], "write_scopes": "*"}}},
+        [
+            "policy: principals[\"urn:x\"].roles[0]: unknown role 'hodler'; known: admin, client",
+            'policy: principals["urn:x"].roles[1]: must be a string (role names)',
+            'policy: principals["urn:x"].write_scopes: must be an array of scope ids or "*"',
+        ],
+    ),
+    (
+        {
+            "principals": {
+                "urn:h": {"roles": ["holder"], "holder": "h1:8443/kvsp/"},
+                "urn:i": {"instance": 5, "read_scope": ["*"]},
+                "": {},
+                "urn:v6": {"holder": "https://[::1:8443/"},
+            }
+        },
+        [
+            'policy: principals["urn:h"].holder: must be an absolute https (or http) base URI',
+            'policy: principals["urn:i"].read_scope: unknown member; known: roles, read_scopes',
+            'policy: principals["urn:i"].instance: must be an absolute https (or http) base URI',
+            'policy: principals[""]: a principal name must be a non-empty string',
+            'policy: principals["urn:v6"].holder: must be an absolute https (or http) base URI',
+        ],
+    ),
     ({"principals": {"urn:x": "admin"}}, ['policy: principals["urn:x"]: must be an object']),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("document", "messages"), BROKEN)
@@ -140,11 +157,15 @@ def test_load_names_the_file_and_repeated_names(tmp_path: Path) -> None:
 
 
 def test_valid_documents_keep_their_meaning() -> None:
-    policy = Policy.from_json({"principals": {
-        "anonymous": {"read_scopes": ["*"]},
-        "urn:h": {"roles": ["holder", "metrics"], "holder": None, "write_scopes": [A, A]},
-        "urn:none": {"roles": []},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "anonymous": {"read_scopes": ["*"]},
+                "urn:h": {"roles": ["holder", "metrics"], "holder": None, "write_scopes": [A, A]},
+                "urn:none": {"roles": []},
+            }
+        }
+    )
     assert policy.grant("anonymous").roles == {"client"}
     assert policy.grant("anonymous").can_read(OTHER)
     assert policy.grant("urn:h").write_scopes == {A} and policy.grant("urn:h").holder is None

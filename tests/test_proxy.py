@@ -60,14 +60,23 @@ def test_nginx_escaped_pem_and_bad_headers(pems: dict[str, str]) -> None:
         forwarded_principal({nginx: quote(pems["bob"]).encode()}, xfcc)
 
 
-async def _call(app: Any, peer: str | None, headers: list[tuple[bytes, bytes]],
-                tls: dict[str, Any] | None = None,
-                extra: dict[str, Any] | None = None) -> tuple[int, Any]:  # fmt: skip
+async def _call(
+    app: Any,
+    peer: str | None,
+    headers: list[tuple[bytes, bytes]],
+    tls: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[int, Any]:
     extensions: dict[str, Any] = {PEER: peer, **(extra or {})}
     if tls is not None:
         extensions["tls"] = tls
-    scope = {"type": "http", "method": "GET", "path": "/", "headers": headers,
-             "extensions": extensions}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/",
+        "headers": headers,
+        "extensions": extensions,
+    }
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -132,8 +141,9 @@ def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
     assert "needs server.unix_socket" in problems(trusted_proxy="unix")[0]
     for far in ("10.0.0.7", "localhost", "proxy.example"):
         assert "loopback IP address only" in problems(trusted_proxy=far)[0], far
-    assert any("insecure_http" in p for p in problems(trusted_proxy="127.0.0.1",
-                                                      insecure_http=True))  # fmt: skip
+    assert any(
+        "insecure_http" in p for p in problems(trusted_proxy="127.0.0.1", insecure_http=True)
+    )
     assert problems(unix_socket=sock, trusted_proxy="unix", workers=2) == []  # one each
     assert "trusted_proxy_header" in problems(trusted_proxy_header="x-ssl-cert")[0]
     assert "pass 65535" in problems(port=65535, workers=2)[0]
@@ -141,12 +151,21 @@ def test_the_proxy_keys_are_checked(tmp_path: Path) -> None:
     assert problems(proxy_port=9000, trusted_proxy="127.0.0.6", trusted_proxy_uid=1337) == []
     assert problems(proxy_port=9000, trusted_proxy="::1", trusted_proxy_uid=0, workers=4) == []
     assert "set trusted_proxy" in problems(proxy_port=9000)[0]
-    assert "set trusted_proxy" in problems(proxy_port=9000, unix_socket=sock,
-                                           trusted_proxy="unix")[0]  # fmt: skip
-    assert "overlaps" in problems(proxy_port=8444, trusted_proxy="127.0.0.6",
-                                  trusted_proxy_uid=1337, workers=2)[0]  # fmt: skip
-    assert "a port" in problems(proxy_port=65535, trusted_proxy="127.0.0.6",
-                                trusted_proxy_uid=1337, workers=2)[0]  # fmt: skip
+    assert (
+        "set trusted_proxy" in problems(proxy_port=9000, unix_socket=sock, trusted_proxy="unix")[0]
+    )
+    assert (
+        "overlaps"
+        in problems(proxy_port=8444, trusted_proxy="127.0.0.6", trusted_proxy_uid=1337, workers=2)[
+            0
+        ]
+    )
+    assert (
+        "a port"
+        in problems(proxy_port=65535, trusted_proxy="127.0.0.6", trusted_proxy_uid=1337, workers=2)[
+            0
+        ]
+    )
     assert "trusted_proxy_uid" in problems(proxy_port=9000, trusted_proxy="127.0.0.6")[0]
 
 
@@ -161,8 +180,7 @@ async def test_the_user_owning_a_loopback_peer_socket_is_found() -> None:
     found: list[PeerUser] = []
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        found.append(PeerUser(writer.get_extra_info("peername"),
-                              writer.get_extra_info("sockname")))  # fmt: skip
+        found.append(PeerUser(writer.get_extra_info("peername"), writer.get_extra_info("sockname")))
         writer.close()
 
     for host in ("127.0.0.1", "::1"):

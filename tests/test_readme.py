@@ -40,7 +40,13 @@ def test_python_block_runs_as_a_file(name: str, code: str, tmp_path: Path) -> No
     # As a user would: the block alone in a file, run from an empty directory.
     script = tmp_path / "example.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, f"README.md {name}:\n{done.stderr}"
     assert EXPECTED.get(name, "\0") in done.stdout, done.stdout

@@ -34,8 +34,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def kvstore(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
-                          text=True, timeout=60, cwd=cwd)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+    )
 
 
 def write(tmp_path: Path, certs: Path, tiers: str, port: int = 0) -> Path:
@@ -59,18 +64,25 @@ LMDB = '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = "64MiB"\n'
 @pytest.mark.parametrize(
     ("tiers", "message"),
     [
-        (LMDB + 'path = "lmdb"\nmapsize = 1073741824\n',
-         'storage.tiers[0].mapsize: unknown option of the lmdb backend; did you mean "map_size"?'),
+        (
+            LMDB + 'path = "lmdb"\nmapsize = 1073741824\n',
+            "storage.tiers[0].mapsize: unknown option of the lmdb backend; "
+            'did you mean "map_size"?',
+        ),
         (LMDB + "path = 3\n", "storage.tiers[0].path: a string, got 3"),
-        (LMDB + 'path = "lmdb"\nmap_size = "32MiB"\n',
-         "storage.tiers[0].map_size: 33554432 octets, not above its capacity of 67108864"),
+        (
+            LMDB + 'path = "lmdb"\nmap_size = "32MiB"\n',
+            "storage.tiers[0].map_size: 33554432 octets, not above its capacity of 67108864",
+        ),
         (LMDB + 'path = "lmdb"\nsync = "yes"\n', "storage.tiers[0].sync: true or false"),
         (LMDB, "storage.tiers[0].path: required by the lmdb backend"),
-        ('[[storage.tiers]]\nbackend = "host"\ncapacity = "lots"\n',
-         "storage.tiers[0].capacity: a size in octets"),
+        (
+            '[[storage.tiers]]\nbackend = "host"\ncapacity = "lots"\n',
+            "storage.tiers[0].capacity: a size in octets",
+        ),
         (LMDB + 'path = "a-file/lmdb"\n', "storage.tiers[0].path: "),
     ],
-)  # fmt: skip
+)
 def test_a_bad_tier_is_one_line_from_serve_and_from_config_check(
     tmp_path: Path, certs: Path, tiers: str, message: str
 ) -> None:
@@ -85,9 +97,13 @@ def test_a_bad_tier_is_one_line_from_serve_and_from_config_check(
 def test_sizes_may_be_written_with_units(tmp_path: Path, certs: Path) -> None:
     from kvstore.config import load
 
-    file = write(tmp_path, certs, LMDB + 'path = "lmdb"\nmap_size = "1 GiB"\n'
-                 '[[storage.tiers]]\nbackend = "host"\ncapacity = "2GB"\n'
-                 '[storage]\nlease_max_octets_per_client = "8GiB"\n')  # fmt: skip
+    file = write(
+        tmp_path,
+        certs,
+        LMDB + 'path = "lmdb"\nmap_size = "1 GiB"\n'
+        '[[storage.tiers]]\nbackend = "host"\ncapacity = "2GB"\n'
+        '[storage]\nlease_max_octets_per_client = "8GiB"\n',
+    )
     config = load(file)
     assert [t.capacity for t in config.storage.tiers] == [64 << 20, 2 * 10**9]
     assert config.storage.tiers[0].options["map_size"] == 1 << 30
@@ -121,13 +137,18 @@ def test_a_port_in_use_is_one_line_before_anything_says_serving(
 
 
 def test_port_and_host_flags_win_over_the_file(tmp_path: Path, certs: Path) -> None:
-    file = write(tmp_path, certs, '[[storage.tiers]]\nbackend = "host"\ncapacity = "1MiB"\n'
-                 "[index]\npolicy = \"p.json\"\n")  # fmt: skip
+    file = write(
+        tmp_path,
+        certs,
+        '[[storage.tiers]]\nbackend = "host"\ncapacity = "1MiB"\n[index]\npolicy = "p.json"\n',
+    )
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--config", str(file), "--port", str(port)],
-        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         wait_for_port(port, timeout=30)  # the flag's port, not the file's
     finally:
@@ -140,8 +161,11 @@ def test_port_and_host_flags_win_over_the_file(tmp_path: Path, certs: Path) -> N
 def test_config_check_checks_the_roles_whose_sections_the_file_has(
     tmp_path: Path, certs: Path
 ) -> None:
-    file = write(tmp_path, certs, '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n'
-                 "[index]\nmax_ttl_ms = 1000\n")  # fmt: skip
+    file = write(
+        tmp_path,
+        certs,
+        '[[storage.tiers]]\nbackend = "host"\ncapacity = 1024\n[index]\nmax_ttl_ms = 1000\n',
+    )
     line = one_line(kvstore("config", "check", str(file), cwd=tmp_path))
     assert "index.policy" in line  # the [index] section's role was checked
 
@@ -152,8 +176,9 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.backends.schema import missing_extra
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "redis" else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "redis" else real(name, *a)
+    )
     assert missing_extra("redis") == (
         "the redis backend needs redis, which is not installed (pip install 'kvsp-kvstore[redis]')"
     )
@@ -162,10 +187,13 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_reference_engine_without_torch_is_one_line(tmp_path: Path) -> None:
     # As on an install without the engine extra: torch cannot be imported.
-    code = ("import sys; sys.modules['torch'] = None; from kvstore.cli import main; "
-            "sys.exit(main(['descriptor', '--engine', 'reference']))")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)  # fmt: skip
+    code = (
+        "import sys; sys.modules['torch'] = None; from kvstore.cli import main; "
+        "sys.exit(main(['descriptor', '--engine', 'reference']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     line = one_line(done)
     assert "the reference engine needs torch" in line and "kvsp-kvstore[engine]" in line
 

@@ -24,12 +24,19 @@ from kvstore.tls import (
 
 def test_contexts_are_tls_1_3_with_client_certificates(tmp_path: Path) -> None:
     create_dev_certificates(tmp_path, ["alice"])
-    server = server_context(str(tmp_path / "server.pem"), str(tmp_path / "server.key"),
-                            str(tmp_path / "ca.pem"), alpn=["h2", "http/1.1"])  # fmt: skip
+    server = server_context(
+        str(tmp_path / "server.pem"),
+        str(tmp_path / "server.key"),
+        str(tmp_path / "ca.pem"),
+        alpn=["h2", "http/1.1"],
+    )
     assert server.minimum_version == ssl.TLSVersion.TLSv1_3  # H1
     assert server.verify_mode == ssl.CERT_REQUIRED
-    client = client_context(str(tmp_path / "ca.pem"), str(tmp_path / "client-alice.pem"),
-                            str(tmp_path / "client-alice.key"))  # fmt: skip
+    client = client_context(
+        str(tmp_path / "ca.pem"),
+        str(tmp_path / "client-alice.pem"),
+        str(tmp_path / "client-alice.key"),
+    )
     assert client.minimum_version == ssl.TLSVersion.TLSv1_3
     assert client.verify_mode == ssl.CERT_REQUIRED and client.check_hostname
 

@@ -69,9 +69,12 @@ class HostTier(Tier):
             # Touching all of it would page out everything else, or bring
             # the OOM killer: pages fault in as they are used instead. With
             # workers, every one prefaults an arena of this size.
-            log.warning("host tier: not prefaulting %d arena(s) of %d octets, more than 0.9 of "
-                        "this machine's memory; lower the tier's capacity",
-                        self._workers, size)  # fmt: skip
+            log.warning(
+                "host tier: not prefaulting %d arena(s) of %d octets, more than 0.9 of "
+                "this machine's memory; lower the tier's capacity",
+                self._workers,
+                size,
+            )
             prefault = False
         try:
             self.arena = Arena(size, prefault=prefault)

@@ -54,8 +54,9 @@ def _translated(path: str, writing: int = 0) -> Iterator[None]:
             raise TierFull(f"the file system holding LMDB at {path} is full: {exc}") from exc
         free = _free_octets(path) if writing and "Input/output error" in text else None
         if free is not None and free < 2 * writing + _SLACK:
-            raise TierFull(f"the file system holding LMDB at {path} is full "
-                           f"({free} octets free): {exc}") from exc  # fmt: skip
+            raise TierFull(
+                f"the file system holding LMDB at {path} is full ({free} octets free): {exc}"
+            ) from exc
         raise TierUnavailable(f"LMDB at {path}: {exc}", tier="local-storage") from exc
 
 
@@ -93,8 +94,9 @@ class LmdbTier(Tier):
         try:
             fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise TierUnavailable(f"LMDB at {self.path}: {file}: {exc.strerror}",
-                                  tier=self.kind) from exc  # fmt: skip
+            raise TierUnavailable(
+                f"LMDB at {self.path}: {file}: {exc.strerror}", tier=self.kind
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

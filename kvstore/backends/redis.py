@@ -93,9 +93,13 @@ class RedisTier(Tier):
             from redis.cluster import LoadBalancingStrategy
 
             # A slot without a replica is read at its master.
-            self._reader = connect(url, cluster=True, timeout_s=timeout_s,
-                                   load_balancing_strategy=LoadBalancingStrategy.RANDOM_REPLICA,
-                                   **options)  # fmt: skip
+            self._reader = connect(
+                url,
+                cluster=True,
+                timeout_s=timeout_s,
+                load_balancing_strategy=LoadBalancingStrategy.RANDOM_REPLICA,
+                **options,
+            )
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}{{{key[:64]}}}{key[64:]}"
@@ -111,13 +115,16 @@ class RedisTier(Tier):
         if held != owner and stale(held):
             held = await self._claim(owner, held, ttl_s)  # a crashed holder of this host
         if held != owner:
-            raise StorageInUse(f"{self.url} prefix {self.prefix!r} is in use by {held} "
-                               f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip
+            raise StorageInUse(
+                f"{self.url} prefix {self.prefix!r} is in use by {held} "
+                f"(free {ttl_s:g} s after that holder stops)"
+            )
 
     async def _claim(self, owner: str, stale_owner: str, ttl_s: float) -> str:
         with _translated(self.url):
-            held = await self._client.eval(_CLAIM, 1, self.prefix + "owner", owner, stale_owner,
-                                           max(1, int(ttl_s * 1000)))  # fmt: skip
+            held = await self._client.eval(
+                _CLAIM, 1, self.prefix + "owner", owner, stale_owner, max(1, int(ttl_s * 1000))
+            )
         return held.decode(errors="replace") if isinstance(held, bytes) else str(held)
 
     async def release(self, owner: str) -> None:

@@ -99,9 +99,11 @@ class S3Tier(Tier):
                             if code not in ("404", "NoSuchBucket", "NotFound"):
                                 raise  # denied or failing: not ours to create
                             region = self._options.get("region_name")
-                            extra = ({} if region in (None, "us-east-1") else
-                                     {"CreateBucketConfiguration":
-                                      {"LocationConstraint": region}})  # fmt: skip
+                            extra = (
+                                {}
+                                if region in (None, "us-east-1")
+                                else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+                            )
                             await client.create_bucket(Bucket=self.bucket, **extra)
                     except BaseException:
                         await context.__aexit__(None, None, None)
@@ -119,11 +121,15 @@ class S3Tier(Tier):
         body = json.dumps({"owner": owner, "expires_at": time.time() + ttl_s}).encode()
         with _translated(self._where):
             client = await self._s3()
-            condition = ({"IfMatch": self._owner_etag} if self._owner_etag is not None
-                         else {"IfNoneMatch": "*"})  # fmt: skip
+            condition = (
+                {"IfMatch": self._owner_etag}
+                if self._owner_etag is not None
+                else {"IfNoneMatch": "*"}
+            )
             try:
-                answer = await client.put_object(Bucket=self.bucket, Key=key, Body=body,
-                                                 **condition)  # fmt: skip
+                answer = await client.put_object(
+                    Bucket=self.bucket, Key=key, Body=body, **condition
+                )
             except ClientError as exc:
                 if _code(exc) not in _CONDITION | _MISSING:
                     raise
@@ -136,8 +142,7 @@ class S3Tier(Tier):
         except ClientError as exc:
             if _code(exc) not in _MISSING:
                 raise
-            return await client.put_object(Bucket=self.bucket, Key=key, Body=body,
-                                            IfNoneMatch="*")  # fmt: skip
+            return await client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
         async with found["Body"] as stream:
             raw = await stream.read()
         try:
@@ -146,11 +151,13 @@ class S3Tier(Tier):
         except (ValueError, KeyError, TypeError):
             held, expires_at = "an unreadable owner record", 0.0
         if held != owner and expires_at > time.time() and not stale(held):
-            raise StorageInUse(f"{self._where} is in use by {held} "
-                               f"(free {ttl_s:g} s after that holder stops)")  # fmt: skip
+            raise StorageInUse(
+                f"{self._where} is in use by {held} (free {ttl_s:g} s after that holder stops)"
+            )
         try:
-            return await client.put_object(Bucket=self.bucket, Key=key, Body=body,
-                                            IfMatch=found["ETag"])  # fmt: skip
+            return await client.put_object(
+                Bucket=self.bucket, Key=key, Body=body, IfMatch=found["ETag"]
+            )
         except ClientError as exc:
             if _code(exc) in _CONDITION | _MISSING:
                 raise StorageInUse(f"{self._where} was just claimed by another holder") from exc

@@ -79,9 +79,22 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "s3": ("aiobotocore", "s3"),
 }
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
-          "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 
 
@@ -97,8 +110,9 @@ def parse_size(value: Any, where: str) -> int:
         unit = match[2].lower()
         if unit in _UNITS:
             return int(float(match[1]) * _UNITS[unit])
-    raise OptionError(f"{where}: a size in octets, or a string such as \"256MiB\" or \"2GB\"; "
-                      f"got {value!r}")  # fmt: skip
+    raise OptionError(
+        f'{where}: a size in octets, or a string such as "256MiB" or "2GB"; got {value!r}'
+    )
 
 
 def _typed(option: Option, value: Any, where: str) -> Any:
@@ -130,8 +144,10 @@ def check_options(backend: str, options: dict[str, Any], where: str) -> dict[str
     :class:`OptionError` for the first unknown, mistyped or missing one."""
     schema = SCHEMAS.get(backend)
     if schema is None:
-        raise OptionError(f"{where}.backend: {backend!r} is an unknown backend; known: "
-                          f"{', '.join(sorted(SCHEMAS))}")  # fmt: skip
+        raise OptionError(
+            f"{where}.backend: {backend!r} is an unknown backend; known: "
+            f"{', '.join(sorted(SCHEMAS))}"
+        )
     known = {**schema, **COMMON}
     out: dict[str, Any] = {}
     for name, value in options.items():
@@ -139,8 +155,10 @@ def check_options(backend: str, options: dict[str, Any], where: str) -> dict[str
         if option is None:
             near = difflib.get_close_matches(name, known, n=1)
             hint = f'; did you mean "{near[0]}"?' if near else ""
-            raise OptionError(f"{where}.{name}: unknown option of the {backend} backend{hint} "
-                              f"(known: {', '.join(sorted(known))})")  # fmt: skip
+            raise OptionError(
+                f"{where}.{name}: unknown option of the {backend} backend{hint} "
+                f"(known: {', '.join(sorted(known))})"
+            )
         out[name] = _typed(option, value, f"{where}.{name}")
     for name, option in schema.items():
         if option.required and name not in out:
@@ -153,5 +171,7 @@ def missing_extra(backend: str) -> str | None:
     need = EXTRAS.get(backend)
     if need is None or importlib.util.find_spec(need[0]) is not None:
         return None
-    return (f"the {backend} backend needs {need[0]}, which is not installed "
-            f"(pip install 'kvsp-kvstore[{need[1]}]')")  # fmt: skip
+    return (
+        f"the {backend} backend needs {need[0]}, which is not installed "
+        f"(pip install 'kvsp-kvstore[{need[1]}]')"
+    )

@@ -46,8 +46,9 @@ def placement_rows(size: int, lookups_per_s: float, rates: dict[int, float]) -> 
     rows = []
     for in_flight, rate in rates.items():
         label = f"placements, {size}-key prompts, 64 instances, {in_flight} at once"
-        rows.append(Result(label, "placements/s", rate, "bare IS lookup (1 at once)",
-                           lookups_per_s))  # fmt: skip
+        rows.append(
+            Result(label, "placements/s", rate, "bare IS lookup (1 at once)", lookups_per_s)
+        )
     in_flight, goal = PLACEMENT_GOAL
     if in_flight in rates:
         label = f"placements, {size}-key prompts, 64 instances, {in_flight} at once"
@@ -57,28 +58,50 @@ def placement_rows(size: int, lookups_per_s: float, rates: dict[int, float]) -> 
 
 def _status(n: int, epoch: int = 1) -> InstanceStatus:
     return InstanceStatus(
-        instance=f"https://ii{n}.bench/kvsp/", epoch=epoch, state="active", running=n % 8,
-        queued=n % 3, batch_size=32, kv_utilization=0.5, prefill_tokens_per_s=40000 + n,
-        decode_tokens_per_s=3000, ttl_ms=600_000,
+        instance=f"https://ii{n}.bench/kvsp/",
+        epoch=epoch,
+        state="active",
+        running=n % 8,
+        queued=n % 3,
+        batch_size=32,
+        kv_utilization=0.5,
+        prefill_tokens_per_s=40000 + n,
+        decode_tokens_per_s=3000,
+        ttl_ms=600_000,
         links=tuple(Link(h, 100000.0 + 1000 * i, 10.0 + n % 5) for i, h in enumerate(HOLDERS)),
-    )  # fmt: skip
+    )
 
 
 def _index_process(root: Path, max_keys: int) -> tuple[subprocess.Popen[bytes], str]:
     port = _port()
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        "anonymous": {"roles": ["admin"], "read_scopes": ["*"], "write_scopes": ["*"]},
-    }}))  # fmt: skip
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "anonymous": {"roles": ["admin"], "read_scopes": ["*"], "write_scopes": ["*"]},
+                }
+            }
+        )
+    )
     (root / "index.toml").write_text(
         f'[server]\nhost = "127.0.0.1"\nport = {port}\ninsecure_http = true\n'
         f'[index]\nuri = "http://127.0.0.1:{port}/is/"\npolicy = "policy.json"\n'
         f"max_lookup_keys = {max_keys}\n"
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "serve", "--roles", "index",
-         "--config", str(root / "index.toml")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--roles",
+            "index",
+            "--config",
+            str(root / "index.toml"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait(port, process)
     return process, f"http://127.0.0.1:{port}/is/"
 
@@ -129,22 +152,36 @@ async def _run(quick: bool) -> list[Result]:
                         await index.publish(_record(key, holder))
 
                 await asyncio.gather(*(publish(k, h) for k in keys for h in HOLDERS[:3]))
-                policy = Policy.from_json({"principals": {
-                    "anonymous": {"read_scopes": ["*"]},
-                    **{f"ii{n}": {"roles": ["instance"], "instance": s.instance,
-                                  "write_scopes": ["*"]} for n, s in enumerate(statuses)},
-                }})  # fmt: skip
+                policy = Policy.from_json(
+                    {
+                        "principals": {
+                            "anonymous": {"read_scopes": ["*"]},
+                            **{
+                                f"ii{n}": {
+                                    "roles": ["instance"],
+                                    "instance": s.instance,
+                                    "write_scopes": ["*"],
+                                }
+                                for n, s in enumerate(statuses)
+                            },
+                        }
+                    }
+                )
                 settings = ControllerSettings(
-                    "http://bench/pc/", allow_anonymous=True, max_place_keys=max(sizes),
-                    max_json_octets=16 << 20, block_tokens={COMPAT: BLOCK_TOKENS},
+                    "http://bench/pc/",
+                    allow_anonymous=True,
+                    max_place_keys=max(sizes),
+                    max_json_octets=16 << 20,
+                    block_tokens={COMPAT: BLOCK_TOKENS},
                     mean_service_ms=2.0,
-                )  # fmt: skip
+                )
                 app = create_app(settings, pc, policy, index)
                 seconds = 1.0 if quick else 3.0
                 base_of: dict[int, float] = {}
                 for size in sizes:
-                    body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
-                                       "block_keys": keys[:size]}).encode()  # fmt: skip
+                    body = json.dumps(
+                        {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys[:size]}
+                    ).encode()
                     answer = json.loads(await _call(app, body, path="/pc/place"))
                     assert answer["matched"] == size and answer["index"] == "ok", answer
                     query = LookupRequest(SCOPE, COMPAT, tuple(keys[:size]), shapes_only=True)
@@ -172,9 +209,14 @@ IN_PROCESS_GOALS = {512: 2000.0, 8192: 1000.0}
 
 
 async def _in_process(
-    pc: Any, policy: Any, settings: Any, keys: list[str], sizes: list[int], seconds: float,
+    pc: Any,
+    policy: Any,
+    settings: Any,
+    keys: list[str],
+    sizes: list[int],
+    seconds: float,
     base_of: dict[int, float],
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     """The same placements with the IS in the PC's process (``kvstore serve
     --roles pc,index``): the lookup asked in process (:class:`LocalIndex`),
     against the placements through the IS over HTTP measured above."""
@@ -191,13 +233,16 @@ async def _in_process(
     header = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT}).encode()
     octets = b"application/octet-stream"
     for size in sizes:
-        listed = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
-                             "block_keys": keys[:size]}).encode()  # fmt: skip
+        listed = json.dumps(
+            {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys[:size]}
+        ).encode()
         # The compact form: a JSON header line, then the keys' 32 octets each.
         packed = header + b"\n" + b"".join(bytes.fromhex(k) for k in keys[:size])
         rates = {}
-        for form, body, kind in (("JSON keys", listed, b"application/kvsp+json"),
-                                 ("packed keys", packed, octets)):  # fmt: skip
+        for form, body, kind in (
+            ("JSON keys", listed, b"application/kvsp+json"),
+            ("packed keys", packed, octets),
+        ):
             answer = json.loads(await _call(app, body, path="/pc/place", content_type=kind))
             assert answer["matched"] == size and answer["index"] == "ok", answer
 
@@ -209,18 +254,41 @@ async def _in_process(
                 # One process, one loop, no I/O: more in flight only queues.
                 spread = {n: await _rate(place, seconds, n) for n in (1, 16)}
         label = f"placements, {size}-key prompts, 64 instances, 4 at once, IS in process"
-        rows.append(Result(label + ", JSON keys", "placements/s", rates["JSON keys"],
-                           "the IS over HTTP, 4 at once", base_of[size]))  # fmt: skip
-        rows.append(Result(label + ", packed keys", "placements/s", rates["packed keys"],
-                           "the same, JSON keys", rates["JSON keys"]))  # fmt: skip
+        rows.append(
+            Result(
+                label + ", JSON keys",
+                "placements/s",
+                rates["JSON keys"],
+                "the IS over HTTP, 4 at once",
+                base_of[size],
+            )
+        )
+        rows.append(
+            Result(
+                label + ", packed keys",
+                "placements/s",
+                rates["packed keys"],
+                "the same, JSON keys",
+                rates["JSON keys"],
+            )
+        )
         best = max(rates.values())
-        rows.append(Result(label + ", the faster form", "placements/s", best,
-                           goal=IN_PROCESS_GOALS.get(size)))  # fmt: skip
+        rows.append(
+            Result(
+                label + ", the faster form", "placements/s", best, goal=IN_PROCESS_GOALS.get(size)
+            )
+        )
         for n, rate in spread.items():
-            rows.append(Result(
-                f"placements, {size}-key prompts, 64 instances, {n} at once, IS in process, "
-                "packed keys", "placements/s", rate, "the same, 4 at once", rates["packed keys"],
-            ))  # fmt: skip
+            rows.append(
+                Result(
+                    f"placements, {size}-key prompts, 64 instances, {n} at once, IS in process, "
+                    "packed keys",
+                    "placements/s",
+                    rate,
+                    "the same, 4 at once",
+                    rates["packed keys"],
+                )
+            )
     return rows
 
 

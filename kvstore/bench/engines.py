@@ -35,12 +35,16 @@ def _options(root: Path, uri: str) -> dict[str, str]:
     if not key.exists():
         key.write_text(os.urandom(32).hex())
     certs = root / "certs"
-    return {"kvstore.holders": uri, "kvstore.scope_key_file": str(key),
-            "kvstore.cafile": str(certs / "ca.pem"),
-            "kvstore.certfile": str(certs / "client-bench.pem"),
-            "kvstore.keyfile": str(certs / "client-bench.key"),
-            "kvstore.model": "bench", "kvstore.model_digest": "sha-256:" + "1" * 64,
-            "kvstore.tokenizer_digest": "sha-256:" + "2" * 64}  # fmt: skip
+    return {
+        "kvstore.holders": uri,
+        "kvstore.scope_key_file": str(key),
+        "kvstore.cafile": str(certs / "ca.pem"),
+        "kvstore.certfile": str(certs / "client-bench.pem"),
+        "kvstore.keyfile": str(certs / "client-bench.key"),
+        "kvstore.model": "bench",
+        "kvstore.model_digest": "sha-256:" + "1" * 64,
+        "kvstore.tokenizer_digest": "sha-256:" + "2" * 64,
+    }
 
 
 def _direct(
@@ -92,19 +96,35 @@ def _lmcache(root: Path, uri: str, count: int, rounds: int) -> tuple[float, floa
     from ..integrations.lmcache import CPUKVConnector, KvstoreConnector
 
     config = LMCacheEngineConfig.from_defaults(
-        chunk_size=TOKENS, local_cpu=False, max_local_cpu_size=2 * count * 4 / 1024 + 0.1,
-        remote_storage_plugins=["kvstore"], blocking_timeout_secs=60,
-        extra_config={"remote_storage_plugin.kvstore.module_path": "kvstore.integrations.lmcache",
-                      "remote_storage_plugin.kvstore.class_name": "KvstoreConnectorAdapter",
-                      **_options(root, uri)},
-    )  # fmt: skip
-    metadata = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
-                               local_worker_id=0, kv_dtype=torch.bfloat16,
-                               kv_shape=(LAYERS, 2, TOKENS, HEADS, HEAD_DIM),
-                               chunk_size=TOKENS)  # fmt: skip
+        chunk_size=TOKENS,
+        local_cpu=False,
+        max_local_cpu_size=2 * count * 4 / 1024 + 0.1,
+        remote_storage_plugins=["kvstore"],
+        blocking_timeout_secs=60,
+        extra_config={
+            "remote_storage_plugin.kvstore.module_path": "kvstore.integrations.lmcache",
+            "remote_storage_plugin.kvstore.class_name": "KvstoreConnectorAdapter",
+            **_options(root, uri),
+        },
+    )
+    metadata = LMCacheMetadata(
+        model_name="bench",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(LAYERS, 2, TOKENS, HEADS, HEAD_DIM),
+        chunk_size=TOKENS,
+    )
     engine = LMCacheEngineBuilder.get_or_create(
-        "kvstore-bench", config, metadata, CPUKVConnector(LAYERS, HEADS * HEAD_DIM),
-        broadcast_fn=lambda t, src: None, broadcast_object_fn=lambda o, src: o)  # fmt: skip
+        "kvstore-bench",
+        config,
+        metadata,
+        CPUKVConnector(LAYERS, HEADS * HEAD_DIM),
+        broadcast_fn=lambda t, src: None,
+        broadcast_object_fn=lambda o, src: o,
+    )
     try:
         engine.post_init()
         backends = engine.storage_manager.storage_backends
@@ -123,8 +143,10 @@ def _lmcache(root: Path, uri: str, count: int, rounds: int) -> tuple[float, floa
             return asyncio.run_coroutine_threadsafe(coroutine, connector.loop).result(120)
 
         def once(round_: int) -> tuple[float, float]:
-            keys = [CacheEngineKey("bench", 1, 0, round_ * 100_000 + i, torch.bfloat16)
-                    for i in range(count)]  # fmt: skip
+            keys = [
+                CacheEngineKey("bench", 1, 0, round_ * 100_000 + i, torch.bfloat16)
+                for i in range(count)
+            ]
             started = time.perf_counter()
             on_loop(connector.batched_put(keys, objs))
             middle = time.perf_counter()
@@ -159,16 +181,27 @@ def _lmcache_mp(root: Path, uri: str, count: int, rounds: int) -> tuple[float, f
     shape = torch.Size([2, LAYERS, TOKENS, HEADS * HEAD_DIM])
 
     def chunk(data: torch.Tensor) -> Any:
-        meta = MemoryObjMetadata(shape=shape, dtype=torch.bfloat16, address=0,
-                                 phy_size=data.numel() * 2, ref_count=1,
-                                 fmt=MemoryFormat.KV_2LTD, shapes=[shape],
-                                 dtypes=[torch.bfloat16])  # fmt: skip
+        meta = MemoryObjMetadata(
+            shape=shape,
+            dtype=torch.bfloat16,
+            address=0,
+            phy_size=data.numel() * 2,
+            ref_count=1,
+            fmt=MemoryFormat.KV_2LTD,
+            shapes=[shape],
+            dtypes=[torch.bfloat16],
+        )
         return TensorMemoryObj(data, meta, None)
 
-    params: dict[str, Any] = {k.removeprefix("kvstore."): v
-                              for k, v in _options(root, uri).items()}  # fmt: skip
-    params.update(layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, kv_dtype="bf16",
-                  chunk_size=TOKENS, timeout_s=60)  # fmt: skip
+    params: dict[str, Any] = {k.removeprefix("kvstore."): v for k, v in _options(root, uri).items()}
+    params.update(
+        layers=LAYERS,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        kv_dtype="bf16",
+        chunk_size=TOKENS,
+        timeout_s=60,
+    )
     adapter = KvstoreL2Adapter(params)
 
     def wait(fd: int, result: Any) -> Any:
@@ -182,17 +215,25 @@ def _lmcache_mp(root: Path, uri: str, count: int, rounds: int) -> tuple[float, f
         targets = [chunk(torch.zeros(shape.numel(), dtype=torch.bfloat16)) for _ in range(count)]
 
         def once(round_: int) -> tuple[float, float]:
-            keys = [ObjectKey(chunk_hash=(round_ * 100_000 + i).to_bytes(8, "big"),
-                              model_name="bench", kv_rank=1 << 24)
-                    for i in range(count)]  # fmt: skip
+            keys = [
+                ObjectKey(
+                    chunk_hash=(round_ * 100_000 + i).to_bytes(8, "big"),
+                    model_name="bench",
+                    kv_rank=1 << 24,
+                )
+                for i in range(count)
+            ]
             started = time.perf_counter()
             task = adapter.submit_store_task(keys, sources)
-            stored = wait(adapter.get_store_event_fd(),
-                          lambda: adapter.pop_completed_store_tasks().get(task))  # fmt: skip
+            stored = wait(
+                adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
+            )
             middle = time.perf_counter()
             task = adapter.submit_lookup_and_lock_task(keys, {})
-            found = wait(adapter.get_lookup_and_lock_event_fd(),
-                         lambda: adapter.query_lookup_and_lock_result(task))  # fmt: skip
+            found = wait(
+                adapter.get_lookup_and_lock_event_fd(),
+                lambda: adapter.query_lookup_and_lock_result(task),
+            )
             task = adapter.submit_load_task(keys, targets)
             loaded = wait(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
             adapter.submit_unlock(keys)
@@ -218,22 +259,49 @@ def _sglang(root: Path, uri: str, count: int, rounds: int) -> tuple[float, float
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    device = MHATokenToKVPool(size=count * TOKENS, page_size=TOKENS, dtype=torch.bfloat16,
-                              head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
-                              device="cpu", enable_memory_saver=False,
-                              enable_alt_stream=False)  # fmt: skip
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, TOKENS,
-                                "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=device.size,
-                                start_layer=device.start_layer,
-                                end_layer=device.end_layer)  # fmt: skip
-    extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
-             "class_name": "KvstoreHiCacheStorage", "interface_v1": 1,
-             **_options(root, uri)}  # fmt: skip
-    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                  attn_cp_size=1, is_mla_model=False,
-                                  enable_storage_metrics=False, is_page_first_layout=True,
-                                  model_name="bench", extra_config=extra)  # fmt: skip
+    device = MHATokenToKVPool(
+        size=count * TOKENS,
+        page_size=TOKENS,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        TOKENS,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+    )
+    extra = {
+        "backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang",
+        "class_name": "KvstoreHiCacheStorage",
+        "interface_v1": 1,
+        **_options(root, uri),
+    }
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench",
+        extra_config=extra,
+    )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
     try:
@@ -260,8 +328,9 @@ def run(quick: bool = False) -> list[Result]:
 
     count, rounds = (8, 2) if quick else (32, 3)
     section = TOKENS * HEADS * HEAD_DIM * 2
-    container = bytes(kc.encode([(os.urandom(section), os.urandom(section))] * LAYERS,
-                                token_count=TOKENS))  # fmt: skip
+    container = bytes(
+        kc.encode([(os.urandom(section), os.urandom(section))] * LAYERS, token_count=TOKENS)
+    )
     mib = count * len(container) / 2**20
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-engines-") as tmp:
         root = Path(tmp)
@@ -276,16 +345,48 @@ def run(quick: bool = False) -> list[Result]:
             servers.close()
     size = f"{len(container) / 2**20:.0f} MiB chunks x {count}"
     return [
-        Result(f"LMCache plug-in put, {size}", "MiB/s", mib / lm_put,
-               "kvstore.client put_block", mib / put_s),
-        Result(f"LMCache plug-in get, {size}", "MiB/s", mib / lm_get,
-               "kvstore.client get_block", mib / get_s),
-        Result(f"LMCache MP L2 adapter store, {size}", "MiB/s", mib / mp_put,
-               "kvstore.client put_block", mib / put_s, goal=0.8),
-        Result(f"LMCache MP L2 adapter lookup+lock, load, unlock, {size}", "MiB/s",
-               mib / mp_get, "kvstore.client get_block", mib / get_s, goal=0.8),
-        Result(f"SGLang batch_set_v1, {size}", "MiB/s", mib / sg_put,
-               "kvstore.client put_block", mib / put_s),
-        Result(f"SGLang batch_get_v1, {size}", "MiB/s", mib / sg_get,
-               "kvstore.client get_block", mib / get_s),
-    ]  # fmt: skip
+        Result(
+            f"LMCache plug-in put, {size}",
+            "MiB/s",
+            mib / lm_put,
+            "kvstore.client put_block",
+            mib / put_s,
+        ),
+        Result(
+            f"LMCache plug-in get, {size}",
+            "MiB/s",
+            mib / lm_get,
+            "kvstore.client get_block",
+            mib / get_s,
+        ),
+        Result(
+            f"LMCache MP L2 adapter store, {size}",
+            "MiB/s",
+            mib / mp_put,
+            "kvstore.client put_block",
+            mib / put_s,
+            goal=0.8,
+        ),
+        Result(
+            f"LMCache MP L2 adapter lookup+lock, load, unlock, {size}",
+            "MiB/s",
+            mib / mp_get,
+            "kvstore.client get_block",
+            mib / get_s,
+            goal=0.8,
+        ),
+        Result(
+            f"SGLang batch_set_v1, {size}",
+            "MiB/s",
+            mib / sg_put,
+            "kvstore.client put_block",
+            mib / put_s,
+        ),
+        Result(
+            f"SGLang batch_get_v1, {size}",
+            "MiB/s",
+            mib / sg_get,
+            "kvstore.client get_block",
+            mib / get_s,
+        ),
+    ]

@@ -124,24 +124,34 @@ def _nginx(servers: Servers, files: dict[str, tuple[bytes, str]]) -> str | None:
         "    location /kvsp/ { default_type application/kvsp-block;\n"
         "      add_header Repr-Digest $repr_digest always; } } }\n"
     )
-    process = subprocess.Popen([binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    process = subprocess.Popen(
+        [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     servers.processes.append(process)
     try:
         _wait(port, process)
     except RuntimeError as exc:
         log = prefix / "logs" / "error.log"
-        raise RuntimeError(f"nginx did not start: {log.read_text()[-500:] if log.exists() else ''}"
-                           ) from exc  # fmt: skip
+        raise RuntimeError(
+            f"nginx did not start: {log.read_text()[-500:] if log.exists() else ''}"
+        ) from exc
     return f"https://127.0.0.1:{port}/kvsp/"
 
 
-async def _store(client: HolderClient, shards: list[str],
-                 blocks: list[tuple[str, bytes]]) -> list[ReplicaRecord]:  # fmt: skip
+async def _store(
+    client: HolderClient, shards: list[str], blocks: list[tuple[str, bytes]]
+) -> list[ReplicaRecord]:
     """Each block at the shard its key ranks first; their records."""
-    return list(await asyncio.gather(*(
-        client.put_block(rank(shards, key)[0], COMPAT, SCOPE, key, data)
-        for key, data in blocks)))  # fmt: skip
+    return list(
+        await asyncio.gather(
+            *(
+                client.put_block(rank(shards, key)[0], COMPAT, SCOPE, key, data)
+                for key, data in blocks
+            )
+        )
+    )
 
 
 def run(quick: bool = False, threads: int | None = None) -> list[Result]:
@@ -158,8 +168,10 @@ def run(quick: bool = False, threads: int | None = None) -> list[Result]:
         one = servers.holder("host", True)
         two = servers.holder("host", True, workers=2)
         port = int(two.split(":")[2].split("/")[0])
-        shards = {"holder, 1 worker": [one],
-                  "holder, 2 workers": [two, f"https://127.0.0.1:{port + 1}/kvsp/"]}  # fmt: skip
+        shards = {
+            "holder, 1 worker": [one],
+            "holder, 2 workers": [two, f"https://127.0.0.1:{port + 1}/kvsp/"],
+        }
 
         async def put_all() -> dict[str, list[ReplicaRecord]]:
             client = HolderClient(context)
@@ -169,20 +181,22 @@ def run(quick: bool = False, threads: int | None = None) -> list[Result]:
                 await client.close()
 
         records = asyncio.run(put_all())
-        files = {block_path(COMPAT, SCOPE, key): (data, repr_digest(data))
-                 for key, data in blocks}  # fmt: skip
+        files = {block_path(COMPAT, SCOPE, key): (data, repr_digest(data)) for key, data in blocks}
         nginx = _nginx(servers, files)
         if nginx is not None:
-            records["nginx"] = [dataclasses.replace(r, holder=nginx)
-                                for r in records["holder, 1 worker"]]  # fmt: skip
+            records["nginx"] = [
+                dataclasses.replace(r, holder=nginx) for r in records["holder, 1 worker"]
+            ]
         verified: dict[tuple[str, int], float] = {}
         # Each block lands in a buffer of its own, reused round after round,
         # as an engine's pinned host buffers are (a new buffer for every
         # block costs its page faults, about a third of the decryption).
         buffers = [bytearray(size) for _ in blocks]
         for server, held in records.items():
-            requests = [BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
-                        for r, b in zip(held, buffers, strict=True)]  # fmt: skip
+            requests = [
+                BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
+                for r, b in zip(held, buffers, strict=True)
+            ]
             for k in ks:
                 with BlockFetcher(context, threads=k) as fetcher:
                     checked = _fetch_rate(fetcher, requests, seconds)
@@ -190,43 +204,80 @@ def run(quick: bool = False, threads: int | None = None) -> list[Result]:
                     plain = _fetch_rate(fetcher, requests, seconds)
                 verified[server, k] = checked.gbs
                 results += [
-                    Result(f"fetch verified (BL6), {server}, K={k}", "GB/s", checked.gbs,
-                           "unverified, same K", plain.gbs, 0.8),
-                    Result(f"client CPU per verified GB, {server}, K={k}", "core-s/GB",
-                           checked.cpu_per_gb, goal=2.5, direction="lower"),
-                    Result(f"break-even prefill (128 KiB/token), {server}, K={k}", "tokens/s",
-                           checked.gbs * 1e9 / TOKEN_OCTETS),
-                ]  # fmt: skip
+                    Result(
+                        f"fetch verified (BL6), {server}, K={k}",
+                        "GB/s",
+                        checked.gbs,
+                        "unverified, same K",
+                        plain.gbs,
+                        0.8,
+                    ),
+                    Result(
+                        f"client CPU per verified GB, {server}, K={k}",
+                        "core-s/GB",
+                        checked.cpu_per_gb,
+                        goal=2.5,
+                        direction="lower",
+                    ),
+                    Result(
+                        f"break-even prefill (128 KiB/token), {server}, K={k}",
+                        "tokens/s",
+                        checked.gbs * 1e9 / TOKEN_OCTETS,
+                    ),
+                ]
                 if server == "nginx" and k == max(ks):
-                    results.append(Result(
-                        f"cores for {TARGET_GBS:g} GB/s verified into one engine", "cores",
-                        TARGET_GBS * checked.cpu_per_gb, direction="lower"))  # fmt: skip
+                    results.append(
+                        Result(
+                            f"cores for {TARGET_GBS:g} GB/s verified into one engine",
+                            "cores",
+                            TARGET_GBS * checked.cpu_per_gb,
+                            direction="lower",
+                        )
+                    )
         if nginx is not None and 2 in ks:
-            results.append(Result("fetch verified, nginx, K=2", "GB/s", verified["nginx", 2],
-                                  "K=1", verified["nginx", 1], 1.6))  # fmt: skip
-        results += _against_client(context, records["holder, 1 worker"], one, blocks, buffers,
-                                   max(ks), seconds)  # fmt: skip
+            results.append(
+                Result(
+                    "fetch verified, nginx, K=2",
+                    "GB/s",
+                    verified["nginx", 2],
+                    "K=1",
+                    verified["nginx", 1],
+                    1.6,
+                )
+            )
+        results += _against_client(
+            context, records["holder, 1 worker"], one, blocks, buffers, max(ks), seconds
+        )
     finally:
         servers.close()
         shutil.rmtree(root, ignore_errors=True)
     return results
 
 
-def _against_client(context: object, held: list[ReplicaRecord], holder: str,
-                    blocks: list[tuple[str, bytes]], buffers: list[bytearray], k: int,
-                    seconds: float) -> list[Result]:  # fmt: skip
+def _against_client(
+    context: object,
+    held: list[ReplicaRecord],
+    holder: str,
+    blocks: list[tuple[str, bytes]],
+    buffers: list[bytearray],
+    k: int,
+    seconds: float,
+) -> list[Result]:
     """The fetcher at K threads against ``HolderClient`` (aiohttp on one
     event loop) with as many requests in flight, GET and PUT."""
     size = len(blocks[0][1])
-    requests = [BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
-                for r, b in zip(held, buffers, strict=True)]  # fmt: skip
+    requests = [
+        BlockRequest(COMPAT, SCOPE, r.block_key, [r], into=b)
+        for r, b in zip(held, buffers, strict=True)
+    ]
     keys = [r.block_key for r in held]
     with BlockFetcher(context, threads=k, put_threads=k) as fetcher:  # type: ignore[arg-type]
         ours = _fetch_rate(fetcher, requests, seconds)
 
         def put_round() -> int:
-            futures = [fetcher.put(holder, COMPAT, SCOPE, os.urandom(32).hex(), data)
-                       for _, data in blocks]  # fmt: skip
+            futures = [
+                fetcher.put(holder, COMPAT, SCOPE, os.urandom(32).hex(), data) for _, data in blocks
+            ]
             for future in futures:
                 future.result()
             return size * len(blocks)
@@ -245,8 +296,9 @@ def _against_client(context: object, held: list[ReplicaRecord], holder: str,
 
                 async def one(record: ReplicaRecord) -> None:
                     async with gate:
-                        await client.get_block(holder, COMPAT, SCOPE, record.block_key,
-                                               record=record)  # fmt: skip
+                        await client.get_block(
+                            holder, COMPAT, SCOPE, record.block_key, record=record
+                        )
 
                 await asyncio.gather(*(one(r) for r in held))
                 return size * len(keys)
@@ -275,10 +327,26 @@ def _against_client(context: object, held: list[ReplicaRecord], holder: str,
 
     get, put = asyncio.run(theirs())
     return [
-        Result(f"fetch verified, holder, K={k}", "GB/s", ours.gbs,
-               f"aiohttp + kvstore.verify, {max(k, 4)} in flight", get.gbs),
-        Result(f"client CPU per verified GB, holder, K={k}", "core-s/GB", ours.cpu_per_gb,
-               "aiohttp + kvstore.verify", get.cpu_per_gb, direction="lower"),
-        Result(f"PUT through the pool, holder, K={k}", "GB/s", ours_put.gbs,
-               f"HolderClient.put_block, {max(k, 4)} at once", put.gbs),
-    ]  # fmt: skip
+        Result(
+            f"fetch verified, holder, K={k}",
+            "GB/s",
+            ours.gbs,
+            f"aiohttp + kvstore.verify, {max(k, 4)} in flight",
+            get.gbs,
+        ),
+        Result(
+            f"client CPU per verified GB, holder, K={k}",
+            "core-s/GB",
+            ours.cpu_per_gb,
+            "aiohttp + kvstore.verify",
+            get.cpu_per_gb,
+            direction="lower",
+        ),
+        Result(
+            f"PUT through the pool, holder, K={k}",
+            "GB/s",
+            ours_put.gbs,
+            f"HolderClient.put_block, {max(k, 4)} at once",
+            put.gbs,
+        ),
+    ]

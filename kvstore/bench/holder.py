@@ -97,10 +97,16 @@ class Servers:
 
         self.root = root
         create_dev_certificates(root / "certs", ["bench"])
-        (root / "policy.json").write_text(json.dumps({"principals": {
-            "urn:kvstore:bench": {"read_scopes": ["*"], "write_scopes": ["*"]},
-            "anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]},
-        }}))  # fmt: skip
+        (root / "policy.json").write_text(
+            json.dumps(
+                {
+                    "principals": {
+                        "urn:kvstore:bench": {"read_scopes": ["*"], "write_scopes": ["*"]},
+                        "anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]},
+                    }
+                }
+            )
+        )
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def client_ssl(self) -> ssl.SSLContext:
@@ -112,9 +118,14 @@ class Servers:
         )
 
     def holder(
-        self, tier: str, tls: bool, http2: bool = False, workers: int = 1,
-        unix_socket: Path | None = None, prefault: bool = True,
-    ) -> str:  # fmt: skip
+        self,
+        tier: str,
+        tls: bool,
+        http2: bool = False,
+        workers: int = 1,
+        unix_socket: Path | None = None,
+        prefault: bool = True,
+    ) -> str:
         """A holder process (its first worker's base URI); with ``unix_socket``
         also there, for a trusted proxy (docs/proxy.md). A host tier of 1 GiB
         is ``prefault``-ed (kvstore/backends/host.py), as a dedicated cache server's
@@ -160,12 +171,25 @@ class Servers:
         """GB/s of GETs of ``urls`` by the load generator, a process of its
         own, and the cores it kept busy itself meanwhile."""
         certs = self.root / "certs"
-        command = [sys.executable, "-m", "kvstore.bench.loadgen", *urls, "--clients",
-                   str(clients), "--seconds", str(seconds)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "kvstore.bench.loadgen",
+            *urls,
+            "--clients",
+            str(clients),
+            "--seconds",
+            str(seconds),
+        ]
         if tls:
-            command += ["--cafile", str(certs / "ca.pem"), "--certfile",
-                        str(certs / "client-bench.pem"), "--keyfile",
-                        str(certs / "client-bench.key")]  # fmt: skip
+            command += [
+                "--cafile",
+                str(certs / "ca.pem"),
+                "--certfile",
+                str(certs / "client-bench.pem"),
+                "--keyfile",
+                str(certs / "client-bench.key"),
+            ]
         out = subprocess.run(command, capture_output=True, check=True, timeout=seconds + 60)
         figures = json.loads(out.stdout.decode().strip().splitlines()[-1])
         if figures["errors"] or not figures["requests"]:
@@ -176,8 +200,16 @@ class Servers:
     def bare(self, octets: int, tls: bool, store: bool = False) -> str:
         """Bare uvicorn (:mod:`.bare`); ``store``: it keeps what is PUT."""
         port = _port()
-        command = [sys.executable, "-m", "kvstore.bench.bare", "--port", str(port),
-                   "--octets", str(octets), *(["--store"] if store else [])]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "kvstore.bench.bare",
+            "--port",
+            str(port),
+            "--octets",
+            str(octets),
+            *(["--store"] if store else []),
+        ]
         if tls:
             command += ["--tls-dir", str(self.root / "certs")]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -287,8 +319,11 @@ async def _run(quick: bool) -> list[Result]:
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-holder-"))
     servers = Servers(root)
     try:
-        combos = [("host", False), ("host", True)] if quick else [
-            ("host", False), ("host", True), ("lmdb", True)]  # fmt: skip
+        combos = (
+            [("host", False), ("host", True)]
+            if quick
+            else [("host", False), ("host", True), ("lmdb", True)]
+        )
         bare = {tls: servers.bare(len(blocks[0][1]), tls) for tls in (False, True)}
         half = len(blocks[0][1]) // 2
         bare_half = {tls: servers.bare(half, tls) for tls in (False, True)}
@@ -301,9 +336,10 @@ async def _run(quick: bool) -> list[Result]:
                 records = []
                 for key, data in blocks:
                     async with session.put(
-                        f"{holder}blocks/{COMPAT}/{SCOPE}/{key}", data=data,
+                        f"{holder}blocks/{COMPAT}/{SCOPE}/{key}",
+                        data=data,
                         headers={"If-None-Match": "*"},
-                    ) as response:  # fmt: skip
+                    ) as response:
                         assert response.status == 201, await response.text()
                         records.append(await response.json())
 
@@ -321,8 +357,16 @@ async def _run(quick: bool) -> list[Result]:
                 for clients in levels:
                     ours = await _rate(len(blocks[0][1]), getter(holder), clients, seconds)
                     base = await _rate(len(blocks[0][1]), getter(bare[tls]), clients, seconds)
-                    results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
-                                          "bare uvicorn GET", base, 0.7))  # fmt: skip
+                    results.append(
+                        Result(
+                            f"GET whole, {label}, c={clients}",
+                            "GB/s",
+                            ours,
+                            "bare uvicorn GET",
+                            base,
+                            0.7,
+                        )
+                    )
                     static_base = nginx[tls]
                     if tier == "host" and static_base is not None:
                         static = await _rate(
@@ -332,13 +376,28 @@ async def _run(quick: bool) -> list[Result]:
                             seconds,
                         )
                         # Issue 19: over mTLS within 0.8 of nginx's mTLS.
-                        results.append(Result(f"GET whole, {label}, c={clients}", "GB/s", ours,
-                                              "nginx static file", static,
-                                              0.8 if tls else None))  # fmt: skip
+                        results.append(
+                            Result(
+                                f"GET whole, {label}, c={clients}",
+                                "GB/s",
+                                ours,
+                                "nginx static file",
+                                static,
+                                0.8 if tls else None,
+                            )
+                        )
                 ours = await _rate(half, getter(holder, {"layers": "0-15"}), 1, seconds)
                 base = await _rate(half, getter(bare_half[tls]), 1, seconds)
-                results.append(Result(f"GET layers 0-15, {label}, c=1", "GB/s", ours,
-                                      "bare uvicorn GET, same size", base, 0.5))  # fmt: skip
+                results.append(
+                    Result(
+                        f"GET layers 0-15, {label}, c=1",
+                        "GB/s",
+                        ours,
+                        "bare uvicorn GET, same size",
+                        base,
+                        0.5,
+                    )
+                )
                 if tier == "host":
                     keeping = servers.bare(0, tls, store=True)
                     results += await _put_and_verify(
@@ -366,8 +425,11 @@ async def _http2_cost(
     for http2 in (False, True):
         async with httpx.AsyncClient(verify=context, http2=http2, timeout=30) as client:
             for key, data in blocks:
-                await client.put(f"{holder}blocks/{COMPAT}/{SCOPE}/{key}", content=data,
-                                 headers={"If-None-Match": "*"})  # fmt: skip
+                await client.put(
+                    f"{holder}blocks/{COMPAT}/{SCOPE}/{key}",
+                    content=data,
+                    headers={"If-None-Match": "*"},
+                )
 
             async def get(i: int, client: Any = client) -> None:
                 key = blocks[i % len(blocks)][0]
@@ -375,14 +437,25 @@ async def _http2_cost(
                 assert response.status_code == 200
 
             rates[http2] = await _rate(size, get, 1, seconds)
-    return [Result("GET whole, host, mTLS, HTTP/2 (httpx)", "GB/s", rates[True],
-                   "same holder, HTTP/1.1 (httpx)", rates[False], None)]  # fmt: skip
+    return [
+        Result(
+            "GET whole, host, mTLS, HTTP/2 (httpx)",
+            "GB/s",
+            rates[True],
+            "same holder, HTTP/1.1 (httpx)",
+            rates[False],
+            None,
+        )
+    ]
 
 
 async def _behind_nginx(
-    servers: Servers, blocks: list[tuple[str, bytes]], seconds: float, static: str,
+    servers: Servers,
+    blocks: list[tuple[str, bytes]],
+    seconds: float,
+    static: str,
     levels: tuple[int, ...],
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     """The holder behind nginx doing the mutual TLS, on a unix socket
     (docs/proxy.md), against nginx serving the same octets itself."""
     import aiohttp
@@ -408,17 +481,28 @@ async def _behind_nginx(
 
         for clients in levels:
             ours = await _rate(len(blocks[0][1]), get, clients, seconds)
-            direct = await _rate(len(blocks[0][1]), _static_getter(session, static), clients,
-                                 seconds)  # fmt: skip
-            results.append(Result(f"GET whole, behind nginx (mTLS there), c={clients}", "GB/s",
-                                  ours, "nginx static file, mTLS", direct, 0.8))  # fmt: skip
+            direct = await _rate(
+                len(blocks[0][1]), _static_getter(session, static), clients, seconds
+            )
+            results.append(
+                Result(
+                    f"GET whole, behind nginx (mTLS there), c={clients}",
+                    "GB/s",
+                    ours,
+                    "nginx static file, mTLS",
+                    direct,
+                    0.8,
+                )
+            )
     return results
 
 
 async def _workers_scaling(
-    servers: Servers, blocks: list[tuple[str, bytes]], seconds: float,
+    servers: Servers,
+    blocks: list[tuple[str, bytes]],
+    seconds: float,
     levels: tuple[int, ...] = (1, 4, 16),
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     """Issue 19's goal: 2 workers >= 1.6 x 1 worker, aggregate GET over mTLS
     at 16 clients (the other levels are shown, without a goal)."""
     from ..client import HolderClient
@@ -450,12 +534,21 @@ async def _workers_scaling(
     out = []
     for clients in levels:
         out += [
-            Result(f"GET whole, host, mTLS, c={clients}, 2 workers (load generator apart)",
-                   "GB/s", rates[2, clients], "1 worker, same load generator",
-                   rates[1, clients], 1.6 if clients == 16 else None),
-            Result(f"load generator's own CPU, 1 worker, c={clients} "
-                   f"(machine: {available_cores()} cores)", "cores", busy[1, clients]),
-        ]  # fmt: skip
+            Result(
+                f"GET whole, host, mTLS, c={clients}, 2 workers (load generator apart)",
+                "GB/s",
+                rates[2, clients],
+                "1 worker, same load generator",
+                rates[1, clients],
+                1.6 if clients == 16 else None,
+            ),
+            Result(
+                f"load generator's own CPU, 1 worker, c={clients} "
+                f"(machine: {available_cores()} cores)",
+                "cores",
+                busy[1, clients],
+            ),
+        ]
     return out
 
 
@@ -525,8 +618,9 @@ async def _put_and_verify(
     async def verified_4(i: int) -> None:
         # One caller, four blocks at once (HolderClient.get_blocks).
         batch = [parsed[(i * 4 + j) % len(parsed)] for j in range(4)]
-        await client.get_blocks(holder, COMPAT, SCOPE, [r.block_key for r in batch],
-                                records=batch, concurrency=4)  # fmt: skip
+        await client.get_blocks(
+            holder, COMPAT, SCOPE, [r.block_key for r in batch], records=batch, concurrency=4
+        )
 
     async def unverified_4(i: int) -> None:
         await asyncio.gather(*(unverified(i * 4 + j) for j in range(4)))
@@ -536,16 +630,28 @@ async def _put_and_verify(
     await client.close()
     return [
         Result(f"PUT, {label}, c=1", "GB/s", ours, "bare uvicorn PUT", base, 0.8),
-        Result(f"PUT, {label}, c=1", "GB/s", ours, "bare uvicorn PUT keeping the body", kept,
-               0.8),
+        Result(f"PUT, {label}, c=1", "GB/s", ours, "bare uvicorn PUT keeping the body", kept, 0.8),
         Result(f"PUT, {label}, c=1", "GB/s", ours, "one sha256 pass", sha, 0.8),
-        Result(f"verified fetch (BL6), {label}, c=1", "GB/s", fetched, "2 x sha256 time",
-               sha / 2, 0.8),
-        Result(f"verified fetch (BL6), {label}, c=1", "GB/s", fetched,
-               "unverified fetch, same client", plain, 0.8),
-        Result(f"verified fetch (BL6), {label}, 4 blocks at once", "GB/s", fetched_4,
-               "unverified, 4 at once, same client", plain_4, 0.8),
-    ]  # fmt: skip
+        Result(
+            f"verified fetch (BL6), {label}, c=1", "GB/s", fetched, "2 x sha256 time", sha / 2, 0.8
+        ),
+        Result(
+            f"verified fetch (BL6), {label}, c=1",
+            "GB/s",
+            fetched,
+            "unverified fetch, same client",
+            plain,
+            0.8,
+        ),
+        Result(
+            f"verified fetch (BL6), {label}, 4 blocks at once",
+            "GB/s",
+            fetched_4,
+            "unverified, 4 at once, same client",
+            plain_4,
+            0.8,
+        ),
+    ]
 
 
 def run(quick: bool = False) -> list[Result]:

@@ -45,9 +45,12 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def lookup_rows(
-    label: str, size: int, latencies_s: list[float], baselines_ms: dict[str, float],
+    label: str,
+    size: int,
+    latencies_s: list[float],
+    baselines_ms: dict[str, float],
     goals_ms: dict[int, float] = P99_GOAL_MS,
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     """A lookup size's rows: p50 against each same-run baseline (lower is
     better), then p99 and throughput as plain figures."""
     p50 = statistics.median(latencies_s) * 1000
@@ -64,28 +67,43 @@ def _record(block_key: str, holder: str) -> ReplicaRecord:
     digests = tuple(hashlib.sha256(f"{block_key}{i}".encode()).hexdigest() for i in range(32))
     digest = hashlib.sha256(b"".join(bytes.fromhex(d) for d in digests)).hexdigest()
     return ReplicaRecord(
-        block_key=block_key, compat_id=COMPAT, scope_id=SCOPE, holder=holder, codec=1,
-        size=2 << 20, digest="sha-256:" + digest, layer_digests=digests,
+        block_key=block_key,
+        compat_id=COMPAT,
+        scope_id=SCOPE,
+        holder=holder,
+        codec=1,
+        size=2 << 20,
+        digest="sha-256:" + digest,
+        layer_digests=digests,
         residency=(Residency("device", 0, 15), Residency("host", 16, 31, 400000.0)),
         ttl_ms=600_000,
-    )  # fmt: skip
+    )
 
 
 async def _call(
-    app: Any, body: bytes, keep: bool = True, path: str = "/is/lookup",
+    app: Any,
+    body: bytes,
+    keep: bool = True,
+    path: str = "/is/lookup",
     content_type: bytes = b"application/kvsp+json",
-) -> bytes:  # fmt: skip
+) -> bytes:
     """One POST (a lookup) through the ASGI app, no client library in between.
 
     Like a server writing each message out, the harness lets go of each
     message unless ``keep`` (the answer is checked once, after the timing)."""
     scope = {
-        "type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
-        "query_string": b"", "headers": [(b"content-type", content_type),
-                                         (b"content-length", str(len(body)).encode())],
-        "http_version": "1.1", "scheme": "http", "server": ("bench", 80), "client": ("b", 1),
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("bench", 80),
+        "client": ("b", 1),
         "root_path": "",
-    }  # fmt: skip
+    }
     sent = [False]
     chunks: list[bytes] = []
 
@@ -105,15 +123,26 @@ async def _call(
     return b"".join(chunks)
 
 
-async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list[int],
-                       rounds: int, publish: bool = True, cluster: bool = False,
-                       goals_ms: dict[int, float] = P99_GOAL_MS) -> list[Result]:  # fmt: skip
+async def _bench_state(
+    name: str,
+    state: Any,
+    redis_url: str | None,
+    sizes: list[int],
+    rounds: int,
+    publish: bool = True,
+    cluster: bool = False,
+    goals_ms: dict[int, float] = P99_GOAL_MS,
+) -> list[Result]:
     from ..index import IndexSettings, create_app
     from ..security import Policy
 
     policy = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"]}}})
-    settings = IndexSettings("http://bench/is/", max_lookup_keys=max(sizes),
-                             max_json_octets=16 << 20, allow_anonymous=True)  # fmt: skip
+    settings = IndexSettings(
+        "http://bench/is/",
+        max_lookup_keys=max(sizes),
+        max_json_octets=16 << 20,
+        allow_anonymous=True,
+    )
     app = create_app(settings, state, policy)
     keys = [hashlib.sha256(f"k{n}".encode()).hexdigest() for n in range(max(sizes))]
     records = [_record(k, h) for k in keys for h in HOLDERS]
@@ -135,8 +164,9 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
 
         raw_client = connect(redis_url, cluster=cluster, timeout_s=120)
     for size in sizes:
-        body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT,
-                           "block_keys": keys[:size]}).encode()  # fmt: skip
+        body = json.dumps(
+            {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys[:size]}
+        ).encode()
         # The first lookup after the publishes joins each key's records into
         # the group later lookups answer from (the memory states): its own
         # row, not the first sample of the steady state's p99.
@@ -178,8 +208,9 @@ async def _bench_state(name: str, state: Any, redis_url: str | None, sizes: list
         # What a placement asks (shapes_only, ours): the matched count and
         # the replicas' shapes, not ~60 MB of records (whose copy alone is
         # about 5 ms here at 8k keys).
-        shapes_body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT, "shapes_only": True,
-                                  "block_keys": keys[:size]}).encode()  # fmt: skip
+        shapes_body = json.dumps(
+            {"scope_id": SCOPE, "compat_id": COMPAT, "shapes_only": True, "block_keys": keys[:size]}
+        ).encode()
         shaped = []
         for _ in range(rounds):
             t = time.perf_counter()
@@ -212,26 +243,41 @@ async def _bench_replicated(
     first = ReplicatedState(redis_url, prefix, cluster=cluster)
     second = None
     try:
-        results = await _bench_state(f"replicated{where}, the publishing IS", first, redis_url,
-                                     sizes, rounds, publish=True, cluster=cluster,
-                                     goals_ms=SHARED_P99_GOAL_MS)  # fmt: skip
+        results = await _bench_state(
+            f"replicated{where}, the publishing IS",
+            first,
+            redis_url,
+            sizes,
+            rounds,
+            publish=True,
+            cluster=cluster,
+            goals_ms=SHARED_P99_GOAL_MS,
+        )
         first = ReplicatedState(redis_url, prefix, cluster=cluster)  # (the one above is closed)
         second = ReplicatedState(redis_url, prefix, cluster=cluster)
         start = time.perf_counter()
         rebuilt = await second.count()
         took = time.perf_counter() - start
         results.append(Result(f"replay of {rebuilt} records at start{where}", "s", took))
-        results += await _bench_state(f"replicated{where}, another IS", second, redis_url, sizes,
-                                      rounds, publish=False, cluster=cluster,
-                                      goals_ms=SHARED_P99_GOAL_MS)  # fmt: skip
+        results += await _bench_state(
+            f"replicated{where}, another IS",
+            second,
+            redis_url,
+            sizes,
+            rounds,
+            publish=False,
+            cluster=cluster,
+            goals_ms=SHARED_P99_GOAL_MS,
+        )
         await first.count()
         lags = []
         for n in range(200 if rounds > 5 else 50):
             record = _record(hashlib.sha256(f"lag{n}".encode()).hexdigest(), HOLDERS[0])
             t = time.perf_counter()
             await first.put(record, 600_000)
-            while (await second.lookup(SCOPE, COMPAT, [record.block_key],
-                                       records=False)).matched == 0:  # fmt: skip
+            while (
+                await second.lookup(SCOPE, COMPAT, [record.block_key], records=False)
+            ).matched == 0:
                 await asyncio.sleep(0.0005)
             lags.append((time.perf_counter() - t) * 1000)
         lags.sort()
@@ -261,8 +307,9 @@ async def _run(quick: bool, redis_url: str | None, start_cluster: bool = True) -
         prefix = f"bench-{uuid.uuid4().hex[:8]}:"
         state = RedisState(redis_url, prefix)
         try:
-            results += await _bench_state("redis", state, redis_url, sizes, max(3, rounds // 3),
-                                          goals_ms=SHARED_P99_GOAL_MS)  # fmt: skip
+            results += await _bench_state(
+                "redis", state, redis_url, sizes, max(3, rounds // 3), goals_ms=SHARED_P99_GOAL_MS
+            )
         finally:
             import redis.asyncio as aioredis
 

@@ -95,16 +95,22 @@ def _tiers(chain: str, root: Path, redis_url: str, s3_endpoint: str | None, port
     if "lmdb" in chain:
         lmdb = 8 << 30 if chain == "host+lmdb" else 256 << 20
         size = (lmdb * 3) // 2 + (64 << 20)
-        out += (f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = {lmdb}\n'
-                f'path = "{root / f"lmdb-{port}"}"\nmap_size = {size}\n')  # fmt: skip
+        out += (
+            f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = {lmdb}\n'
+            f'path = "{root / f"lmdb-{port}"}"\nmap_size = {size}\n'
+        )
     if "redis" in chain:
-        out += (f'[[storage.tiers]]\nbackend = "redis"\ncapacity = {8 << 30}\nurl = "{redis_url}"\n'
-                f'prefix = "kvstore-bench-load-{port}:"\n')  # fmt: skip
+        out += (
+            f'[[storage.tiers]]\nbackend = "redis"\ncapacity = {8 << 30}\nurl = "{redis_url}"\n'
+            f'prefix = "kvstore-bench-load-{port}:"\n'
+        )
     if "s3" in chain:
-        out += (f'[[storage.tiers]]\nbackend = "s3"\ncapacity = {64 << 30}\n'
-                f'bucket = "kvstore-load-{port}"\nendpoint_url = "{s3_endpoint}"\n'
-                'region = "us-east-1"\naccess_key_id = "testing"\n'
-                'secret_access_key = "testing"\ncreate_bucket = true\n')  # fmt: skip
+        out += (
+            f'[[storage.tiers]]\nbackend = "s3"\ncapacity = {64 << 30}\n'
+            f'bucket = "kvstore-load-{port}"\nendpoint_url = "{s3_endpoint}"\n'
+            'region = "us-east-1"\naccess_key_id = "testing"\n'
+            'secret_access_key = "testing"\ncreate_bucket = true\n'
+        )
     return out
 
 
@@ -119,8 +125,9 @@ def _holder(root: Path, chain: str, redis_url: str, s3_endpoint: str | None) -> 
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait(port, process, timeout=60)
     return process, f"https://127.0.0.1:{port}/kvsp/"
 
@@ -129,10 +136,19 @@ def _bare(root: Path) -> tuple[Any, str]:
     """The baseline: bare uvicorn keeping the bodies, same TLS."""
     port = _port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.bench.bare", "--port", str(port), "--store",
-         "--tls-dir", str(root / "certs")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvstore.bench.bare",
+            "--port",
+            str(port),
+            "--store",
+            "--tls-dir",
+            str(root / "certs"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait(port, process, timeout=60)
     return process, f"https://127.0.0.1:{port}/kvsp/"
 
@@ -196,8 +212,9 @@ async def _drive(chain: str, uri: str, context: Any, clients: int, seconds: floa
                 kind, n = "put", next(counter)
                 body = bodies[n] = pool[n % POOL]
                 start = time.perf_counter()
-                async with http.put(url + key[n], data=body,
-                                    headers={"If-None-Match": "*"}) as answer:  # fmt: skip
+                async with http.put(
+                    url + key[n], data=body, headers={"If-None-Match": "*"}
+                ) as answer:
                     await answer.read()
                     ok = answer.status == 201
             else:
@@ -241,61 +258,104 @@ def _rows(runs: dict[tuple[str, int], Run], counts: tuple[int, ...]) -> list[Res
                 continue
             name = f"{chain}, C={clients}"
             if run.errors:
-                out.append(Result(f"{name}: errors", "count", len(run.errors), goal=0,
-                                  direction="lower"))  # fmt: skip
+                out.append(
+                    Result(f"{name}: errors", "count", len(run.errors), goal=0, direction="lower")
+                )
             if chain == "host" or base is None or not base.rate:
                 out.append(Result(f"{name}: ops/s", "ops/s", run.rate))
                 for kind in ("put", "hot-get"):
                     if run.p(kind, 0.99):
                         out.append(Result(f"{name}: {kind} p99", "ms", run.p(kind, 0.99)))
                 continue
-            goal = ({"host+lmdb": 0.8, "host+lmdb+s3": 0.5}.get(chain)
-                    if clients == max(counts) else None)  # fmt: skip
-            out.append(Result(f"{name}: ops/s", "ops/s", run.rate, "host only, same C",
-                              base.rate, goal))  # fmt: skip
+            goal = (
+                {"host+lmdb": 0.8, "host+lmdb+s3": 0.5}.get(chain)
+                if clients == max(counts)
+                else None
+            )
+            out.append(
+                Result(f"{name}: ops/s", "ops/s", run.rate, "host only, same C", base.rate, goal)
+            )
             for kind, kind_goal in (("put", None), ("hot-get", 2.0)):
                 ours, theirs = run.p(kind, 0.99), base.p(kind, 0.99)
                 judged = kind_goal if clients == max(counts) else None
                 if ours and theirs:
-                    out.append(Result(f"{name}: {kind} p99", "ms", ours, "host only, same C",
-                                      theirs, judged))  # fmt: skip
+                    out.append(
+                        Result(
+                            f"{name}: {kind} p99", "ms", ours, "host only, same C", theirs, judged
+                        )
+                    )
     for clients in counts:
         holder, bare = runs.get(("host", clients)), runs.get(("bare", clients))
         if holder is None or bare is None:
             continue
         if bare.errors:
-            out.append(Result(f"bare uvicorn, C={clients}: errors", "count", len(bare.errors),
-                              goal=0, direction="lower"))  # fmt: skip
+            out.append(
+                Result(
+                    f"bare uvicorn, C={clients}: errors",
+                    "count",
+                    len(bare.errors),
+                    goal=0,
+                    direction="lower",
+                )
+            )
         per_op, bare_per_op = holder.cpu_ms_per_op, bare.cpu_ms_per_op
         if per_op and bare_per_op:
-            out.append(Result(f"host, C={clients}: holder CPU per op", "ms", per_op,
-                              "bare uvicorn, same traffic", bare_per_op,
-                              1.5 if clients == max(counts) else None))  # fmt: skip
+            out.append(
+                Result(
+                    f"host, C={clients}: holder CPU per op",
+                    "ms",
+                    per_op,
+                    "bare uvicorn, same traffic",
+                    bare_per_op,
+                    1.5 if clients == max(counts) else None,
+                )
+            )
         loop_per_op = holder.loop_ms_per_op
         if loop_per_op and bare_per_op:
             # What the event loop itself does (TLS, HTTP, the store's
             # bookkeeping) against all a bare app does: hashing, sealing and
             # LMDB run on other threads (item 5 of issue 17).
-            out.append(Result(f"host, C={clients}: holder event-loop CPU per op", "ms",
-                              loop_per_op, "bare uvicorn, same traffic", bare_per_op))  # fmt: skip
+            out.append(
+                Result(
+                    f"host, C={clients}: holder event-loop CPU per op",
+                    "ms",
+                    loop_per_op,
+                    "bare uvicorn, same traffic",
+                    bare_per_op,
+                )
+            )
     first, last = min(counts), max(counts)
     for chain in CHAINS:
         low, high = runs.get((chain, first)), runs.get((chain, last))
         if low is not None and high is not None and low.rate:
-            out.append(Result(f"{chain}: C={last} ops/s", "ops/s", high.rate, f"C={first}",
-                              low.rate, 1.5 if chain == "host+lmdb" else None))  # fmt: skip
+            out.append(
+                Result(
+                    f"{chain}: C={last} ops/s",
+                    "ops/s",
+                    high.rate,
+                    f"C={first}",
+                    low.rate,
+                    1.5 if chain == "host+lmdb" else None,
+                )
+            )
     return out
 
 
 async def _run_all(
-    root: Path, seconds: float, counts: tuple[int, ...], redis_url: str | None,
-    s3_endpoint: str | None, chains: tuple[str, ...],
-) -> dict[tuple[str, int], Run]:  # fmt: skip
+    root: Path,
+    seconds: float,
+    counts: tuple[int, ...],
+    redis_url: str | None,
+    s3_endpoint: str | None,
+    chains: tuple[str, ...],
+) -> dict[tuple[str, int], Run]:
     from ..tls import client_context
 
-    context = client_context(str(root / "certs" / "ca.pem"),
-                             str(root / "certs" / "client-bench.pem"),
-                             str(root / "certs" / "client-bench.key"))  # fmt: skip
+    context = client_context(
+        str(root / "certs" / "ca.pem"),
+        str(root / "certs" / "client-bench.pem"),
+        str(root / "certs" / "client-bench.key"),
+    )
     runs: dict[tuple[str, int], Run] = {}
     for chain in ("bare", *chains) if "host" in chains else chains:
         if ("redis" in chain and not redis_url) or ("s3" in chain and not s3_endpoint):
@@ -347,10 +407,13 @@ def _forget_redis_keys(url: str, uri: str) -> None:
 
 
 def run(
-    *, quick: bool = False, seconds: float | None = None,
-    redis_url: str | None = "redis://127.0.0.1:6379/0", start_moto: bool = True,
+    *,
+    quick: bool = False,
+    seconds: float | None = None,
+    redis_url: str | None = "redis://127.0.0.1:6379/0",
+    start_moto: bool = True,
     chains: tuple[str, ...] = CHAINS,
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     """Every chain at C = 1, 4, 16 (quick: 1 and 16, 3 s each; else 25 s)."""
     from ..security import create_dev_certificates
     from .store import _start_moto
@@ -362,10 +425,18 @@ def run(
         with tempfile.TemporaryDirectory(prefix="kvstore-load-") as tmp:
             root = Path(tmp)
             create_dev_certificates(root / "certs", ["bench"])
-            (root / "policy.json").write_text(json.dumps({"principals": {
-                "urn:kvstore:bench": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
-            runs = asyncio.run(_run_all(root, duration, counts, redis_url,
-                                        moto[1] if moto else None, chains))  # fmt: skip
+            (root / "policy.json").write_text(
+                json.dumps(
+                    {
+                        "principals": {
+                            "urn:kvstore:bench": {"read_scopes": ["*"], "write_scopes": ["*"]}
+                        }
+                    }
+                )
+            )
+            runs = asyncio.run(
+                _run_all(root, duration, counts, redis_url, moto[1] if moto else None, chains)
+            )
     finally:
         if moto is not None:
             moto[0].terminate()

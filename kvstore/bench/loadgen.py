@@ -54,8 +54,13 @@ async def _run(
         await asyncio.gather(*(client() for _ in range(clients)))
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu
-    return {"octets": octets, "seconds": elapsed, "requests": requests, "errors": errors,
-            "cpu_seconds": cpu}  # fmt: skip
+    return {
+        "octets": octets,
+        "seconds": elapsed,
+        "requests": requests,
+        "errors": errors,
+        "cpu_seconds": cpu,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -50,32 +50,60 @@ class RedisCluster:
         server = _binary("redis-server")
         for port, bus in zip(self.ports, self.bus_ports, strict=True):
             self.processes[port] = subprocess.Popen(
-                [server, "--port", str(port), "--cluster-port", str(bus),
-                 "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", f"nodes-{port}.conf",
-                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                 "--save", "", "--appendonly", "no", "--dir", str(self.root),
-                 # A replica can take over only once it has synced: at once.
-                 "--repl-diskless-sync-delay", "0",
-                 "--loglevel", "warning"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    server,
+                    "--port",
+                    str(port),
+                    "--cluster-port",
+                    str(bus),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-node-timeout",
+                    str(NODE_TIMEOUT_MS),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.root),
+                    # A replica can take over only once it has synced: at once.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                    "--loglevel",
+                    "warning",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         for port in self.ports:
             self._wait(functools.partial(self._answers, port), f"node {port}")
         subprocess.run(
-            [_binary("redis-cli"), "--cluster", "create",
-             *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "1",
-             "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+            [
+                _binary("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         self.wait_healthy()
 
     def _answers(self, port: int) -> bool:
         return self.cli(port, "PING") == "PONG"
 
     def cli(self, port: int, *args: str) -> str:
-        done = subprocess.run([_binary("redis-cli"), "-p", str(port), *args],
-                              capture_output=True, timeout=10)  # fmt: skip
+        done = subprocess.run(
+            [_binary("redis-cli"), "-p", str(port), *args], capture_output=True, timeout=10
+        )
         return done.stdout.decode().strip()
 
     def _wait(self, ok: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -106,8 +134,9 @@ class RedisCluster:
                 return False
             roles = [self.cli(p, "INFO", "replication") for p in live]
             masters = sum("role:master" in r for r in roles)
-            return masters == 3 and all("master_link_status:up" in r for r in roles
-                                        if "role:slave" in r)  # fmt: skip
+            return masters == 3 and all(
+                "master_link_status:up" in r for r in roles if "role:slave" in r
+            )
 
         self._wait(ok, "cluster_state:ok", timeout)
 

@@ -49,8 +49,9 @@ class _Stub(types.ModuleType):
             return sys.modules[full]
         value: Any
         if attr[:1].isupper():
-            value = _StubMeta(attr, (), {"__module__": self.__name__,
-                                        "__init__": lambda s, *a, **k: None})  # fmt: skip
+            value = _StubMeta(
+                attr, (), {"__module__": self.__name__, "__init__": lambda s, *a, **k: None}
+            )
         else:
             value = _Stub(full)
             sys.modules[full] = value
@@ -76,8 +77,12 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                  target: types.ModuleType | None = None) -> Any:  # fmt: skip
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> Any:
         if fullname.split(".", 1)[0] in STUBBED:
             return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
         return None

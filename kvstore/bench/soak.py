@@ -88,8 +88,9 @@ async def soak(seconds: float = 30.0, clients: int = 8, root: Path | None = None
         where = root or Path(tmp)
         port = _port()
         uri = f"http://127.0.0.1:{port}/kvsp/"
-        (where / "policy.json").write_text(json.dumps({"principals": {
-            "anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
+        (where / "policy.json").write_text(
+            json.dumps({"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}})
+        )
         (where / "soak.toml").write_text(
             f'[server]\nhost = "127.0.0.1"\nport = {port}\ninsecure_http = true\n'
             f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
@@ -97,12 +98,22 @@ async def soak(seconds: float = 30.0, clients: int = 8, root: Path | None = None
             f'[[storage.tiers]]\nbackend = "host"\ncapacity = {HOST_OCTETS}\n'
             '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 4294967296\npath = "lmdb"\n'
             "map_size = 5368709120\n"
-        )  # fmt: skip
+        )
         log = (where / "holder.log").open("wb")
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--roles", "holder",
-             "--config", str(where / "soak.toml")], stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--roles",
+                "holder",
+                "--config",
+                str(where / "soak.toml"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             _wait(port, process)
             acked: dict[int, str] = {}  # n -> block key

@@ -65,9 +65,12 @@ async def _best(fn: Callable[[], Awaitable[None]], repeat: int) -> float:
 
 
 async def _measure_store(
-    make_tier: Callable[[], Tier], blocks: list[tuple[BlockRef, bytes]], repeat: int,
-    sealer: SegmentSealer | None = None, consume: Callable[[BytesLike], None] | None = None,
-) -> tuple[float, float]:  # fmt: skip
+    make_tier: Callable[[], Tier],
+    blocks: list[tuple[BlockRef, bytes]],
+    repeat: int,
+    sealer: SegmentSealer | None = None,
+    consume: Callable[[BytesLike], None] | None = None,
+) -> tuple[float, float]:
     """(put seconds, get seconds) for all blocks through a fresh store each round;
     ``consume`` is called on each chunk read."""
     puts, gets = [], []
@@ -225,8 +228,9 @@ async def bench_redis(
         await client.delete(name)
     await client.aclose()
     if cluster:
-        return _rows("remote-memory (Redis Cluster, 3 masters)", octets, ours, raw,
-                     "raw redis-py cluster")  # fmt: skip
+        return _rows(
+            "remote-memory (Redis Cluster, 3 masters)", octets, ours, raw, "raw redis-py cluster"
+        )
     return _rows("remote-memory (Redis)", octets, ours, raw, "raw redis-py")
 
 
@@ -247,9 +251,12 @@ async def bench_s3(
 
         def fresh() -> S3Tier:
             return S3Tier(
-                bucket, endpoint_url=endpoint, region="us-east-1",
-                access_key_id="bench", secret_access_key="bench",
-            )  # fmt: skip
+                bucket,
+                endpoint_url=endpoint,
+                region="us-east-1",
+                access_key_id="bench",
+                secret_access_key="bench",
+            )
 
         ours = await _measure_store(fresh, blocks, repeat)
 
@@ -297,9 +304,13 @@ def _start_moto() -> tuple[Any, str] | None:
 
 
 async def _run(
-    count: int, block_mib: float, repeat: int, redis_url: str | None, s3_endpoint: str | None,
+    count: int,
+    block_mib: float,
+    repeat: int,
+    redis_url: str | None,
+    s3_endpoint: str | None,
     cluster_url: str | None = None,
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     blocks = _blocks(count, int(block_mib * (1 << 20)))
     results = await bench_host(blocks, repeat)
     results += await bench_lmdb(blocks, repeat)
@@ -333,8 +344,16 @@ def run(
         cluster = redis_cluster.start_cluster()
     try:
         # Quick: two rounds, as one alone is the cold one (thread pool, first page faults).
-        return asyncio.run(_run(4 if quick else 16, 2.0, 2 if quick else 5, redis_url,
-                                s3_endpoint, cluster.url if cluster else None))  # fmt: skip
+        return asyncio.run(
+            _run(
+                4 if quick else 16,
+                2.0,
+                2 if quick else 5,
+                redis_url,
+                s3_endpoint,
+                cluster.url if cluster else None,
+            )
+        )
     finally:
         if moto is not None:
             moto[0].kill()

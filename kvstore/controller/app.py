@@ -85,19 +85,30 @@ class Controller:
         if settings.start_command:
             command = settings.start_command
             argv = tuple(shlex.split(command)) if isinstance(command, str) else tuple(command)
-            self.starter = InstanceStarter(argv,
-                                           timeout_s=settings.start_timeout_s,
-                                           cooldown_s=settings.start_cooldown_s)  # fmt: skip
-        self.dispatch = Dispatch(settings, self.placer, state, self.counters, self.eligible,
-                                 instances=instances, starter=self.starter)  # fmt: skip
+            self.starter = InstanceStarter(
+                argv, timeout_s=settings.start_timeout_s, cooldown_s=settings.start_cooldown_s
+            )
+        self.dispatch = Dispatch(
+            settings,
+            self.placer,
+            state,
+            self.counters,
+            self.eligible,
+            instances=instances,
+            starter=self.starter,
+        )
         #: Moves the sessions of failed instances (CK5); runs with the app.
         self.migrator = None
         if instances is not None:
             self.migrator = Migrator(
-                state, self.placer, instances, dict(settings.block_tokens),
-                interval_s=settings.migrate_interval_s, session_idle_s=settings.session_idle_s,
+                state,
+                self.placer,
+                instances,
+                dict(settings.block_tokens),
+                interval_s=settings.migrate_interval_s,
+                session_idle_s=settings.session_idle_s,
                 counters=self.counters,
-            )  # fmt: skip
+            )
 
     def eligible(self, instance: str, scope_id: str) -> bool:
         grant = self.grants.get(instance)
@@ -236,8 +247,9 @@ class Controller:
             raise InvalidState("the PC has no client for instances")
         outcome = await self.coordinator.reshard(target, deadline_ms)
         if not outcome.committed:
-            raise ReshardAborted("members did not acknowledge by the deadline (RS6)",
-                                 **outcome.to_json())  # fmt: skip
+            raise ReshardAborted(
+                "members did not acknowledge by the deadline (RS6)", **outcome.to_json()
+            )
         return json_response(outcome.to_json())
 
     async def end_session(self, request: Request) -> Response:
@@ -264,9 +276,15 @@ class Controller:
             self.policy.require_read(self.who(request), entry.checkpoint.scope_id)
         except (Forbidden, ScopeDenied) as exc:
             raise NotFound("unknown session") from exc
-        return json_response({"session": entry.session, "epoch": entry.epoch,
-                              "instance": entry.owner, "ended": ended,
-                              "output_offset": entry.checkpoint.output_offset})  # fmt: skip
+        return json_response(
+            {
+                "session": entry.session,
+                "epoch": entry.epoch,
+                "instance": entry.owner,
+                "ended": ended,
+                "output_offset": entry.checkpoint.output_offset,
+            }
+        )
 
     async def list_instances(self, request: Request) -> Response:
         # Ours: operators see every instance and the state the PC holds.
@@ -305,8 +323,10 @@ def place_query(body: Any, max_keys: int, packed: bytes | None = None) -> Lookup
     # The keys stay packed: an index in this process walks the octets (no
     # string per key); one over HTTP gets them as hex.
     keys = PackedKeys(raw)
-    rest = LookupRequest.from_json({**{k: v for k, v in body.items() if k != "block_keys_b64"},
-                                    "block_keys": [keys[0]]}, max_keys=max_keys)  # fmt: skip
+    rest = LookupRequest.from_json(
+        {**{k: v for k, v in body.items() if k != "block_keys_b64"}, "block_keys": [keys[0]]},
+        max_keys=max_keys,
+    )
     return dataclasses.replace(rest, block_keys=keys)
 
 
@@ -335,8 +355,14 @@ def create_app(
         return running(services, after=listening, then=[*then, *closing])
 
     metrics = Metrics(counters=controller.counters, counters_prefix="kvstore_controller")
-    app = role_app(settings.base_path, controller.routes(), metrics, policy,
-                   settings.allow_anonymous, lifespan=lifespan)  # fmt: skip
+    app = role_app(
+        settings.base_path,
+        controller.routes(),
+        metrics,
+        policy,
+        settings.allow_anonymous,
+        lifespan=lifespan,
+    )
     app.state.controller = state
     app.state.counters = controller.counters
     app.state.starter = controller.starter

@@ -40,10 +40,13 @@ class ReshardOutcome:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "map": self.map, "version": self.version, "committed": self.committed,
-            "acknowledged": self.acknowledged, "missing": self.missing,
+            "map": self.map,
+            "version": self.version,
+            "committed": self.committed,
+            "acknowledged": self.acknowledged,
+            "missing": self.missing,
             "unreached": self.unreached,
-        }  # fmt: skip
+        }
 
 
 class ReshardCoordinator:
@@ -99,8 +102,12 @@ class ReshardCoordinator:
         outcome.unreached = await self._send_all(dict.fromkeys(plans, final), timeout_s=10.0)
         outcome.committed = committed
         outcome.version = target.version if committed else entry.current.version
-        log.info("map %s: reshard to %d %s", target.map, target.version,
-                    "committed" if committed else f"aborted ({sorted(missing)})")  # fmt: skip
+        log.info(
+            "map %s: reshard to %d %s",
+            target.map,
+            target.version,
+            "committed" if committed else f"aborted ({sorted(missing)})",
+        )
         return outcome
 
 

@@ -140,11 +140,16 @@ class Dispatch:
         """PL2, PF1: the chosen (active, S4) or just started (PL3) instance
         starts loading at once."""
         found = directive(
-            placement, instance, links, query.block_keys, query.scope_id, query.compat_id,
+            placement,
+            instance,
+            links,
+            query.block_keys,
+            query.scope_id,
+            query.compat_id,
             deadline_ms=self.settings.prefetch_deadline_ms,
             lease_ms=self.settings.prefetch_lease_ms,
             request_ref=request_ref,
-        )  # fmt: skip
+        )
         if found is None:
             return None  # everything matched is resident there already
         try:

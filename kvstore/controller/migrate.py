@@ -124,9 +124,12 @@ class Migrator(Background):
         checkpoint = entry.checkpoint
         now = await self.state.now()
         if checkpoint is None or now - entry.touched > self.session_idle_s:
-            log.warning("session %s of failed %s cannot be resumed (%s); forgotten",
-                        entry.session, entry.owner,
-                        "no checkpoint" if checkpoint is None else "idle")  # fmt: skip
+            log.warning(
+                "session %s of failed %s cannot be resumed (%s); forgotten",
+                entry.session,
+                entry.owner,
+                "no checkpoint" if checkpoint is None else "idle",
+            )
             with contextlib.suppress(KvspError):
                 await self.state.end_session(entry.session, entry.owner)
             self.counters.sessions_dropped += 1
@@ -144,12 +147,17 @@ class Migrator(Background):
             retry = self._retry[entry.session] = _Retry(0, now, now)
             if self._summarized is None:
                 self._summarized = now  # the first summary one period later
-            log.error("session %s of failed %s: no instance took it; trying again with a "
-                      "backoff of up to %.0f s", entry.session, entry.owner,
-                      self.retry_cap_s)  # fmt: skip
+            log.error(
+                "session %s of failed %s: no instance took it; trying again with a "
+                "backoff of up to %.0f s",
+                entry.session,
+                entry.owner,
+                self.retry_cap_s,
+            )
         else:
-            log.debug("session %s: no instance took it (%d times)", entry.session,
-                      retry.failures + 1)  # fmt: skip
+            log.debug(
+                "session %s: no instance took it (%d times)", entry.session, retry.failures + 1
+            )
         retry.failures += 1
         # Exponential with a cap and "equal jitter": between half and all of it.
         delay = min(self.retry_cap_s, self.retry_base_s * 2 ** (retry.failures - 1))
@@ -162,9 +170,13 @@ class Migrator(Background):
         elif self._summarized is not None and now - self._summarized >= self.summary_every_s:
             self._summarized = now
             oldest = min(r.since for r in self._retry.values())
-            log.warning("%d session(s) of failed instances wait for an instance to take "
-                        "them, the oldest for %.0f s (%d tries in all)", len(self._retry),
-                        now - oldest, sum(r.failures for r in self._retry.values()))  # fmt: skip
+            log.warning(
+                "%d session(s) of failed instances wait for an instance to take "
+                "them, the oldest for %.0f s (%d tries in all)",
+                len(self._retry),
+                now - oldest,
+                sum(r.failures for r in self._retry.values()),
+            )
 
     async def migrate(
         self, entry: SessionEntry, checkpoint: SessionCheckpoint, failed: set[str]
@@ -175,9 +187,13 @@ class Migrator(Background):
         block_tokens = self.block_tokens.get(checkpoint.compat_id, 0)
         total = len(checkpoint.prompt_blocks) * block_tokens + len(checkpoint.prompt_tail)
         placement = await self.placer.place(
-            checkpoint.scope_id, checkpoint.compat_id, checkpoint.prompt_blocks,
-            total + checkpoint.output_offset, block_tokens or 1, exclude=failed,
-        )  # fmt: skip
+            checkpoint.scope_id,
+            checkpoint.compat_id,
+            checkpoint.prompt_blocks,
+            total + checkpoint.output_offset,
+            block_tokens or 1,
+            exclude=failed,
+        )
         epoch = entry.epoch
         for candidate in placement.candidates[: self.attempts]:
             epoch += 1
@@ -191,8 +207,7 @@ class Migrator(Background):
                 return 0  # another PC moved it meanwhile, or it ended
             except InsufficientStorage as exc:
                 epoch -= 1
-                say("%s cannot take session %s: %s", candidate.instance, entry.session,
-                    exc.detail)  # fmt: skip
+                say("%s cannot take session %s: %s", candidate.instance, entry.session, exc.detail)
                 continue
             # The checkpoint as the move found it: the failed instance may
             # have checkpointed since this round read the session (CK3).
@@ -200,13 +215,17 @@ class Migrator(Background):
             try:
                 await self.instances.resume(candidate.instance, ResumeRequest(epoch, latest))
             except KvspError as exc:
-                say("resume of %s at %s failed: %s", entry.session, candidate.instance,
-                    exc.detail)  # fmt: skip
+                say("resume of %s at %s failed: %s", entry.session, candidate.instance, exc.detail)
                 continue
             retry = self._retry.pop(entry.session, None)
-            log.warning("session %s moved from %s to %s at epoch %d%s", entry.session,
-                        entry.owner, candidate.instance, epoch,
-                        f" after {retry.failures} failed tries" if retry else "")  # fmt: skip
+            log.warning(
+                "session %s moved from %s to %s at epoch %d%s",
+                entry.session,
+                entry.owner,
+                candidate.instance,
+                epoch,
+                f" after {retry.failures} failed tries" if retry else "",
+            )
             self.counters.migrations += 1
             return 1
         self.counters.migrations_failed += 1
@@ -216,9 +235,12 @@ class Migrator(Background):
             # the next round tries again, rather than left with a refuser.
             with contextlib.suppress(KvspError):
                 await self.state.assign(
-                    entry.session, entry.owner, epoch + 1,
-                    owner_epoch=entry.owner_epoch, keep_touched=True,
-                )  # fmt: skip
+                    entry.session,
+                    entry.owner,
+                    epoch + 1,
+                    owner_epoch=entry.owner_epoch,
+                    keep_touched=True,
+                )
         return 0
 
     async def run(self) -> None:

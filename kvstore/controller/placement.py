@@ -86,14 +86,22 @@ def rank(
                 fetch = plans[links] = _fetch_us(plan_groups(groups, status, memo))
         rate, queued = status.prefill_tokens_per_s, status.queued
         cost = placement_cost(
-            fetch_us=fetch, matched_tokens=matched_tokens, total_tokens=total_tokens,
-            prefill_tokens_per_s=rate, queued=queued, mean_service_us=mean_service_us,
-        )  # fmt: skip
-        candidate = Candidate(status.instance, wait_us(queued, mean_service_us), fetch,
-                              recompute_us(total_tokens, rate), cost)  # fmt: skip
+            fetch_us=fetch,
+            matched_tokens=matched_tokens,
+            total_tokens=total_tokens,
+            prefill_tokens_per_s=rate,
+            queued=queued,
+            mean_service_us=mean_service_us,
+        )
+        candidate = Candidate(
+            status.instance,
+            wait_us(queued, mean_service_us),
+            fetch,
+            recompute_us(total_tokens, rate),
+            cost,
+        )
         # Cheapest first, ties to the least loaded, then by name.
-        keyed.append(((cost, queued, status.running, status.instance),
-                      candidate))  # fmt: skip
+        keyed.append(((cost, queued, status.running, status.instance), candidate))
     keyed.sort(key=_first)
     return [candidate for _, candidate in keyed]
 

@@ -98,9 +98,12 @@ class Placer:
             and (self.eligible is None or self.eligible(s.instance, scope_id))
         ]
         candidates = rank(
-            instances, runs, total_tokens=total_tokens, block_tokens=block_tokens,
+            instances,
+            runs,
+            total_tokens=total_tokens,
+            block_tokens=block_tokens,
             mean_service_us=self.mean_service_us,
-        )  # fmt: skip
+        )
         links = {s.instance: s.links for s in instances}
         return Placement(candidates, sum(n for _, n in runs), index_state, runs, links)
 
@@ -139,7 +142,11 @@ def directive(
     if not blocks:
         return None
     return PrefetchDirective(
-        directive=str(uuid.uuid4()), scope_id=scope_id, compat_id=compat_id,
-        blocks=tuple(blocks), deadline_ms=deadline_ms, lease_ms=lease_ms,
+        directive=str(uuid.uuid4()),
+        scope_id=scope_id,
+        compat_id=compat_id,
+        blocks=tuple(blocks),
+        deadline_ms=deadline_ms,
+        lease_ms=lease_ms,
         request_ref=request_ref,
-    )  # fmt: skip
+    )

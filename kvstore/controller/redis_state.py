@@ -139,9 +139,12 @@ class RedisControllerState(ControllerState):
         a pipeline on one node; on a cluster (whose pipelines refuse TIME)
         the two at once, TIME from the master of the ``{pc}`` slot."""
         if self._cluster:
-            got, seconds = await self._call(asyncio.gather(
-                self._client.execute_command(command, *args),
-                server_time(self._client, self._instances_key, cluster=True)))  # fmt: skip
+            got, seconds = await self._call(
+                asyncio.gather(
+                    self._client.execute_command(command, *args),
+                    server_time(self._client, self._instances_key, cluster=True),
+                )
+            )
             return got, self._clock() if self._clock is not None else seconds
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.execute_command(command, *args)
@@ -189,8 +192,12 @@ class RedisControllerState(ControllerState):
             ]
             value = _dump(new.to_json())
             args: list[bytes | str | int] = [
-                session, raw or b"", value, self.max_sessions, self.max_sessions_per_owner
-            ]  # fmt: skip
+                session,
+                raw or b"",
+                value,
+                self.max_sessions,
+                self.max_sessions_per_owner,
+            ]
             done = await self._call(self._swap_session(keys=keys, args=args))
             if done == 1:
                 return new
@@ -209,8 +216,11 @@ class RedisControllerState(ControllerState):
             check(entry)
             if entry is None:
                 return
-            keys = [self._sessions_key, self._owner_prefix + role_id(entry.owner),
-                    self._ended_prefix + session]  # fmt: skip
+            keys = [
+                self._sessions_key,
+                self._owner_prefix + role_id(entry.owner),
+                self._ended_prefix + session,
+            ]
             hold_ms = max(1, int(self.ended_ttl_s * 1000))
             if await self._call(self._drop(keys=keys, args=[session, raw, hold_ms])):
                 return

@@ -193,8 +193,10 @@ def after_checkpoint(
         # A session the PC has not placed: its first checkpoint registers
         # it, at epoch 1 only (a later epoch is the PC's to hand out).
         if checkpoint.epoch != 1:
-            raise Conflict(f"epoch {checkpoint.epoch} was never assigned (an unknown session "
-                           "starts at epoch 1)")  # fmt: skip
+            raise Conflict(
+                f"epoch {checkpoint.epoch} was never assigned (an unknown session "
+                "starts at epoch 1)"
+            )
         entry = SessionEntry(checkpoint.session, 1, instance)
     elif entry.checkpoint is not None and (
         (checkpoint.scope_id, checkpoint.compat_id)

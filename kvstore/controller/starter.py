@@ -80,9 +80,12 @@ class InstanceStarter:
             env["KVSP_REQUEST_REF"] = request_ref  # (opaque: only what an environment holds)
         try:
             process = await asyncio.create_subprocess_exec(
-                *self.command, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
+                *self.command,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
         except (OSError, ValueError) as exc:
             log.error("start_command %s: %s", self.command[0], exc)
             return None

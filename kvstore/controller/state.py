@@ -145,13 +145,26 @@ class ControllerState:
         report (operators: ``GET instances``, ``kvstore status``)."""
         entries, now = await self._instances()
         return [
-            {"instance": e.status.instance, "state": e.state_at(now),
-             "epoch": e.highest_epoch, "expires_in_s": round(e.expires_at - now, 3),
-             **{k: v for k, v in e.status.to_json().items()
-                if k in ("running", "queued", "kv_utilization", "prefill_tokens_per_s",
-                         "decode_tokens_per_s")}}
+            {
+                "instance": e.status.instance,
+                "state": e.state_at(now),
+                "epoch": e.highest_epoch,
+                "expires_in_s": round(e.expires_at - now, 3),
+                **{
+                    k: v
+                    for k, v in e.status.to_json().items()
+                    if k
+                    in (
+                        "running",
+                        "queued",
+                        "kv_utilization",
+                        "prefill_tokens_per_s",
+                        "decode_tokens_per_s",
+                    )
+                },
+            }
             for e in sorted(entries, key=lambda e: e.status.instance)
-        ]  # fmt: skip
+        ]
 
     async def failed(self) -> list[str]:
         entries, now = await self._instances()

@@ -79,8 +79,12 @@ class Holder:
 
     def routes(self) -> list[Route]:
         # One route per path, so that a 405's Allow lists every method of it.
-        block = {"GET": self.get_block, "HEAD": self.get_block, "PUT": self.put_block,
-                 "DELETE": self.delete_block}  # fmt: skip
+        block = {
+            "GET": self.get_block,
+            "HEAD": self.get_block,
+            "PUT": self.put_block,
+            "DELETE": self.delete_block,
+        }
         lease = {"PUT": self.renew_lease, "DELETE": self.release_lease}
         return [
             Route("/blocks/{compat}/{scope}/{block_key}", _by_method(block), methods=list(block)),
@@ -104,8 +108,10 @@ class Holder:
             # A lone holder: the URI a client was given stands for itself
             # (answering with holder.uri would swap a client's alias for it).
             raise NotFound("this holder runs alone (server.workers = 1): no shards")
-        return json_response({"holders": list(self.settings.shards), "self": self.settings.uri},
-                             headers={"Cache-Control": "private, max-age=60"})  # fmt: skip
+        return json_response(
+            {"holders": list(self.settings.shards), "self": self.settings.uri},
+            headers={"Cache-Control": "private, max-age=60"},
+        )
 
     async def get_block(self, request: Request) -> Response:
         ref = _ref(request)
@@ -123,8 +129,11 @@ class Holder:
             probe.check_reachable()
             digest = probe.known_repr_digest()
             settings = self.settings
-            headers = _block_headers(digest, settings) if digest else {
-                "Cache-Control": block_cache_control(settings.replica_ttl_ms // 3)}  # fmt: skip
+            headers = (
+                _block_headers(digest, settings)
+                if digest
+                else {"Cache-Control": block_cache_control(settings.replica_ttl_ms // 3)}
+            )
             headers["Content-Length"] = str(len(probe))
             return Response(None, headers=headers, media_type=BLOCK_MEDIA_TYPE)
         read = self.store.read(ref, first, last)
@@ -168,10 +177,14 @@ class Holder:
         # and c=16 (0.31-0.37 against 0.37-0.41), so both stay as they are.
         hasher = LayerHasher()
         try:
-            body = await read_body(request, self.settings.max_block_octets, hasher.feed,
-                                   base_s=self.settings.body_timeout_base_s,
-                                   min_rate=self.settings.body_min_octets_per_s,
-                                   into=self.store.buffer)  # fmt: skip
+            body = await read_body(
+                request,
+                self.settings.max_block_octets,
+                hasher.feed,
+                base_s=self.settings.body_timeout_base_s,
+                min_rate=self.settings.body_min_octets_per_s,
+                into=self.store.buffer,
+            )
         except ClientDisconnect:
             log.info("PUT %s ended early; nothing stored", ref.block_key)
             return empty_response(400)
@@ -181,8 +194,10 @@ class Holder:
             and self.settings.known_descriptors
             and (self.settings.descriptors_only)
         ):
-            raise Incompatible(f"compat_id {ref.compat_id} is not one of this holder's "
-                               "descriptors (holder.descriptors, descriptors_only)")  # fmt: skip
+            raise Incompatible(
+                f"compat_id {ref.compat_id} is not one of this holder's "
+                "descriptors (holder.descriptors, descriptors_only)"
+            )
         digests = hasher.digests if hasher.complete else None
         # P1: the store's "stored" event has the publisher queue its record.
         await self.store.put(ref, body, descriptor=descriptor, layer_digests=digests)
@@ -201,8 +216,12 @@ class Holder:
         self.policy.require_role(self.who(request), "admin")
         force = _force(request)
         await self.store.delete(ref, force=force)
-        log.warning("block %s removed by %s%s", ref.block_key, self.who(request),
-                    " (forced)" if force else "")  # fmt: skip
+        log.warning(
+            "block %s removed by %s%s",
+            ref.block_key,
+            self.who(request),
+            " (forced)" if force else "",
+        )
         return empty_response(204)
 
     async def purge_scope(self, request: Request) -> Response:
@@ -215,8 +234,13 @@ class Holder:
             raise NotFound("no such scope (32 lowercase hex)")
         self.policy.require_role(self.who(request), "admin")
         removed, kept = await self.store.purge(scope, force=_force(request))
-        log.warning("scope %s purged by %s: %d blocks removed, %d leased kept", scope,
-                    self.who(request), removed, kept)  # fmt: skip
+        log.warning(
+            "scope %s purged by %s: %d blocks removed, %d leased kept",
+            scope,
+            self.who(request),
+            removed,
+            kept,
+        )
         return json_response({"scope_id": scope, "removed": removed, "leased_kept": kept})
 
     async def create_lease(self, request: Request) -> Response:
@@ -303,12 +327,19 @@ def create_app(
             steps += [lambda: publisher.drain(withdraw_s / 2), withdraw, publisher.close]
         await run_steps(steps)
         # What the stop did, once done (the operator's record of it).
-        kept = sum(1 for info in store.blocks()
-                   if any(store.slots[x.slot].tier.persistent for x in info.segments))  # fmt: skip
-        log.info("stopped: %d segments spilled to persistent tiers; %d blocks kept there "
-                 "(published still: a restart serves them), %s replicas of memory-only blocks "
-                 "withdrawn from the IS", done.get("spilled", 0), kept,
-                 done.get("withdrawn", "no") if publisher is not None else "no")  # fmt: skip
+        kept = sum(
+            1
+            for info in store.blocks()
+            if any(store.slots[x.slot].tier.persistent for x in info.segments)
+        )
+        log.info(
+            "stopped: %d segments spilled to persistent tiers; %d blocks kept there "
+            "(published still: a restart serves them), %s replicas of memory-only blocks "
+            "withdrawn from the IS",
+            done.get("spilled", 0),
+            kept,
+            done.get("withdrawn", "no") if publisher is not None else "no",
+        )
 
     def lifespan(app: Starlette) -> AbstractAsyncContextManager[None]:
         services = [publisher] if publisher is not None else []
@@ -316,8 +347,14 @@ def create_app(
 
     holder = Holder(settings, store, policy)
     metrics = Metrics(store, publisher)
-    app = role_app(settings.base_path, holder.routes(), metrics, policy,
-                   settings.allow_anonymous, lifespan=lifespan)  # fmt: skip
+    app = role_app(
+        settings.base_path,
+        holder.routes(),
+        metrics,
+        policy,
+        settings.allow_anonymous,
+        lifespan=lifespan,
+    )
     app.state.store = store
     app.state.settings = settings
     return app

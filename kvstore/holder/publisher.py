@@ -203,9 +203,10 @@ class IndexPublisher(Background):
         Redis or S3 hold stays published (a restart republishes it). Returns
         how many were withdrawn."""
         volatile = [
-            info.ref for info in self.store.blocks()
+            info.ref
+            for info in self.store.blocks()
             if all(r.tier in VOLATILE_TIERS for r in self.store.residency(info.ref))
-        ]  # fmt: skip
+        ]
         done = 0
 
         async def one(ref: BlockRef) -> None:
@@ -224,8 +225,9 @@ class IndexPublisher(Background):
                         if isinstance(result, BaseException):
                             self.stats.errors += 1
         except TimeoutError:
-            log.warning("shutdown: %d of %d volatile replicas withdrawn in time", done,
-                        len(volatile))  # fmt: skip
+            log.warning(
+                "shutdown: %d of %d volatile replicas withdrawn in time", done, len(volatile)
+            )
         return done
 
     async def refresh_all(self) -> None:

@@ -192,9 +192,12 @@ class Index:
         block_tokens = self.settings.block_tokens.get(query.compat_id)
         with_targets = bool(query.targets and block_tokens)
         hits = await self.state.lookup(
-            query.scope_id, query.compat_id, query.block_keys,
-            shapes=with_targets or query.shapes_only, records=not query.shapes_only,
-        )  # fmt: skip
+            query.scope_id,
+            query.compat_id,
+            query.block_keys,
+            shapes=with_targets or query.shapes_only,
+            records=not query.shapes_only,
+        )
         self.counters.lookup_matched_keys += hits.matched
         found = []
         if query.targets and block_tokens:
@@ -230,8 +233,10 @@ def _shapes_answer(hits: Hits, found: Sequence[TargetEstimate]) -> Response:
     for octets, run in itertools.groupby(hits.shapes or ()):
         runs.append(b"[%d,%d]" % (groups.setdefault(octets, len(groups)), len(list(run))))
     body = b'{"matched":%d,"shapes":{"groups":[%s],"runs":[%s]}' % (
-        hits.matched, b",".join(groups), b",".join(runs),
-    )  # fmt: skip
+        hits.matched,
+        b",".join(groups),
+        b",".join(runs),
+    )
     if found:
         body += b',"targets":' + json.dumps([t.to_json() for t in found]).encode()
     return Response(body + b"}", headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE)
@@ -262,8 +267,9 @@ class LookupAnswer(Response):
         self.headers["content-length"] = str(len(self.head) + self.octets + len(self.tail))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})  # fmt: skip
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         chunks = self.hits.chunks
         # Per-key chunks are of similar size: a fixed count of them per message.
         step = max(1, self.message_octets * len(chunks) // max(1, self.octets))
@@ -274,8 +280,14 @@ class LookupAnswer(Response):
                 batch.insert(0, b"")  # the "," between this message and the last
                 body = b""
             if start + step < len(chunks):
-                await send({"type": "http.response.body", "body": body + b",".join(batch),
-                            "more_body": True})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": body + b",".join(batch),
+                        "more_body": True,
+                    }
+                )
             else:
-                await send({"type": "http.response.body",
-                            "body": body + b",".join(batch) + self.tail})  # fmt: skip
+                await send(
+                    {"type": "http.response.body", "body": body + b",".join(batch) + self.tail}
+                )

@@ -34,9 +34,12 @@ class LocalIndex:
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:
         hits = await self.state.lookup(
-            request.scope_id, request.compat_id, request.block_keys,
-            shapes=True, records=not request.shapes_only,
-        )  # fmt: skip
+            request.scope_id,
+            request.compat_id,
+            request.block_keys,
+            shapes=True,
+            records=not request.shapes_only,
+        )
         if self.counters is not None:  # the IS's own figures count these too (OPS1)
             self.counters.lookups += 1
             self.counters.lookup_keys += len(request.block_keys)

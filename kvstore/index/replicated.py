@@ -211,8 +211,12 @@ class ReplicatedState:
                 if skipped is not None:
                     raise skipped
                 return True
-            log.warning("index log %s: entry %s is behind %s: the log was reset; "
-                        "reading it again", self._streams[p], raw_id, self._last[p])  # fmt: skip
+            log.warning(
+                "index log %s: entry %s is behind %s: the log was reset; reading it again",
+                self._streams[p],
+                raw_id,
+                self._last[p],
+            )
             self._last[p] = "0-0"
         waiting = (entry, asyncio.get_running_loop().create_future())
         self._waiting[p].append(waiting)

@@ -94,8 +94,7 @@ class Instance:
             async for event in self.engine().follow(session, start):
                 yield json.dumps(event, separators=(",", ":")).encode() + b"\n"
 
-        return StreamingResponse(lines(), media_type=NDJSON,
-                                 headers={"Cache-Control": NO_STORE})  # fmt: skip
+        return StreamingResponse(lines(), media_type=NDJSON, headers={"Cache-Control": NO_STORE})
 
     def readable(self, request: Request) -> Session:
         session = self.engine().get(request.path_params["session"].lower())
@@ -126,11 +125,17 @@ class Instance:
 
     async def get_session(self, request: Request) -> Response:
         session = self.readable(request)
-        return json_response({
-            "session": session.id, "epoch": session.epoch, "state": session.state,
-            "released": session.released, "output_tokens": len(session.generated),
-            "checkpointed": session.checkpointed, "stats": session.stats,
-        })  # fmt: skip
+        return json_response(
+            {
+                "session": session.id,
+                "epoch": session.epoch,
+                "state": session.state,
+                "released": session.released,
+                "output_tokens": len(session.generated),
+                "checkpointed": session.checkpointed,
+                "stats": session.stats,
+            }
+        )
 
     async def resume(self, request: Request) -> Response:
         # CK5, CK6: the PC moves a session here; answered once restored.
@@ -138,12 +143,15 @@ class Instance:
         found = self.engine()
         body = ResumeRequest.from_json(await read_json(request, self.settings.max_json_octets))
         session = await found.resume(body, request.path_params["session"].lower())
-        return json_response({
-            "session": session.id, "epoch": session.epoch,
-            "output_offset": body.checkpoint.output_offset,
-            "loaded_tokens": session.stats.get("loaded_tokens", 0),
-            "computed_tokens": session.stats.get("computed_tokens", 0),
-        })  # fmt: skip
+        return json_response(
+            {
+                "session": session.id,
+                "epoch": session.epoch,
+                "output_offset": body.checkpoint.output_offset,
+                "loaded_tokens": session.stats.get("loaded_tokens", 0),
+                "computed_tokens": session.stats.get("computed_tokens", 0),
+            }
+        )
 
     async def post_prefetch(self, request: Request) -> Response:
         self.from_pc(request)
@@ -155,8 +163,11 @@ class Instance:
             raise InvalidState(f"the instance is {self.lifecycle.state} (S4)")
         run = self.prefetcher.submit(directive)  # PF5: 429 beyond the pending quota
         location = f"{self.settings.base_path}prefetch/{directive.directive}"
-        return json_response(run.status().to_json(), status=202,
-                             headers={"Location": location, "Cache-Control": NO_STORE})  # fmt: skip
+        return json_response(
+            run.status().to_json(),
+            status=202,
+            headers={"Location": location, "Cache-Control": NO_STORE},
+        )
 
     async def get_prefetch(self, request: Request) -> Response:
         self.from_pc(request)
@@ -227,10 +238,18 @@ def create_app(
         return running(services, after=listening, then=[prefetcher.close, *closing])
 
     instance = Instance(settings, prefetcher, policy, lifecycle, sessions, shards)
-    metrics = Metrics(counters=sessions.counters if sessions is not None else None,
-                      counters_prefix="kvstore_instance")  # fmt: skip
-    app = role_app(settings.base_path, instance.routes(), metrics, policy,
-                   settings.allow_anonymous, lifespan=lifespan)  # fmt: skip
+    metrics = Metrics(
+        counters=sessions.counters if sessions is not None else None,
+        counters_prefix="kvstore_instance",
+    )
+    app = role_app(
+        settings.base_path,
+        instance.routes(),
+        metrics,
+        policy,
+        settings.allow_anonymous,
+        lifespan=lifespan,
+    )
     app.state.prefetcher = prefetcher
     app.state.lifecycle = lifecycle
     app.state.sessions = sessions

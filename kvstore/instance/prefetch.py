@@ -133,9 +133,11 @@ class Prefetcher:
                 break
             del self.runs[finished]
         run = self.runs[directive.directive] = DirectiveRun(
-            directive.directive, directive, fingerprint=fingerprint,
+            directive.directive,
+            directive,
+            fingerprint=fingerprint,
             request_ref=directive.request_ref,
-        )  # fmt: skip
+        )
         run.task = asyncio.create_task(self._run(run), name=f"prefetch-{directive.directive}")
         return run
 
@@ -157,9 +159,14 @@ class Prefetcher:
             await asyncio.wait(tasks, timeout=timeout_s)
 
     async def load(
-        self, scope_id: str, compat_id: str, keys: Sequence[str], *, deadline_s: float,
+        self,
+        scope_id: str,
+        compat_id: str,
+        keys: Sequence[str],
+        *,
+        deadline_s: float,
         lease_ms: int = 2000,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Make the longest prefix of ``keys`` resident here: blocks held
         already, then those the IS lists (each from the first of its holders
         that serves it, verified, placed and published as a directive's).
@@ -184,8 +191,9 @@ class Prefetcher:
                         continue
                     records = {(r.block_key, r.holder): r for r in group}
                     before = len(loaded)
-                    await self._fetch(ref, tuple(r.holder for r in group), records, lease_ms,
-                                      loaded)  # fmt: skip
+                    await self._fetch(
+                        ref, tuple(r.holder for r in group), records, lease_ms, loaded
+                    )
                     if len(loaded) == before:
                         break  # the chain stops at the first block not loaded
         except TimeoutError:
@@ -237,12 +245,17 @@ class Prefetcher:
                     if ref in self.store:
                         run.loaded.append(block.block_key)
                     else:
-                        await self._fetch(ref, block.sources, records, directive.lease_ms,
-                                          run.loaded)  # fmt: skip
+                        await self._fetch(
+                            ref, block.sources, records, directive.lease_ms, run.loaded
+                        )
         except TimeoutError:
             # PF4: stop at the deadline; the rest is recomputed.
-            log.info("directive %s: deadline after %d of %d blocks", directive.directive,
-                     len(run.loaded), len(directive.blocks))  # fmt: skip
+            log.info(
+                "directive %s: deadline after %d of %d blocks",
+                directive.directive,
+                len(run.loaded),
+                len(directive.blocks),
+            )
             run.state = "partial"
             return
         except Exception:
@@ -276,9 +289,12 @@ class Prefetcher:
             started = self.clock()
             try:
                 grant = await self.holders.lease(
-                    source, [ref.block_key], lease_ms,
-                    scope_id=ref.scope_id, compat_id=ref.compat_id,
-                )  # fmt: skip
+                    source,
+                    [ref.block_key],
+                    lease_ms,
+                    scope_id=ref.scope_id,
+                    compat_id=ref.compat_id,
+                )
             except KvspError as exc:
                 log.info("no lease for %s at %s: %s", ref.block_key[:12], source, exc.detail)
                 continue

@@ -24,14 +24,25 @@ from .engine import Generation, KVLayers
 MODEL = "kvstore-reference-llama-tiny"
 BOS, EOS, PAD = 256, 257, 258
 CONFIG: dict[str, Any] = {
-    "vocab_size": 259, "hidden_size": 64, "intermediate_size": 172,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 8192, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "bos_token_id": BOS, "eos_token_id": EOS,
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "intermediate_size": 172,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
     "pad_token_id": PAD,
-}  # fmt: skip
-TOKENIZER = {"kvstore_tokenizer": "bytes-1", "byte_tokens": 256,
-             "specials": {"bos": BOS, "eos": EOS, "pad": PAD}}  # fmt: skip
+}
+TOKENIZER = {
+    "kvstore_tokenizer": "bytes-1",
+    "byte_tokens": 256,
+    "specials": {"bos": BOS, "eos": EOS, "pad": PAD},
+}
 
 
 def encode_text(text: str) -> list[int]:
@@ -46,8 +57,9 @@ def decode_tokens(tokens: Sequence[int]) -> str:
 class ReferenceEngine:
     """The :class:`~.engine.Engine` interface over ``LlamaForCausalLM``."""
 
-    def __init__(self, directory: str | Path, *, block_tokens: int = 16, seed: int = 0,
-                 device: str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self, directory: str | Path, *, block_tokens: int = 16, seed: int = 0, device: str = "cpu"
+    ) -> None:
         import torch
         from safetensors.torch import load_file, save_file
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,15 +81,20 @@ class ReferenceEngine:
         self.model.load_state_dict(load_file(str(weights)))
         self.model.to(device).eval()  # type: ignore[arg-type]
         self.device = device
-        self.descriptor: CompatibilityDescriptor = parse_descriptor({
-            "model": MODEL,
-            "model_digest": model_digest(root, ["*.safetensors"]),
-            "tokenizer_digest": tokenizer_digest(tokenizer),
-            "layers": CONFIG["num_hidden_layers"], "kv_heads": CONFIG["num_key_value_heads"],
-            "head_dim": CONFIG["head_dim"], "kv_dtype": "fp32",
-            "positional": f"rope;theta={int(CONFIG['rope_theta'])}",
-            "block_tokens": block_tokens, "layout": "kvsp-layout-1",
-        })  # fmt: skip
+        self.descriptor: CompatibilityDescriptor = parse_descriptor(
+            {
+                "model": MODEL,
+                "model_digest": model_digest(root, ["*.safetensors"]),
+                "tokenizer_digest": tokenizer_digest(tokenizer),
+                "layers": CONFIG["num_hidden_layers"],
+                "kv_heads": CONFIG["num_key_value_heads"],
+                "head_dim": CONFIG["head_dim"],
+                "kv_dtype": "fp32",
+                "positional": f"rope;theta={int(CONFIG['rope_theta'])}",
+                "block_tokens": block_tokens,
+                "layout": "kvsp-layout-1",
+            }
+        )
 
     def _forward(self, tokens: Sequence[int], cache: Any) -> Any:
         import torch
@@ -114,7 +131,9 @@ class ReferenceEngine:
 
     def kv(self, generation: Generation, start: int, end: int) -> KVLayers:
         return [
-            (layer.keys[0, :, start:end].permute(1, 0, 2).contiguous().cpu(),
-             layer.values[0, :, start:end].permute(1, 0, 2).contiguous().cpu())
+            (
+                layer.keys[0, :, start:end].permute(1, 0, 2).contiguous().cpu(),
+                layer.values[0, :, start:end].permute(1, 0, 2).contiguous().cpu(),
+            )
             for layer in generation.cache.layers
-        ]  # fmt: skip
+        ]

@@ -85,12 +85,19 @@ class StatusReporter(Background):
             fastest = self.store.tier_snapshots()[0]
             utilization = min(1.0, fastest.used / max(1, fastest.capacity))
         return InstanceStatus(
-            instance=self.instance_uri, epoch=self.epoch, state=state,
-            running=load.running, queued=load.queued, batch_size=load.batch_size,
-            kv_utilization=utilization, prefill_tokens_per_s=load.prefill_tokens_per_s,
-            decode_tokens_per_s=load.decode_tokens_per_s, ttl_ms=self.ttl_ms,
-            links=tuple(load.links), requested_state=requested,
-        )  # fmt: skip
+            instance=self.instance_uri,
+            epoch=self.epoch,
+            state=state,
+            running=load.running,
+            queued=load.queued,
+            batch_size=load.batch_size,
+            kv_utilization=utilization,
+            prefill_tokens_per_s=load.prefill_tokens_per_s,
+            decode_tokens_per_s=load.decode_tokens_per_s,
+            ttl_ms=self.ttl_ms,
+            links=tuple(load.links),
+            requested_state=requested,
+        )
 
     async def report(self) -> str:
         """One report; returns (and holds) the state the PC answered."""

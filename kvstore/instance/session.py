@@ -64,23 +64,40 @@ class Session:
     def checkpoint(self) -> SessionCheckpoint:
         start = self.prompt_blocks * self.block_tokens
         return SessionCheckpoint(
-            session=self.id, epoch=self.epoch, compat_id=self.compat_id, scope_id=self.scope_id,
+            session=self.id,
+            epoch=self.epoch,
+            compat_id=self.compat_id,
+            scope_id=self.scope_id,
             prompt_blocks=tuple(self.keys[: self.prompt_blocks]),
             prompt_tail=tuple(self.tokens[start : self.prompt_tokens]),
-            generated=tuple(self.generated), output_offset=len(self.generated),
-            sampler=Sampler(self.sampler.method, self.sampler.seed, len(self.generated),
-                            self.sampler.deterministic, dict(self.sampler.params)),
+            generated=tuple(self.generated),
+            output_offset=len(self.generated),
+            sampler=Sampler(
+                self.sampler.method,
+                self.sampler.seed,
+                len(self.generated),
+                self.sampler.deterministic,
+                dict(self.sampler.params),
+            ),
             limits=self.limits,
-        )  # fmt: skip
+        )
 
     def head(self) -> dict[str, Any]:
-        return {"event": "session", "session": self.id, "epoch": self.epoch,
-                "resumed_from": self.stats.get("resumed_from")}  # fmt: skip
+        return {
+            "event": "session",
+            "session": self.id,
+            "epoch": self.epoch,
+            "resumed_from": self.stats.get("resumed_from"),
+        }
 
     def end(self) -> dict[str, Any]:
         if self.state == "done":
-            return {"event": "done", "epoch": self.epoch, "output_tokens": len(self.generated),
-                    "stats": dict(self.stats)}  # fmt: skip
+            return {
+                "event": "done",
+                "epoch": self.epoch,
+                "output_tokens": len(self.generated),
+                "stats": dict(self.stats),
+            }
         if self.state == "moved":
             return {"event": "moved", "epoch": self.epoch, "detail": self.detail}
         return {"event": "error", "epoch": self.epoch, "detail": self.detail}

@@ -192,14 +192,22 @@ class Sessions:
         chain = BlockKeyChain(scope_key, bytes.fromhex(self.compat_id), self.block_tokens)
         prompt = list(request.tokens)
         session = Session(
-            id=request.session, scope_id=request.scope_id, compat_id=self.compat_id, epoch=1,
-            sampler=sampler, limits=GenerationLimits(request.max_tokens, request.stop_tokens),
-            tokens=prompt, prompt_tokens=len(prompt), block_tokens=self.block_tokens,
-            prompt_blocks=(len(prompt) - 1) // self.block_tokens, chain=chain,
+            id=request.session,
+            scope_id=request.scope_id,
+            compat_id=self.compat_id,
+            epoch=1,
+            sampler=sampler,
+            limits=GenerationLimits(request.max_tokens, request.stop_tokens),
+            tokens=prompt,
+            prompt_tokens=len(prompt),
+            block_tokens=self.block_tokens,
+            prompt_blocks=(len(prompt) - 1) // self.block_tokens,
+            chain=chain,
             keys=[k.hex() for k in chain.extend(prompt)],
-        )  # fmt: skip
-        session.stats.update(prompt_tokens=len(prompt), logprobs=request.logprobs,
-                             requested=self.clock())  # fmt: skip
+        )
+        session.stats.update(
+            prompt_tokens=len(prompt), logprobs=request.logprobs, requested=self.clock()
+        )
         self._keep(session)
         self.counters.sessions += 1
         self._update_load()
@@ -228,12 +236,14 @@ class Sessions:
         if session_id in self._resuming:
             raise InvalidState("a resume of this session is in progress here")
         limits = checkpoint.limits or GenerationLimits(self.settings.max_output_tokens)
-        limits = GenerationLimits(min(limits.max_tokens, self.settings.max_output_tokens),
-                                  limits.stop_tokens)  # fmt: skip
+        limits = GenerationLimits(
+            min(limits.max_tokens, self.settings.max_output_tokens), limits.stop_tokens
+        )
         size = self.block_tokens
         last = bytes.fromhex(checkpoint.prompt_blocks[-1]) if checkpoint.prompt_blocks else None
-        chain = BlockKeyChain(scope_key, bytes.fromhex(self.compat_id), size,
-                              *([last] if last is not None else []))  # fmt: skip
+        chain = BlockKeyChain(
+            scope_key, bytes.fromhex(self.compat_id), size, *([last] if last is not None else [])
+        )
         known_tokens = [*checkpoint.prompt_tail, *checkpoint.generated]
         if not known_tokens:
             # The logits after the prompt need its last token, which the
@@ -243,17 +253,28 @@ class Sessions:
         prompt_blocks = len(checkpoint.prompt_blocks)
         tokens = [PLACEHOLDER] * (prompt_blocks * size) + known_tokens
         session = Session(
-            id=session_id, scope_id=checkpoint.scope_id, compat_id=self.compat_id,
+            id=session_id,
+            scope_id=checkpoint.scope_id,
+            compat_id=self.compat_id,
             epoch=request.epoch,
-            sampler=Sampler(sampler.method, sampler.seed, sampler.step, sampler.deterministic,
-                            params),
-            limits=limits, tokens=tokens,
-            prompt_tokens=prompt_blocks * size + len(checkpoint.prompt_tail), block_tokens=size,
-            prompt_blocks=prompt_blocks, generated=list(checkpoint.generated),
-            logprobs=[None] * checkpoint.output_offset, chain=chain, keys=keys,
-        )  # fmt: skip
-        session.stats.update(prompt_tokens=session.prompt_tokens, requested=self.clock(),
-                             resumed_from=checkpoint.output_offset)  # fmt: skip
+            sampler=Sampler(
+                sampler.method, sampler.seed, sampler.step, sampler.deterministic, params
+            ),
+            limits=limits,
+            tokens=tokens,
+            prompt_tokens=prompt_blocks * size + len(checkpoint.prompt_tail),
+            block_tokens=size,
+            prompt_blocks=prompt_blocks,
+            generated=list(checkpoint.generated),
+            logprobs=[None] * checkpoint.output_offset,
+            chain=chain,
+            keys=keys,
+        )
+        session.stats.update(
+            prompt_tokens=session.prompt_tokens,
+            requested=self.clock(),
+            resumed_from=checkpoint.output_offset,
+        )
         # The tokens the checkpoint covers were delivered or may be again (CK3).
         session.released = session.checkpointed = checkpoint.output_offset
         generated = checkpoint.generated
@@ -275,8 +296,9 @@ class Sessions:
             self._release(session)
             raise StaleEpoch(f"the session is at epoch {known.epoch} here (CK7)")
         self._install(session, known, request.epoch)
-        session.task = asyncio.create_task(self._decode(session, loaded),
-                                           name=f"session-{session.id}")  # fmt: skip
+        session.task = asyncio.create_task(
+            self._decode(session, loaded), name=f"session-{session.id}"
+        )
         return session
 
     def _install(self, session: Session, known: Session | None, epoch: int) -> None:
@@ -293,8 +315,9 @@ class Sessions:
         the rest; returns the number of blocks loaded."""
         wanted = session.keys
         deadline_s = self.settings.load_deadline_ms / 1000
-        held = await self.prefetcher.load(session.scope_id, session.compat_id, wanted,
-                                          deadline_s=deadline_s)  # fmt: skip
+        held = await self.prefetcher.load(
+            session.scope_id, session.compat_id, wanted, deadline_s=deadline_s
+        )
         if held < minimum:
             raise InvalidState(
                 f"only {held} of the {minimum} prompt blocks the checkpoint names could be loaded"
@@ -306,7 +329,7 @@ class Sessions:
                     await self.store.get(BlockRef(session.compat_id, session.scope_id, key))
                 )
             except NotFound:
-                break  # evicted meanwhile: the rest is recomputed  # fmt: skip
+                break  # evicted meanwhile: the rest is recomputed
         if len(containers) < minimum:
             raise InvalidState("prompt blocks were evicted while being loaded")
         loaded = len(containers)
@@ -319,8 +342,9 @@ class Sessions:
         )
         elapsed = max(self.clock() - started, 1e-6)
         loaded_tokens = len(session.tokens) - generation.computed
-        session.stats.update(loaded_tokens=loaded_tokens, computed_tokens=generation.computed,
-                             loaded_blocks=loaded)  # fmt: skip
+        session.stats.update(
+            loaded_tokens=loaded_tokens, computed_tokens=generation.computed, loaded_blocks=loaded
+        )
         self.counters.loaded_tokens += loaded_tokens
         self.counters.computed_tokens += generation.computed
         self._rate("prefill_tokens_per_s", generation.computed / elapsed)

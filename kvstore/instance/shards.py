@@ -80,8 +80,9 @@ class ContextDefinition:
             check_range(item, path, half_open=True)
             for item, path in obj.items("ranges", default=[], max_items=MAX_SHARDS)
         )
-        return cls(obj.hex16("scope_id"), obj.hex32("compat_id"), keys,
-                   obj.integer("version"), ranges)  # fmt: skip
+        return cls(
+            obj.hex16("scope_id"), obj.hex32("compat_id"), keys, obj.integer("version"), ranges
+        )
 
 
 @dataclass
@@ -127,8 +128,11 @@ class Shards:
         self._locks: dict[str, asyncio.Lock] = {}
         # An owner named in a plan is an instance; its blocks are served by
         # the holder role of the same principal (H6, SEC1).
-        self.holder_of = {g.instance: g.holder for g in policy.principals.values()
-                          if g.instance is not None and g.holder is not None}  # fmt: skip
+        self.holder_of = {
+            g.instance: g.holder
+            for g in policy.principals.values()
+            if g.instance is not None and g.holder is not None
+        }
 
     def _blocks(self, ranges: tuple[Range, ...] | list[Range], context: Context) -> set[int]:
         size = self.block_tokens
@@ -156,8 +160,13 @@ class Shards:
         """Know a context and hold its ranges of ``definition.version``."""
         if map_id not in self.contexts and len(self.contexts) >= MAX_CONTEXTS:
             raise BadRequest(f"at most {MAX_CONTEXTS} contexts")
-        context = Context(map_id, definition.scope_id, definition.compat_id,
-                          definition.block_keys, definition.version)  # fmt: skip
+        context = Context(
+            map_id,
+            definition.scope_id,
+            definition.compat_id,
+            definition.block_keys,
+            definition.version,
+        )
         wanted = self._blocks(definition.ranges, context)
         async with self._lock(map_id):
             known = self.contexts.get(map_id)
@@ -193,9 +202,13 @@ class Shards:
                     continue
                 records = {(r.block_key, r.holder): r for r in answer.replicas[0]}
                 loaded: list[str] = []
-                await self.prefetcher._fetch(self._ref(context, index),
-                                             tuple(h for _, h in records), records,
-                                             self.lease_ms, loaded)  # fmt: skip
+                await self.prefetcher._fetch(
+                    self._ref(context, index),
+                    tuple(h for _, h in records),
+                    records,
+                    self.lease_ms,
+                    loaded,
+                )
                 if loaded:
                     done.add(index)
         return done
@@ -301,13 +314,15 @@ class Shards:
     def _answer(self, context: Context) -> dict[str, Any]:
         size = self.block_tokens
         return {
-            "map": context.map, "version": context.version,
+            "map": context.map,
+            "version": context.version,
             "held": context.ranges(context.held, size),
             "resharding_to": None if context.pending is None else context.pending.to_version,
             "fetched": context.ranges(context.fetched, size),
-            "blocks_fetched": context.blocks_fetched, "octets_fetched": context.octets_fetched,
+            "blocks_fetched": context.blocks_fetched,
+            "octets_fetched": context.octets_fetched,
             "blocks_released": context.blocks_released,
-        }  # fmt: skip
+        }
 
     def answer(self, map_id: str) -> dict[str, Any]:
         return self._answer(self.get(map_id))

@@ -51,8 +51,15 @@ from ..protocol.problems import KvspError, NotFound, PreconditionFailed
 from ..protocol.records import LeaseGrant
 from .options import ChunkSettings, Geometry, options_with_prefix
 
-__all__ = ["ChunkSettings", "ChunkStats", "ChunkStore", "Geometry", "LoopThread", "Pin",
-           "options_with_prefix"]  # fmt: skip
+__all__ = [
+    "ChunkSettings",
+    "ChunkStats",
+    "ChunkStore",
+    "Geometry",
+    "LoopThread",
+    "Pin",
+    "options_with_prefix",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,17 +129,20 @@ class ChunkStore:
 
     def _http(self) -> HolderClient:
         if self._client is None:
-            self._client = HolderClient(self.settings.ssl_context,
-                                        timeout_s=self.settings.timeout_s)  # fmt: skip
+            self._client = HolderClient(
+                self.settings.ssl_context, timeout_s=self.settings.timeout_s
+            )
         return self._client
 
     def _fetcher(self) -> BlockFetcher:
         """The pool that receives and verifies blocks (:mod:`kvstore.fetch`)."""
         if self._blocks is None:
-            self._blocks = BlockFetcher(self.settings.ssl_context,
-                                        threads=self.settings.fetch_threads,
-                                        timeout_s=self.settings.timeout_s,
-                                        down=self._down)  # fmt: skip
+            self._blocks = BlockFetcher(
+                self.settings.ssl_context,
+                threads=self.settings.fetch_threads,
+                timeout_s=self.settings.timeout_s,
+                down=self._down,
+            )
         return self._blocks
 
     def _slot(self) -> asyncio.Semaphore:
@@ -185,15 +195,26 @@ class ChunkStore:
             return
         if exc.status >= 500 and exc.status != 507:
             self._down.failed(holder)
-            log.warning("kvstore holder %s failed (%s: %s); skipped for %.0f s", holder, what,
-                        exc.detail, self.settings.down_backoff_s)  # fmt: skip
+            log.warning(
+                "kvstore holder %s failed (%s: %s); skipped for %.0f s",
+                holder,
+                what,
+                exc.detail,
+                self.settings.down_backoff_s,
+            )
             return
         now, key = time.monotonic(), (holder, exc.status)
         if now - self._warned.get(key, -60.0) >= 60.0:
             self._warned[key] = now
-            log.warning("kvstore holder %s refused %s with %d: %s (scope %s; check its policy "
-                        "and max_block_octets)", holder, what, exc.status, exc.detail,
-                        self.scope_id)  # fmt: skip
+            log.warning(
+                "kvstore holder %s refused %s with %d: %s (scope %s; check its policy "
+                "and max_block_octets)",
+                holder,
+                what,
+                exc.status,
+                exc.detail,
+                self.scope_id,
+            )
 
     async def put(self, name: str, container: BytesLike | Callable[[], BytesLike]) -> bool:
         """Store a chunk (a KVSP container, or a function that builds it,
@@ -210,12 +231,14 @@ class ChunkStore:
                     if data is None:
                         # Built (a copy, the layer digests) off the loop, which
                         # meanwhile sends other chunks and serves loads.
-                        data = (await asyncio.to_thread(container)
-                                if callable(container) else container)  # fmt: skip
+                        data = (
+                            await asyncio.to_thread(container) if callable(container) else container
+                        )
                     # Sent from a thread of the fetcher's PUT pool, which
                     # checks the holder's record against what it sent.
-                    await self._fetcher().aput(holder, self.compat_id, self.scope_id,
-                                               block_key, data)  # fmt: skip
+                    await self._fetcher().aput(
+                        holder, self.compat_id, self.scope_id, block_key, data
+                    )
                 except PreconditionFailed:
                     pass  # BL7: already held there (the same name is the same chunk)
                 except Exception as exc:  # a miss, never the engine's exception
@@ -276,16 +299,21 @@ class ChunkStore:
                 for i, pin in enumerate(pinned):
                     if pin is not None and pin.lease is not None:
                         at.setdefault(pin.holder, []).append(i)
-                await asyncio.gather(*(self._get_from(h, idx, keys, found, convert, lease=False)
-                                       for h, idx in at.items()))  # fmt: skip
+                await asyncio.gather(
+                    *(
+                        self._get_from(h, idx, keys, found, convert, lease=False)
+                        for h, idx in at.items()
+                    )
+                )
                 done = {i for idx in at.values() for i in idx}
                 todo = [i for i in todo if i not in done]
             while todo:
                 by_holder = self._next_holders(todo, keys, tried)
                 if not by_holder:
                     break
-                await asyncio.gather(*(self._get_from(h, idx, keys, found, convert)
-                                       for h, idx in by_holder.items()))  # fmt: skip
+                await asyncio.gather(
+                    *(self._get_from(h, idx, keys, found, convert) for h, idx in by_holder.items())
+                )
                 todo = [i for i in todo if found[i] is None]
         except BaseException:
             if release is not None:
@@ -315,8 +343,9 @@ class ChunkStore:
             by_holder = self._next_holders(todo, keys, tried)
             if not by_holder:
                 break
-            await asyncio.gather(*(self._pin_at(h, idx, keys, found)
-                                   for h, idx in by_holder.items()))  # fmt: skip
+            await asyncio.gather(
+                *(self._pin_at(h, idx, keys, found) for h, idx in by_holder.items())
+            )
             todo = [i for i in todo if found[i] is None]
         return found
 
@@ -327,8 +356,9 @@ class ChunkStore:
         asked (a holder that failed meanwhile is skipped, not its turn)."""
         by_holder: dict[str, list[int]] = {}
         for i in todo:
-            holder = next((h for h in self.holders_for(keys[i])
-                           if h not in tried[i] and self._up(h)), None)  # fmt: skip
+            holder = next(
+                (h for h in self.holders_for(keys[i]) if h not in tried[i] and self._up(h)), None
+            )
             if holder is not None:
                 tried[i].add(holder)
                 by_holder.setdefault(holder, []).append(i)
@@ -366,8 +396,9 @@ class ChunkStore:
     async def _has(self, holder: str, block_key: str) -> bool:
         try:
             async with self._slot():
-                return await self._http().has_block(holder, self.compat_id, self.scope_id,
-                                                    block_key)  # fmt: skip
+                return await self._http().has_block(
+                    holder, self.compat_id, self.scope_id, block_key
+                )
         except Exception as exc:
             self._failed(holder, "a lookup", exc)
             return False
@@ -402,8 +433,12 @@ class ChunkStore:
                 return  # expired meanwhile
             except Exception as exc:
                 if attempt:
-                    log.info("lease %s at %s not released (%r); it expires by itself",
-                             pin.lease, pin.holder, exc)  # fmt: skip
+                    log.info(
+                        "lease %s at %s not released (%r); it expires by itself",
+                        pin.lease,
+                        pin.holder,
+                        exc,
+                    )
                 else:
                     await asyncio.sleep(0.2)
 
@@ -416,9 +451,13 @@ class ChunkStore:
 
         async def take_lease() -> LeaseGrant:
             async with self._slot():
-                return await http.lease(holder, wanted, self.settings.lease_ms,
-                                        scope_id=self.scope_id,
-                                        compat_id=self.compat_id)  # fmt: skip
+                return await http.lease(
+                    holder,
+                    wanted,
+                    self.settings.lease_ms,
+                    scope_id=self.scope_id,
+                    compat_id=self.compat_id,
+                )
 
         call = asyncio.ensure_future(take_lease())
         try:
@@ -469,8 +508,9 @@ class ChunkStore:
             elif result.errors and not isinstance(result.errors[-1], NotFound):
                 self._failed(holder, "a get", result.errors[-1])
 
-        requests = [BlockRequest(self.compat_id, self.scope_id, keys[i], (holder,), tag=i)
-                    for i in wanted]  # fmt: skip
+        requests = [
+            BlockRequest(self.compat_id, self.scope_id, keys[i], (holder,), tag=i) for i in wanted
+        ]
         try:
             await self._fetcher().afetch(requests, on_done=arrived)
         finally:
@@ -523,8 +563,7 @@ class LoopThread:
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
 
     def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self.loop.run_forever, name=self.name,
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self.loop.run_forever, name=self.name, daemon=True)
         self._thread.start()
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:

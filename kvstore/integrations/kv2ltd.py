@@ -27,11 +27,20 @@ def chunk_container(buf: memoryview, layers: int, tokens: int, row_octets: int) 
     """The container of a ``[2, layers, tokens, hidden]`` buffer (octets)."""
     section = tokens * row_octets
     if len(buf) != 2 * layers * section:
-        raise ValueError(f"a chunk of {len(buf)} octets is not 2 x {layers} layers x "
-                         f"{tokens} tokens x {row_octets} octets")  # fmt: skip
-    return kc.encode([(buf[i * section : (i + 1) * section],
-                       buf[(layers + i) * section : (layers + i + 1) * section])
-                      for i in range(layers)], token_count=tokens)  # fmt: skip
+        raise ValueError(
+            f"a chunk of {len(buf)} octets is not 2 x {layers} layers x "
+            f"{tokens} tokens x {row_octets} octets"
+        )
+    return kc.encode(
+        [
+            (
+                buf[i * section : (i + 1) * section],
+                buf[(layers + i) * section : (layers + i + 1) * section],
+            )
+            for i in range(layers)
+        ],
+        token_count=tokens,
+    )
 
 
 def chunk_of(body: BytesLike, layers: int, row_octets: int, max_tokens: int) -> kc.Container | None:
@@ -45,9 +54,12 @@ def chunk_of(body: BytesLike, layers: int, row_octets: int, max_tokens: int) -> 
         log.warning("kvstore: a holder served a chunk that does not decode: %s", exc.detail)
         return None
     section = container.token_count * row_octets
-    shape_ok = (container.codec == CODEC_RAW and container.first_layer == 0
-                and len(container) == layers
-                and 0 < container.token_count <= max_tokens)  # fmt: skip
+    shape_ok = (
+        container.codec == CODEC_RAW
+        and container.first_layer == 0
+        and len(container) == layers
+        and 0 < container.token_count <= max_tokens
+    )
     if not shape_ok or any(len(x.k) != section or len(x.v) != section for x in container):
         log.warning("kvstore: a holder served a chunk of another geometry; ignored")
         return None
@@ -59,8 +71,9 @@ def copy_chunk(container: kc.Container, buf: memoryview, layers: int, row_octets
     tokens, hidden]`` buffer (octets) of its token count."""
     section = container.token_count * row_octets
     if len(buf) != 2 * layers * section:
-        raise ValueError(f"a buffer of {len(buf)} octets for a chunk of "
-                         f"{container.token_count} tokens")  # fmt: skip
+        raise ValueError(
+            f"a buffer of {len(buf)} octets for a chunk of {container.token_count} tokens"
+        )
     for i, layer in enumerate(container):
         buf[i * section : (i + 1) * section] = layer.k
         buf[(layers + i) * section : (layers + i + 1) * section] = layer.v

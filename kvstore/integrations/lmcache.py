@@ -95,8 +95,10 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         if config.use_layerwise:
             raise ConfigError("kvstore: use_layerwise (KV_T2D chunks) is not supported")
         if (config.remote_serde or "naive") != "naive":
-            raise ConfigError(f"kvstore: remote_serde {config.remote_serde!r}: only 'naive' "
-                              "(kvstore stores raw KV)")  # fmt: skip
+            raise ConfigError(
+                f"kvstore: remote_serde {config.remote_serde!r}: only 'naive' "
+                "(kvstore stores raw KV)"
+            )
         self.loop = context.loop
         self.local_cpu_backend = context.local_cpu_backend
         self.geometry = geometry_of(context.metadata)
@@ -108,9 +110,12 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         self._probe_name: str | None = None
         self.dtype = self.meta_dtypes[0]
         self.row_octets = self.geometry.kv_heads * self.geometry.head_dim * self.dtype.itemsize
-        log.info("kvstore LMCache plug-in: holders %s, scope %s, compat %s",
-                 ",".join(self.store.settings.holders), self.store.scope_id,
-                 self.store.compat_id)  # fmt: skip
+        log.info(
+            "kvstore LMCache plug-in: holders %s, scope %s, compat %s",
+            ",".join(self.store.settings.holders),
+            self.store.scope_id,
+            self.store.compat_id,
+        )
 
     # --- chunks <-> containers ------------------------------------------------
 
@@ -119,8 +124,11 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         if memory_obj.get_memory_format() != MemoryFormat.KV_2LTD:
             raise ValueError(f"kvstore: chunk format {memory_obj.get_memory_format()} not KV_2LTD")
         two, layers, tokens, hidden = memory_obj.get_shapes()[0]
-        if (two, layers, hidden * self.dtype.itemsize) != (2, self.geometry.layers,
-                                                           self.row_octets):  # fmt: skip
+        if (two, layers, hidden * self.dtype.itemsize) != (
+            2,
+            self.geometry.layers,
+            self.row_octets,
+        ):
             raise ValueError(f"kvstore: chunk of shape {memory_obj.get_shapes()[0]} unexpected")
         buf = memoryview(memory_obj.byte_array).cast("B")
         return chunk_container(buf, layers, tokens, self.row_octets)
@@ -132,18 +140,21 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         container = chunk_of(body, layers, self.row_octets, self.geometry.block_tokens)
         if container is None:
             return None
-        shape = torch.Size([2, layers, container.token_count,
-                            self.row_octets // self.dtype.itemsize])  # fmt: skip
+        shape = torch.Size(
+            [2, layers, container.token_count, self.row_octets // self.dtype.itemsize]
+        )
         # Not LMCache's busy wait: it would sleep on the very loop whose puts
         # free the memory; a chunk that does not fit now is a miss.
-        memory_obj = self.local_cpu_backend.allocate(shape, self.dtype, MemoryFormat.KV_2LTD,
-                                                     busy_loop=False)  # fmt: skip
+        memory_obj = self.local_cpu_backend.allocate(
+            shape, self.dtype, MemoryFormat.KV_2LTD, busy_loop=False
+        )
         if memory_obj is None:
             log.warning("kvstore: LMCache could not allocate a chunk buffer")
             return None
         try:
-            copy_chunk(container, memoryview(memory_obj.byte_array).cast("B"), layers,
-                       self.row_octets)  # fmt: skip
+            copy_chunk(
+                container, memoryview(memory_obj.byte_array).cast("B"), layers, self.row_octets
+            )
         except BaseException:
             memory_obj.ref_count_down()  # given back, not left to the collector
             raise
@@ -195,9 +206,11 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         # Each chunk decoded into LMCache's buffer as it arrives (the batch's
         # octets are never all held at once); one answer per key, as LMCache
         # requires; what was allocated goes back if LMCache cancels the call.
-        return await self.store.fetch_many([self.name(k) for k in keys],
-                                           lambda _, body: self.decode(body),
-                                           release=lambda obj: obj.ref_count_down())  # fmt: skip
+        return await self.store.fetch_many(
+            [self.name(k) for k in keys],
+            lambda _, body: self.decode(body),
+            release=lambda obj: obj.ref_count_down(),
+        )
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey]
@@ -230,8 +243,11 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         pairs = zip([self._probe_put_name(k) for k in keys], memory_objs, strict=True)
         done = await asyncio.gather(*(self.store.put(n, builder(m)) for n, m in pairs))
         if not all(done):
-            log.info("kvstore: %d of %d chunks not stored (no holder took them)",
-                     done.count(False), len(done))  # fmt: skip
+            log.info(
+                "kvstore: %d of %d chunks not stored (no holder took them)",
+                done.count(False),
+                len(done),
+            )
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         # KVSP has no client delete: chunks leave a holder by its eviction
@@ -270,8 +286,11 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
         future = asyncio.run_coroutine_threadsafe(make(), self.loop)
         try:
             return future.result(self.timeout_s)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
-                KvspError) as exc:  # fmt: skip
+        except (
+            concurrent.futures.TimeoutError,
+            concurrent.futures.CancelledError,
+            KvspError,
+        ) as exc:
             future.cancel()
             log.warning("kvstore: a lookup did not complete (%r): a miss", exc)
             return miss
@@ -301,8 +320,9 @@ class CPUKVConnector(GPUConnectorInterface):  # type: ignore[misc]
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, start, end, **kwargs)
 
-    def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,
-                       **kwargs: Any) -> None:  # fmt: skip
+    def batched_to_gpu(
+        self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kwargs: Any
+    ) -> None:
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.to_gpu(obj, start, end, **kwargs)
 
@@ -332,5 +352,9 @@ class KvstoreConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
             raise IrrecoverableException(str(exc)) from exc
 
 
-__all__: Sequence[str] = ("CPUKVConnector", "KvstoreConnector", "KvstoreConnectorAdapter",
-                          "geometry_of")  # fmt: skip
+__all__: Sequence[str] = (
+    "CPUKVConnector",
+    "KvstoreConnector",
+    "KvstoreConnectorAdapter",
+    "geometry_of",
+)

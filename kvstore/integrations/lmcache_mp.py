@@ -126,18 +126,23 @@ class KvstoreL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         options = {k: v for k, v in d.items() if k != "type"}
         check_known(options, CHUNK_OPTIONS | GEOMETRY_OPTIONS | MP_OPTIONS)
         geometry = Geometry.from_options(options)
-        settings = ChunkSettings.from_options(options, namespace="lmcache", geometry=geometry,
-                                              extra=GEOMETRY_OPTIONS | MP_OPTIONS)  # fmt: skip
+        settings = ChunkSettings.from_options(
+            options, namespace="lmcache", geometry=geometry, extra=GEOMETRY_OPTIONS | MP_OPTIONS
+        )
         scopes = options.get("salt_scopes") or {}
         if not isinstance(scopes, dict):
             raise ConfigError("kvstore.salt_scopes: a map of cache_salt to scope key file")
-        salt_scopes = {str(salt): read_scope_key(str(file), "salt_scopes")
-                       for salt, file in scopes.items()}  # fmt: skip
+        salt_scopes = {
+            str(salt): read_scope_key(str(file), "salt_scopes") for salt, file in scopes.items()
+        }
         capacity_gb = number(options, "max_capacity_gb", 0, zero=True)
-        return cls(settings, salt_scopes=salt_scopes,
-                   salt_scopes_only=flag(options, "salt_scopes_only", False),
-                   max_lock_s=number(options, "max_lock_s", 300.0),
-                   max_capacity_bytes=int(capacity_gb * 2**30))  # fmt: skip
+        return cls(
+            settings,
+            salt_scopes=salt_scopes,
+            salt_scopes_only=flag(options, "salt_scopes_only", False),
+            max_lock_s=number(options, "max_lock_s", 300.0),
+            max_capacity_bytes=int(capacity_gb * 2**30),
+        )
 
     @classmethod
     def help(cls) -> str:
@@ -201,8 +206,10 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self.row_octets = geometry.kv_heads * geometry.head_dim * self.dtype.itemsize
         self._dtype_name = str(TORCH_DTYPE_TO_STR_DTYPE[self.dtype])  # as LMCache names it
         self.store = ChunkStore(settings)
-        self._salted = {salt: ChunkStore(replace(settings, scope_key=key))
-                        for salt, key in config.salt_scopes.items()}  # fmt: skip
+        self._salted = {
+            salt: ChunkStore(replace(settings, scope_key=key))
+            for salt, key in config.salt_scopes.items()
+        }
         self._loop = LoopThread("kvstore-l2-adapter")
         self._stores = _Tasks()
         self._lookups = _Tasks()
@@ -218,9 +225,12 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self._renewer = asyncio.run_coroutine_threadsafe(self._renew_forever(), self._loop.loop)
-        log.info("kvstore L2 adapter: holders %s, scope %s, compat %s",
-                 ",".join(settings.holders), self.store.scope_id,
-                 self.store.compat_id)  # fmt: skip
+        log.info(
+            "kvstore L2 adapter: holders %s, scope %s, compat %s",
+            ",".join(settings.holders),
+            self.store.scope_id,
+            self.store.compat_id,
+        )
 
     # --- event descriptors ------------------------------------------------------
 
@@ -278,9 +288,12 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if key.cache_salt in self._salted:
             return self._salted[key.cache_salt]
         if key.cache_salt and self.config.salt_scopes_only:
-            self._warn(f"salt:{key.cache_salt}", "kvstore: cache_salt %r has no scope in "
-                       "salt_scopes (salt_scopes_only): not stored, not found",
-                       key.cache_salt)  # fmt: skip
+            self._warn(
+                f"salt:{key.cache_salt}",
+                "kvstore: cache_salt %r has no scope in "
+                "salt_scopes (salt_scopes_only): not stored, not found",
+                key.cache_salt,
+            )
             return None
         return self.store
 
@@ -300,8 +313,9 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # --- store ----------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._submit(self._stores, lambda: self._store(keys, objects),
-                            lambda: L2StoreResult(False, 0))  # fmt: skip
+        return self._submit(
+            self._stores, lambda: self._store(keys, objects), lambda: L2StoreResult(False, 0)
+        )
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -338,9 +352,14 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             rows = (two, layers, hidden * self.dtype.itemsize) == (2, g.layers, self.row_octets)
             if rows and 0 < tokens <= g.block_tokens:
                 return int(tokens)
-        self._warn(f"shape:{shapes}", "kvstore: an LMCache object of shapes %s, dtypes %s is "
-                   "not a chunk of the configured geometry %s: not stored, not loaded",
-                   shapes, dtypes, g)  # fmt: skip
+        self._warn(
+            f"shape:{shapes}",
+            "kvstore: an LMCache object of shapes %s, dtypes %s is "
+            "not a chunk of the configured geometry %s: not stored, not loaded",
+            shapes,
+            dtypes,
+            g,
+        )
         return None
 
     def _encoder(self, obj: MemoryObj) -> Callable[[], bytearray] | None:
@@ -349,16 +368,16 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             return None
         # Built once a request slot is free (LMCache keeps the buffer until
         # the task completes): one copy, into the container.
-        return lambda: chunk_container(memoryview(obj.byte_array).cast("B"),
-                                       self.geometry.layers, tokens, self.row_octets)  # fmt: skip
+        return lambda: chunk_container(
+            memoryview(obj.byte_array).cast("B"), self.geometry.layers, tokens, self.row_octets
+        )
 
     # --- lookup and lock, unlock ----------------------------------------------------
 
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        return self._submit(self._lookups, lambda: self._lookup(keys),
-                            lambda: Bitmap(len(keys)))  # fmt: skip
+        return self._submit(self._lookups, lambda: self._lookup(keys), lambda: Bitmap(len(keys)))
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._pop(self._lookups, task_id)
@@ -366,9 +385,12 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     async def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
         found = Bitmap(len(keys))
         groups = list(self._by_store(keys).items())
-        pins = await asyncio.gather(*(store.pin_many([chunk_name(keys[i], self._dtype_name)
-                                                       for i in idx])
-                                      for store, idx in groups))  # fmt: skip
+        pins = await asyncio.gather(
+            *(
+                store.pin_many([chunk_name(keys[i], self._dtype_name) for i in idx])
+                for store, idx in groups
+            )
+        )
         now = time.monotonic()
         with self._lock:
             made: dict[tuple[str, str], _Lease] = {}
@@ -381,8 +403,14 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                     if pin.lease is not None:
                         lease = made.get((pin.holder, pin.lease))
                         if lease is None:
-                            lease = _Lease(store, pin, [], now, now + pin.ttl_ms / 2000,
-                                           now + pin.ttl_ms / 1000)  # fmt: skip
+                            lease = _Lease(
+                                store,
+                                pin,
+                                [],
+                                now,
+                                now + pin.ttl_ms / 2000,
+                                now + pin.ttl_ms / 1000,
+                            )
                             made[(pin.holder, pin.lease)] = lease
                             self._leases.add(lease)
                         lease.refs += 1
@@ -435,8 +463,11 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     async def _renew(self, lease: _Lease, now: float) -> None:
         if now - lease.since >= self.config.max_lock_s:
-            log.warning("kvstore: %d keys locked for over %.0f s; their lease is given up",
-                        len(lease.keys), self.config.max_lock_s)  # fmt: skip
+            log.warning(
+                "kvstore: %d keys locked for over %.0f s; their lease is given up",
+                len(lease.keys),
+                self.config.max_lock_s,
+            )
             self._forget(lease)
             await lease.store.release(lease.pin)
             return
@@ -462,8 +493,9 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # --- load -------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._submit(self._loads, lambda: self._load(keys, objects),
-                            lambda: Bitmap(len(keys)))  # fmt: skip
+        return self._submit(
+            self._loads, lambda: self._load(keys, objects), lambda: Bitmap(len(keys))
+        )
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._pop(self._loads, task_id)
@@ -478,20 +510,28 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             def convert(j: int, body: BytesLike) -> bool | None:
                 obj = objects[idx[j]]
                 tokens = self._tokens(obj)
-                got = chunk_of(body, self.geometry.layers, self.row_octets,
-                               self.geometry.block_tokens)  # fmt: skip
+                got = chunk_of(
+                    body, self.geometry.layers, self.row_octets, self.geometry.block_tokens
+                )
                 if tokens is None or got is None or got.token_count != tokens:
                     return None
-                copy_chunk(got, memoryview(obj.byte_array).cast("B"), self.geometry.layers,
-                           self.row_octets)  # fmt: skip
+                copy_chunk(
+                    got, memoryview(obj.byte_array).cast("B"), self.geometry.layers, self.row_octets
+                )
                 return True
 
             return convert
 
-        results = await asyncio.gather(*(
-            store.fetch_many([chunk_name(keys[i], self._dtype_name) for i in idx], into(idx),
-                             pinned=[pins[i] for i in idx])
-            for store, idx in groups))  # fmt: skip
+        results = await asyncio.gather(
+            *(
+                store.fetch_many(
+                    [chunk_name(keys[i], self._dtype_name) for i in idx],
+                    into(idx),
+                    pinned=[pins[i] for i in idx],
+                )
+                for store, idx in groups
+            )
+        )
         accessed = []
         for (_, idx), got in zip(groups, results, strict=True):
             for i, ok in zip(idx, got, strict=True):
@@ -529,10 +569,16 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         for store in stores:
             for name, value in store.stats.to_json().items():
                 stats[name] = stats.get(name, 0) + value
-        return {"is_healthy": any(s.healthy() for s in stores), "type": "KvstoreL2Adapter",
-                "holders": list(self.store.holders), "scope": self.store.scope_id,
-                "compat": self.store.compat_id, "locked_keys": locked, "leases_held": leases,
-                **stats}  # fmt: skip
+        return {
+            "is_healthy": any(s.healthy() for s in stores),
+            "type": "KvstoreL2Adapter",
+            "holders": list(self.store.holders),
+            "scope": self.store.scope_id,
+            "compat": self.store.compat_id,
+            "locked_keys": locked,
+            "leases_held": leases,
+            **stats,
+        }
 
     def close(self) -> None:
         async def shutdown() -> None:
@@ -546,8 +592,9 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 held, self._leases = list(self._leases), set()
                 self._locks.clear()
             if held:  # bounded: a lease not released expires by itself
-                _, late = await asyncio.wait([asyncio.ensure_future(x.store.release(x.pin))
-                                              for x in held], timeout=3)  # fmt: skip
+                _, late = await asyncio.wait(
+                    [asyncio.ensure_future(x.store.release(x.pin)) for x in held], timeout=3
+                )
                 for task in late:
                     task.cancel()
                 await asyncio.gather(*late, return_exceptions=True)

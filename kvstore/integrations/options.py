@@ -52,8 +52,10 @@ class Geometry:
             layers, kv_heads, head_dim, tokens = sizes
             return cls(layers, kv_heads, head_dim, _text(options, "kv_dtype"), tokens)
         if not options.get("descriptor_file"):
-            raise ConfigError("kvstore: the KV geometry (layers, kv_heads, head_dim, kv_dtype, "
-                              "chunk_size) or a descriptor_file is required")  # fmt: skip
+            raise ConfigError(
+                "kvstore: the KV geometry (layers, kv_heads, head_dim, kv_dtype, "
+                "chunk_size) or a descriptor_file is required"
+            )
         return cls.of(_descriptor_file(str(options["descriptor_file"])))
 
     @classmethod
@@ -83,9 +85,13 @@ class ChunkSettings:
 
     @classmethod
     def from_options(
-        cls, options: Mapping[str, Any], *, namespace: str, geometry: Geometry,
+        cls,
+        options: Mapping[str, Any],
+        *,
+        namespace: str,
+        geometry: Geometry,
         extra: Collection[str] = (),
-    ) -> ChunkSettings:  # fmt: skip
+    ) -> ChunkSettings:
         """Settings from an engine's configuration strings (LMCache's
         ``extra_config``, SGLang's ``--hicache-storage-backend-extra-config``),
         keys without their ``kvstore.`` prefix:
@@ -112,14 +118,17 @@ class ChunkSettings:
         scope_key = read_scope_key(_text(options, "scope_key_file"))
         context = None
         if any(h.startswith("http://") for h in holders):
-            log.warning("kvstore.holders: plain http: no TLS, no client identity (the holder "
-                        "must allow anonymous access; development only)")  # fmt: skip
+            log.warning(
+                "kvstore.holders: plain http: no TLS, no client identity (the holder "
+                "must allow anonymous access; development only)"
+            )
         if any(h.startswith("https://") for h in holders):
             from ..tls import client_context
 
             try:
-                context = client_context(_text(options, "cafile"), _text(options, "certfile"),
-                                         _text(options, "keyfile"))  # fmt: skip
+                context = client_context(
+                    _text(options, "cafile"), _text(options, "certfile"), _text(options, "keyfile")
+                )
             except (OSError, ssl.SSLError) as exc:
                 raise ConfigError(f"kvstore TLS files: {exc}") from exc
         return cls(
@@ -140,17 +149,33 @@ def _threads(options: Mapping[str, Any]) -> int | None:
         return None
     threads = number(options, "fetch_threads", 0)
     if threads != int(threads) or not 1 <= threads <= 1024:
-        raise ConfigError(f"kvstore.fetch_threads: {options['fetch_threads']!r} is not a "
-                          "number of threads (1 to 1024)")  # fmt: skip
+        raise ConfigError(
+            f"kvstore.fetch_threads: {options['fetch_threads']!r} is not a "
+            "number of threads (1 to 1024)"
+        )
     return int(threads)
 
 
 #: Every option ChunkSettings.from_options reads.
-CHUNK_OPTIONS = frozenset({
-    "holders", "scope_key_file", "cafile", "certfile", "keyfile", "descriptor_file", "model",
-    "model_digest", "tokenizer_digest", "positional", "adapters", "timeout_s", "lease_ms",
-    "down_backoff_s", "fetch_threads",
-})  # fmt: skip
+CHUNK_OPTIONS = frozenset(
+    {
+        "holders",
+        "scope_key_file",
+        "cafile",
+        "certfile",
+        "keyfile",
+        "descriptor_file",
+        "model",
+        "model_digest",
+        "tokenizer_digest",
+        "positional",
+        "adapters",
+        "timeout_s",
+        "lease_ms",
+        "down_backoff_s",
+        "fetch_threads",
+    }
+)
 #: The KV geometry of Geometry.from_options (an engine that does not say it).
 GEOMETRY_OPTIONS = frozenset({"layers", "kv_heads", "head_dim", "kv_dtype", "chunk_size"})
 
@@ -160,8 +185,9 @@ def check_known(options: Mapping[str, Any], known: Collection[str]) -> None:
     for name in sorted(set(options) - set(known)):
         near = difflib.get_close_matches(name, known, n=1)
         hint = f'; did you mean "{near[0]}"?' if near else ""
-        raise ConfigError(f"kvstore.{name}: unknown option{hint} "
-                          f"(known: {', '.join(sorted(known))})")  # fmt: skip
+        raise ConfigError(
+            f"kvstore.{name}: unknown option{hint} (known: {', '.join(sorted(known))})"
+        )
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
@@ -191,8 +217,9 @@ def number(options: Mapping[str, Any], name: str, default: float, *, zero: bool 
     except (TypeError, ValueError):
         raise ConfigError(f"kvstore.{name}: {value!r} is not a number") from None
     if not (result > 0 or (zero and result == 0)) or result != result or result == float("inf"):
-        raise ConfigError(f"kvstore.{name}: {value!r}: must be "
-                          f"{'zero or positive' if zero else 'positive'}")  # fmt: skip
+        raise ConfigError(
+            f"kvstore.{name}: {value!r}: must be {'zero or positive' if zero else 'positive'}"
+        )
     return result
 
 
@@ -225,16 +252,21 @@ def _holders(value: Any) -> tuple[str, ...]:
 
 
 def _descriptor(options: Mapping[str, Any], geometry: Geometry) -> CompatibilityDescriptor:
-    shape = {"layers": geometry.layers, "kv_heads": geometry.kv_heads,
-             "head_dim": geometry.head_dim, "kv_dtype": geometry.kv_dtype,
-             "block_tokens": geometry.block_tokens}  # fmt: skip
+    shape = {
+        "layers": geometry.layers,
+        "kv_heads": geometry.kv_heads,
+        "head_dim": geometry.head_dim,
+        "kv_dtype": geometry.kv_dtype,
+        "block_tokens": geometry.block_tokens,
+    }
     file = options.get("descriptor_file")
     if file:
         descriptor = _descriptor_file(str(file))
         found = {name: getattr(descriptor, name) for name in shape}
         if found != shape:
-            raise ConfigError(f"kvstore.descriptor_file: geometry {found} is not the "
-                              f"engine's {shape}")  # fmt: skip
+            raise ConfigError(
+                f"kvstore.descriptor_file: geometry {found} is not the engine's {shape}"
+            )
         return descriptor
     obj: dict[str, Any] = {
         "model": _text(options, "model"),

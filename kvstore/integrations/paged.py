@@ -58,8 +58,10 @@ def kv_dtype(dtype: torch.dtype) -> str:
     try:
         return KV_DTYPES[dtype]
     except KeyError:
-        raise LayoutError(f"KV cache dtype {dtype} has no KVSP element type "
-                          f"(known: {', '.join(map(str, KV_DTYPES))})") from None  # fmt: skip
+        raise LayoutError(
+            f"KV cache dtype {dtype} has no KVSP element type "
+            f"(known: {', '.join(map(str, KV_DTYPES))})"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +95,11 @@ def guess_layout(
             return "kv-second"  # also where n == h: NHD is FlashInfer's default
         if dims[2:4] == (h, n):
             return "kv-second-hnd"
-    raise LayoutError(f"a paged KV tensor of shape {list(dims)} is none of the layouts known "
-                      f"for {n} tokens a block, {h} KV heads of {d} "
-                      f"(backend {backend or '?'})")  # fmt: skip
+    raise LayoutError(
+        f"a paged KV tensor of shape {list(dims)} is none of the layouts known "
+        f"for {n} tokens a block, {h} KV heads of {d} "
+        f"(backend {backend or '?'})"
+    )
 
 
 def layer_views(
@@ -109,8 +113,9 @@ def layer_views(
 ) -> PagedLayer:
     """K and V views of one layer's paged tensor (no copy)."""
     n, h, d = block_tokens, kv_heads, head_dim
-    layout = layout or guess_layout(tensor.shape, block_tokens=n, kv_heads=h, head_dim=d,
-                                    backend=backend)  # fmt: skip
+    layout = layout or guess_layout(
+        tensor.shape, block_tokens=n, kv_heads=h, head_dim=d, backend=backend
+    )
     if layout == "cpu":
         if not tensor.is_contiguous():
             raise LayoutError("the CPU layout needs a contiguous tensor")
@@ -167,15 +172,19 @@ def encode_block(gathered: Sequence[torch.Tensor], i: int, block_tokens: int) ->
 def check_block(container: kc.Container, layers: int, section: int, block_tokens: int) -> None:
     """Refuse a container that is not a whole block of this geometry."""
     if container.codec != CODEC_RAW or container.first_layer != 0 or len(container) != layers:
-        raise LayoutError(f"a container of codec {container.codec:#06x}, layers "
-                          f"{container.first_layer}-{container.last_layer}: not a raw block "
-                          f"of {layers} layers")  # fmt: skip
+        raise LayoutError(
+            f"a container of codec {container.codec:#06x}, layers "
+            f"{container.first_layer}-{container.last_layer}: not a raw block "
+            f"of {layers} layers"
+        )
     if container.token_count != block_tokens:
         raise LayoutError(f"a container of {container.token_count} tokens, not {block_tokens}")
     for layer in container:
         if len(layer.k) != section or len(layer.v) != section:
-            raise LayoutError(f"a container layer of {len(layer.k)}+{len(layer.v)} octets, "
-                              f"not {section}+{section}")  # fmt: skip
+            raise LayoutError(
+                f"a container layer of {len(layer.k)}+{len(layer.v)} octets, "
+                f"not {section}+{section}"
+            )
 
 
 def scatter_layer(layer: PagedLayer, pages: Sequence[tuple[int, BytesLike, BytesLike]]) -> None:

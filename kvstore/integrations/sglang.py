@@ -72,8 +72,12 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 def canonical_page(page: torch.Tensor, layout: str, geometry: Geometry) -> torch.Tensor:
     """A page (flat, or the pool's own slice) as a ``[2, layers, page, heads,
     head_dim]`` view of the same memory."""
-    layers, heads, dim, tokens = (geometry.layers, geometry.kv_heads, geometry.head_dim,
-                                  geometry.block_tokens)  # fmt: skip
+    layers, heads, dim, tokens = (
+        geometry.layers,
+        geometry.kv_heads,
+        geometry.head_dim,
+        geometry.block_tokens,
+    )
     # view(), never reshape(): a copy would silently swallow what a get writes.
     if layout == "layer_first":
         return page.view(2, layers, tokens, heads, dim)
@@ -100,8 +104,9 @@ class KvPages:
         if pool.layout not in LAYOUTS:
             raise ConfigError(f"kvstore: host layout {pool.layout!r} not supported ({LAYOUTS})")
         self.pool = pool
-        self.geometry = Geometry(pool.layer_num, pool.head_num, pool.head_dim, kv_dtype,
-                                 pool.page_size)  # fmt: skip
+        self.geometry = Geometry(
+            pool.layer_num, pool.head_num, pool.head_dim, kv_dtype, pool.page_size
+        )
         self.layout: str = pool.layout
         self.dtype: torch.dtype = pool.dtype
         self.page_size: int = pool.page_size
@@ -109,13 +114,14 @@ class KvPages:
 
     def page(self, slot: int) -> torch.Tensor:
         """The pool's page starting at token slot ``slot``, as a canonical view."""
-        return canonical_page(self.pool.get_data_page(slot, flat=False), self.layout,
-                              self.geometry)  # fmt: skip
+        return canonical_page(self.pool.get_data_page(slot, flat=False), self.layout, self.geometry)
 
     def encode(self, page: torch.Tensor) -> bytearray:
         """One page (as :func:`canonical_page` sees it) as a container."""
-        sections = [(tensor_to_section(page[0, layer]), tensor_to_section(page[1, layer]))
-                    for layer in range(self.geometry.layers)]  # fmt: skip
+        sections = [
+            (tensor_to_section(page[0, layer]), tensor_to_section(page[1, layer]))
+            for layer in range(self.geometry.layers)
+        ]
         return kc.encode(sections, token_count=self.geometry.block_tokens)
 
     def decode_into(self, body: BytesLike | None, page: torch.Tensor) -> bool:
@@ -130,9 +136,13 @@ class KvPages:
             return False
         g = self.geometry
         section = g.block_tokens * g.kv_heads * g.head_dim * self.dtype.itemsize
-        if (container.codec != CODEC_RAW or container.first_layer != 0
-                or len(container) != g.layers or container.token_count != g.block_tokens
-                or any(len(x.k) != section or len(x.v) != section for x in container)):  # fmt: skip
+        if (
+            container.codec != CODEC_RAW
+            or container.first_layer != 0
+            or len(container) != g.layers
+            or container.token_count != g.block_tokens
+            or any(len(x.k) != section or len(x.v) != section for x in container)
+        ):
             log.warning("kvstore: a holder served a page of another geometry; ignored")
             return False
         for layer, sections in enumerate(container):
@@ -174,8 +184,11 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         # the same descriptor), context parallel ranks different tokens.
         c = storage_config
         self.suffix = f"@{c.tp_rank}/{c.tp_size}"
-        ranks = (("pp", c.pp_rank, c.pp_size), ("cp", c.attn_cp_rank, c.attn_cp_size),
-                 ("dcp", getattr(c, "dcp_rank", 0), getattr(c, "dcp_size", 1)))  # fmt: skip
+        ranks = (
+            ("pp", c.pp_rank, c.pp_size),
+            ("cp", c.attn_cp_rank, c.attn_cp_size),
+            ("dcp", getattr(c, "dcp_rank", 0), getattr(c, "dcp_size", 1)),
+        )
         for label, rank, size in ranks:
             if size and size > 1:
                 self.suffix += f".{label}{rank}/{size}"
@@ -194,14 +207,19 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.kv = KvPages(mem_pool_host)
         self.formats[str(PoolName.KV)] = self.kv
         self.geometry, self.layout, self.dtype = self.kv.geometry, self.kv.layout, self.kv.dtype
-        self.store = ChunkStore(ChunkSettings.from_options(self.options, namespace="sglang",
-                                                           geometry=self.geometry))  # fmt: skip
+        self.store = ChunkStore(
+            ChunkSettings.from_options(self.options, namespace="sglang", geometry=self.geometry)
+        )
         self.loop = LoopThread("kvstore-hicache")
         # Transfers are bounded by the store's own timeouts; this is the backstop.
         self.wait_s = 4 * self.store.settings.timeout_s
-        log.info("kvstore HiCache backend: holders %s, scope %s, compat %s, layout %s",
-                 ",".join(self.store.settings.holders), self.store.scope_id,
-                 self.store.compat_id, self.layout)  # fmt: skip
+        log.info(
+            "kvstore HiCache backend: holders %s, scope %s, compat %s, layout %s",
+            ",".join(self.store.settings.holders),
+            self.store.scope_id,
+            self.store.compat_id,
+            self.layout,
+        )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Each host pool of a hybrid model, the KV pool among them (after
@@ -238,15 +256,19 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         _, loop = self._ready()
         try:
             return loop.run(coroutine, self.wait_s)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
-                KvspError) as exc:  # fmt: skip
+        except (
+            concurrent.futures.TimeoutError,
+            concurrent.futures.CancelledError,
+            KvspError,
+        ) as exc:
             if transfer is not None:
                 transfer.close()
             log.warning("kvstore: a transfer did not complete (%r): a miss", exc)
             return miss
 
-    def _store(self, names: Sequence[str],
-               containers: Sequence[Callable[[], BytesLike]]) -> list[bool]:  # fmt: skip
+    def _store(
+        self, names: Sequence[str], containers: Sequence[Callable[[], BytesLike]]
+    ) -> list[bool]:
         """Each page's container is built (one copy, from SGLang's memory)
         only when a request slot is free to send it."""
         store, _ = self._ready()
@@ -274,18 +296,21 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # --- zero-copy interface (interface_v1) --------------------------------------
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:  # fmt: skip
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
         size = self.geometry.block_tokens
 
         def container(i: int) -> Callable[[], bytearray]:
             return lambda: self.kv.container_at(int(host_indices[i * size]))
 
-        return self._store([k + self.suffix for k in keys],
-                           [container(i) for i in range(len(keys))])  # fmt: skip
+        return self._store(
+            [k + self.suffix for k in keys], [container(i) for i in range(len(keys))]
+        )
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:  # fmt: skip
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
         size = self.geometry.block_tokens
 
         def write(i: int, body: BytesLike) -> bool:
@@ -295,12 +320,18 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # --- copying interface -------------------------------------------------------
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:  # fmt: skip
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:  # fmt: skip
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         def container(value: torch.Tensor) -> Callable[[], bytearray]:
             return lambda: self.kv.encode(canonical_page(value, self.layout, self.geometry))
 
@@ -309,16 +340,16 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:  # fmt: skip
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         given = list(target_locations) if target_locations else [None] * len(keys)
         targets: list[torch.Tensor] = [
             t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in given
         ]
 
         def write(i: int, body: BytesLike) -> bool:
-            return self.kv.decode_into(body, canonical_page(targets[i], self.layout,
-                                                            self.geometry))  # fmt: skip
+            return self.kv.decode_into(body, canonical_page(targets[i], self.layout, self.geometry))
 
         found = self._fetch([k + self.suffix for k in keys], write)
         return [targets[i] if ok else None for i, ok in enumerate(found)]
@@ -334,8 +365,9 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # --- v2 batch interface (hybrid models' pools; .sglang_v2) -------------------
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
-                        extra_info: Any = None) -> PoolTransferResult:  # fmt: skip
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> PoolTransferResult:
         """The usable prefix of ``keys``, the KV pages and each pool's pages
         by its hit policy (:mod:`.sglang_v2`)."""
         store, _ = self._ready()

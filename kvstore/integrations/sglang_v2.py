@@ -119,9 +119,12 @@ class FlatPages:
             log.warning("kvstore: a holder served a page that does not decode: %s", exc.detail)
             return False
         page_octets = [(len(x.k), len(x.v)) for x in container]
-        if (container.codec != CODEC_RAW or container.first_layer != 0
-                or container.token_count != self.token_count
-                or page_octets != [(self.octets, 0)]):  # fmt: skip
+        if (
+            container.codec != CODEC_RAW
+            or container.first_layer != 0
+            or container.token_count != self.token_count
+            or page_octets != [(self.octets, 0)]
+        ):
             log.warning("kvstore: a holder served a %s page of another shape; ignored", self.tag)
             return False
         page = self.pool.get_dummy_flat_data_page()
@@ -144,8 +147,7 @@ class Batch:
     spans: list[tuple[Any, int, int]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, transfers: Sequence[Any], formats: Mapping[str, PageFormat],
-           suffix: str) -> Batch:  # fmt: skip
+    def of(cls, transfers: Sequence[Any], formats: Mapping[str, PageFormat], suffix: str) -> Batch:
         batch = cls()
         for transfer in transfers:
             keys = list(transfer.keys or ())
@@ -170,8 +172,10 @@ class Batch:
 
     def results(self, done: Sequence[bool]) -> dict[Any, list[bool]]:
         """SGLang's answer: per pool, whether each of its pages moved."""
-        return {name: list(done[start : start + count]) if start >= 0 else [False] * count
-                for name, count, start in self.spans}  # fmt: skip
+        return {
+            name: list(done[start : start + count]) if start >= 0 else [False] * count
+            for name, count, start in self.spans
+        }
 
 
 def looked_up(transfer: Any, keys: Sequence[str], kv_pages: int) -> list[str]:
@@ -183,8 +187,13 @@ def looked_up(transfer: Any, keys: Sequence[str], kv_pages: int) -> list[str]:
     return list(keys[:kv_pages])
 
 
-async def exists(store: ChunkStore, keys: Sequence[str], transfers: Sequence[Any],
-                 formats: Mapping[str, PageFormat], suffix: str) -> PoolTransferResult:  # fmt: skip
+async def exists(
+    store: ChunkStore,
+    keys: Sequence[str],
+    transfers: Sequence[Any],
+    formats: Mapping[str, PageFormat],
+    suffix: str,
+) -> PoolTransferResult:
     """``batch_exists_v2``: the KV prefix held, then each pool's pages
     (``HEAD`` requests under the store's concurrency limit, like v1's)."""
     kv_pages = await store.contains_prefix([k + suffix for k in keys])
@@ -194,13 +203,16 @@ async def exists(store: ChunkStore, keys: Sequence[str], transfers: Sequence[Any
     names = [k + suffix + fmt.tag for fmt, pages in asked if fmt is not None for k in pages]
     found = iter(await asyncio.gather(*(store.contains(n) for n in names)))
     # A pool that is not registered holds nothing: it gates every prefix.
-    held = [[next(found) for _ in pages] if fmt is not None else [False] * len(pages)
-            for fmt, pages in asked]  # fmt: skip
+    held = [
+        [next(found) for _ in pages] if fmt is not None else [False] * len(pages)
+        for fmt, pages in asked
+    ]
     return pool_hits(len(keys), kv_pages, transfers, held)
 
 
-def pool_hits(span: int, kv_pages: int, transfers: Sequence[Any],
-              held: Sequence[Sequence[bool]]) -> PoolTransferResult:  # fmt: skip
+def pool_hits(
+    span: int, kv_pages: int, transfers: Sequence[Any], held: Sequence[Sequence[bool]]
+) -> PoolTransferResult:
     """The usable prefix (the module's table) from what each pool holds:
     ``held[j][i]`` is whether transfer ``j``'s pool holds the page of its
     ``i``-th looked-up key (:func:`looked_up`)."""
@@ -220,12 +232,12 @@ def pool_hits(span: int, kv_pages: int, transfers: Sequence[Any],
             allowed = set(range(1, first_missing + 1))
         elif policy == PoolHitPolicy.TRAILING_PAGES:
             window = max(1, len(transfer.keys or ()))
-            allowed = {p for p in range(1, kv_pages + 1)
-                       if all(have[max(0, p - window) : p])}  # fmt: skip
+            allowed = {p for p in range(1, kv_pages + 1) if all(have[max(0, p - window) : p])}
         else:
             # A policy this backend does not know: nothing is known usable.
-            log.warning("kvstore: hit policy %s of pool %s not known; a miss", policy,
-                        transfer.name)  # fmt: skip
+            log.warning(
+                "kvstore: hit policy %s of pool %s not known; a miss", policy, transfer.name
+            )
             allowed = set()
         if allowed:
             hits[transfer.name] = max(allowed)

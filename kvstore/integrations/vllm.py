@@ -104,8 +104,10 @@ class VllmSettings:
         check_known(options, CHUNK_OPTIONS | VLLM_OPTIONS)
         parallel = vllm_config.parallel_config
         if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-            raise ConfigError("kvstore: pipeline parallelism is not supported yet (each stage "
-                              "would store a layer range of the same block)")  # fmt: skip
+            raise ConfigError(
+                "kvstore: pipeline parallelism is not supported yet (each stage "
+                "would store a layer range of the same block)"
+            )
         geometry, layer_names = engine_geometry(kv_cache_config)
         chunk = ChunkSettings.from_options(
             options, namespace="vllm", geometry=geometry, extra=VLLM_OPTIONS
@@ -147,23 +149,28 @@ def engine_geometry(kv_cache_config: Any) -> tuple[Geometry, tuple[str, ...]]:
     :class:`ConfigError` for caches that are not one group of full attention."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) != 1:
-        raise ConfigError(f"kvstore: {len(groups)} KV cache groups; the connector stores models "
-                          "with one group of full attention layers")  # fmt: skip
+        raise ConfigError(
+            f"kvstore: {len(groups)} KV cache groups; the connector stores models "
+            "with one group of full attention layers"
+        )
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
     if (
         kind != "FullAttentionSpec"
         or getattr(spec, "head_size_v", spec.head_size) != spec.head_size
     ):
-        raise ConfigError(f"kvstore: a KV cache of {kind} is not supported (MLA, sliding "
-                          "window groups and K/V of different sizes are not)")  # fmt: skip
+        raise ConfigError(
+            f"kvstore: a KV cache of {kind} is not supported (MLA, sliding "
+            "window groups and K/V of different sizes are not)"
+        )
     try:
         dtype = kv_dtype(spec.dtype)
     except LayoutError as exc:
         raise ConfigError(f"kvstore: {exc}") from None
     names = tuple(groups[0].layer_names)
-    return Geometry(len(names), int(spec.num_kv_heads), int(spec.head_size), dtype,
-                    int(spec.block_size)), names  # fmt: skip
+    return Geometry(
+        len(names), int(spec.num_kv_heads), int(spec.head_size), dtype, int(spec.block_size)
+    ), names
 
 
 class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -186,16 +193,26 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-                log.warning("kvstore: kv_load_failure_policy set to recompute: a block "
-                            "that a holder cannot serve is recomputed, never a failed "
-                            "request")  # fmt: skip
+                log.warning(
+                    "kvstore: kv_load_failure_policy set to recompute: a block "
+                    "that a holder cannot serve is recomputed, never a failed "
+                    "request"
+                )
                 transfer.kv_load_failure_policy = "recompute"
-            self._planner = Planner(self.settings.stores(0), self.settings.scope_keys,
-                                    self.settings.descriptors, self._run)  # fmt: skip
-            log.info("kvstore connector: holders %s, scope %s, compat %s, %d layers, "
-                     "%d tokens a block", ",".join(self.settings.chunk.holders),
-                     scope_id(self.settings.chunk.scope_key).hex(), descriptor.compat_id_hex,
-                     descriptor.layers, descriptor.block_tokens)  # fmt: skip
+            self._planner = Planner(
+                self.settings.stores(0),
+                self.settings.scope_keys,
+                self.settings.descriptors,
+                self._run,
+            )
+            log.info(
+                "kvstore connector: holders %s, scope %s, compat %s, %d layers, %d tokens a block",
+                ",".join(self.settings.chunk.holders),
+                scope_id(self.settings.chunk.scope_key).hex(),
+                descriptor.compat_id_hex,
+                descriptor.layers,
+                descriptor.block_tokens,
+            )
         else:
             rank = _tp_rank() if len(self.settings.descriptors) > 1 else 0
             self._worker = _Worker(self.settings, rank, self._loop, _backend_name())
@@ -318,17 +335,27 @@ class _Worker:
             raise ConfigError(f"kvstore: vLLM registered no KV cache for layers {missing}")
         try:
             self.layers = {
-                name: layer_views(kv_caches[name], block_tokens=d.block_tokens,
-                                  kv_heads=d.kv_heads, head_dim=d.head_dim,
-                                  backend=self.backend, layout=self.settings.layout)
+                name: layer_views(
+                    kv_caches[name],
+                    block_tokens=d.block_tokens,
+                    kv_heads=d.kv_heads,
+                    head_dim=d.head_dim,
+                    backend=self.backend,
+                    layout=self.settings.layout,
+                )
                 for name in self.settings.layer_names
-            }  # fmt: skip
+            }
         except LayoutError as exc:
             raise ConfigError(f"kvstore: {exc} (set kvstore.layout to override)") from None
         first = self.layers[self.settings.layer_names[0]]
-        log.info("kvstore connector (rank %d): %d layers of %d pages, layout %s, compat %s",
-                 self.rank, len(self.layers), first.num_blocks, first.layout,
-                 d.compat_id_hex)  # fmt: skip
+        log.info(
+            "kvstore connector (rank %d): %d layers of %d pages, layout %s, compat %s",
+            self.rank,
+            len(self.layers),
+            first.num_blocks,
+            first.layout,
+            d.compat_id_hex,
+        )
 
     # --- loads ------------------------------------------------------------
 
@@ -357,8 +384,10 @@ class _Worker:
             keys = load.keys[self.rank]
             pinned: list[Pin | None] | None = None
             if self.rank == 0:
-                pinned = [Pin(h, lease, 0) if h else None
-                          for h, lease in zip(load.holders, load.leases, strict=True)]  # fmt: skip
+                pinned = [
+                    Pin(h, lease, 0) if h else None
+                    for h, lease in zip(load.holders, load.leases, strict=True)
+                ]
                 # A pin without a lease (the holder's quota) is read at its holder too.
                 pinned = [p if p is None or p.lease else Pin(p.holder, "", 0) for p in pinned]
             found = await self.stores[load.scope].fetch_many(keys, convert, pinned=pinned)
@@ -413,8 +442,12 @@ class _Worker:
             unloaded = [n for n in self.layers if n not in self._loaded_layers]
             if unloaded:
                 ids = {bid for load in plan.loads for bid in load.block_ids}
-                log.warning("kvstore: layers %s were not loaded in their step; %d blocks "
-                            "reported for recomputation", unloaded[:3], len(ids))  # fmt: skip
+                log.warning(
+                    "kvstore: layers %s were not loaded in their step; %d blocks "
+                    "reported for recomputation",
+                    unloaded[:3],
+                    len(ids),
+                )
                 self._errors |= ids
             self.stats.load_s += time.perf_counter() - self._started
             self._fetch, self._fetched = None, None
@@ -429,8 +462,11 @@ class _Worker:
         octets = count * self.descriptor.block_octets
         if self._pending_octets + octets > self.settings.max_pending_octets:
             self.stats.saves_skipped += count
-            log.warning("kvstore: %d blocks not stored: %d MiB of saves still in flight",
-                        count, self._pending_octets >> 20)  # fmt: skip
+            log.warning(
+                "kvstore: %d blocks not stored: %d MiB of saves still in flight",
+                count,
+                self._pending_octets >> 20,
+            )
             return
         self._pending_octets += octets
         jobs: list[tuple[str, str, int]] = []
@@ -451,16 +487,18 @@ class _Worker:
         if exc is not None:
             log.warning("kvstore: a write-behind save failed: %r", exc)
 
-    async def _store(self, jobs: list[tuple[str, str, int]], layers: list[torch.Tensor],
-                     octets: int) -> None:  # fmt: skip
+    async def _store(
+        self, jobs: list[tuple[str, str, int]], layers: list[torch.Tensor], octets: int
+    ) -> None:
         tokens = self.descriptor.block_tokens
         try:
 
             def build(j: int) -> Callable[[], bytearray]:
                 return lambda: encode_block(layers, j, tokens)
 
-            stored = await asyncio.gather(*(self.stores[scope].put(key, build(j))
-                                            for scope, key, j in jobs))  # fmt: skip
+            stored = await asyncio.gather(
+                *(self.stores[scope].put(key, build(j)) for scope, key, j in jobs)
+            )
             self.stats.blocks_saved += sum(stored)
             self.stats.save_failures += len(stored) - sum(stored)
         finally:

@@ -129,8 +129,9 @@ class _Request:
         """Every rank's keys of blocks [0, end), computed once."""
         for chain in self.chains:
             if len(chain.keys) < end:
-                chain.extend(self.prompt[len(chain.keys) * chain.block_tokens :
-                                         end * chain.block_tokens])  # fmt: skip
+                chain.extend(
+                    self.prompt[len(chain.keys) * chain.block_tokens : end * chain.block_tokens]
+                )
         return [[k.hex() for k in chain.keys[:end]] for chain in self.chains]
 
 
@@ -155,8 +156,17 @@ class Planner:
         self._requests: dict[str, _Request] = {}
         self._release_queue: deque[list[list[Pin | None]]] = deque([[]] * RELEASE_AFTER_STEPS)
         self._warned: set[str] = set()
-        self.stats = dict.fromkeys(("lookups", "blocks_found", "blocks_loaded", "blocks_saved",
-                                    "uncached_requests", "lookup_failures"), 0)  # fmt: skip
+        self.stats = dict.fromkeys(
+            (
+                "lookups",
+                "blocks_found",
+                "blocks_loaded",
+                "blocks_saved",
+                "uncached_requests",
+                "lookup_failures",
+            ),
+            0,
+        )
 
     # --- which requests, under which scope ----------------------------
 
@@ -164,19 +174,28 @@ class Planner:
         """The scope a request's blocks live in, or None: not cached."""
         salt = getattr(request, "cache_salt", None)
         if getattr(request, "lora_request", None) is not None:
-            self._uncached("lora", "kvstore: requests with a LoRA adapter are not cached "
-                           "externally (the descriptor does not name the adapter)")  # fmt: skip
+            self._uncached(
+                "lora",
+                "kvstore: requests with a LoRA adapter are not cached "
+                "externally (the descriptor does not name the adapter)",
+            )
             return None
         if getattr(request, "mm_features", None):
-            self._uncached("mm", "kvstore: multimodal requests are not cached externally "
-                           "(their KV depends on more than the token ids)")  # fmt: skip
+            self._uncached(
+                "mm",
+                "kvstore: multimodal requests are not cached externally "
+                "(their KV depends on more than the token ids)",
+            )
             return None
         if not salt:
             return ""
         if salt in self.salts:
             return str(salt)
-        self._uncached(f"salt:{salt}", "kvstore: cache_salt %r is not in salt_scopes: "
-                       "no external cache for it", salt)  # fmt: skip
+        self._uncached(
+            f"salt:{salt}",
+            "kvstore: cache_salt %r is not in salt_scopes: no external cache for it",
+            salt,
+        )
         return None
 
     def _uncached(self, what: str, message: str, *args: object) -> None:
@@ -254,8 +273,14 @@ class Planner:
             state = self._requests.get(req.req_id)
             if state is not None:
                 state.block_ids = list(req.block_ids[0])
-                self._step(plan, loaded, req.req_id, state, req.num_computed_tokens,
-                           output.num_scheduled_tokens.get(req.req_id, 0))  # fmt: skip
+                self._step(
+                    plan,
+                    loaded,
+                    req.req_id,
+                    state,
+                    req.num_computed_tokens,
+                    output.num_scheduled_tokens.get(req.req_id, 0),
+                )
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -266,8 +291,14 @@ class Planner:
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
-            self._step(plan, loaded, req_id, state, cached.num_computed_tokens[i],
-                       output.num_scheduled_tokens.get(req_id, 0))  # fmt: skip
+            self._step(
+                plan,
+                loaded,
+                req_id,
+                state,
+                cached.num_computed_tokens[i],
+                output.num_scheduled_tokens.get(req_id, 0),
+            )
         for req_id in getattr(output, "preempted_req_ids", None) or ():
             state = self._requests.get(req_id)
             if state is not None:
@@ -279,9 +310,14 @@ class Planner:
         return plan
 
     def _step(
-        self, plan: StepPlan, loaded: list[list[Pin | None]], req_id: str, state: _Request,
-        num_computed: int, num_scheduled: int,
-    ) -> None:  # fmt: skip
+        self,
+        plan: StepPlan,
+        loaded: list[list[Pin | None]],
+        req_id: str,
+        state: _Request,
+        num_computed: int,
+        num_scheduled: int,
+    ) -> None:
         bt = self.block_tokens
         if state.load is not None:
             first, end = state.load
@@ -289,10 +325,16 @@ class Planner:
             if end > first and len(state.block_ids) >= end:
                 keys = state.keys(end)
                 pins = state.pins[: end - first]
-                plan.loads.append(BlockLoad(
-                    req_id, state.scope, state.block_ids[first:end], [k[first:end] for k in keys],
-                    [p.holder if p else "" for p in pins],
-                    [p.lease if p else None for p in pins]))  # fmt: skip
+                plan.loads.append(
+                    BlockLoad(
+                        req_id,
+                        state.scope,
+                        state.block_ids[first:end],
+                        [k[first:end] for k in keys],
+                        [p.holder if p else "" for p in pins],
+                        [p.lease if p else None for p in pins],
+                    )
+                )
                 self.stats["blocks_loaded"] += end - first
             loaded.append(state.pins)  # released two steps on
             state.pins = []
@@ -300,8 +342,14 @@ class Planner:
         done = min(done, state.prompt_blocks, len(state.block_ids))
         if done > state.saved:
             keys = state.keys(done)
-            plan.saves.append(BlockSave(req_id, state.scope, state.block_ids[state.saved : done],
-                                        [k[state.saved : done] for k in keys]))  # fmt: skip
+            plan.saves.append(
+                BlockSave(
+                    req_id,
+                    state.scope,
+                    state.block_ids[state.saved : done],
+                    [k[state.saved : done] for k in keys],
+                )
+            )
             self.stats["blocks_saved"] += done - state.saved
             state.saved = done
 

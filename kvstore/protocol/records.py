@@ -181,8 +181,9 @@ class ReplicaShape:
     @classmethod
     def of(cls, record: ReplicaRecord) -> ReplicaShape:
         digests = record.layer_digests
-        return cls(record.holder, record.size, record.residency,
-                   None if digests is None else len(digests))  # fmt: skip
+        return cls(
+            record.holder, record.size, record.residency, None if digests is None else len(digests)
+        )
 
     @property
     def whole(self) -> bool:
@@ -254,8 +255,9 @@ class ShapeRuns:
         for item, where in obj.items("groups", max_items=1 << 16):
             if not isinstance(item, list):
                 fail(where, "must be an array of shapes")
-            groups.append(tuple(ReplicaShape.from_json(v, f"{where}[{i}]")
-                                for i, v in enumerate(item)))  # fmt: skip
+            groups.append(
+                tuple(ReplicaShape.from_json(v, f"{where}[{i}]") for i, v in enumerate(item))
+            )
         runs = []
         for item, where in obj.items("runs", max_items=1 << 20):
             if not isinstance(item, list) or len(item) != 2:

@@ -258,18 +258,26 @@ class BlockRead:
         store, now = self._store, self._store.clock()
         for segment in self._info.segments:
             slot = store.slots[segment.slot]
-            if segment.last >= self.first and segment.first <= self.last and (
-                    slot.degraded_until > now):  # fmt: skip
-                raise TierUnavailable(f"layers {segment.first}-{segment.last} are in tier "
-                                      f"{slot.kind}, unavailable", tier=slot.kind)  # fmt: skip
+            if (
+                segment.last >= self.first
+                and segment.first <= self.last
+                and (slot.degraded_until > now)
+            ):
+                raise TierUnavailable(
+                    f"layers {segment.first}-{segment.last} are in tier {slot.kind}, unavailable",
+                    tier=slot.kind,
+                )
 
     @property
     def in_memory(self) -> bool:
         """Every segment this read needs is in a memory tier (host, device):
         streaming it cannot fail half way for a tier's sake."""
         slots = self._store.slots
-        return all(not slots[x.slot].tier.persistent for x in self._info.segments
-                   if x.last >= self.first and x.first <= self.last)  # fmt: skip
+        return all(
+            not slots[x.slot].tier.persistent
+            for x in self._info.segments
+            if x.last >= self.first and x.first <= self.last
+        )
 
     def known_repr_digest(self) -> str | None:
         """``Repr-Digest`` if already computed (no segment is read for it)."""

@@ -114,9 +114,12 @@ class SegmentSealer:
         what = name.decode(errors="replace")
         if self._aead is not None:
             if len(view) < _HEAD + _TAG or bytes(view[:4]) != MAGIC:
-                raise CorruptData(f"segment {what} is not a sealed segment (encryption was on "
-                                  "when it was stored?)" if bytes(view[:4]) == CHECKED else
-                                  f"segment {what} is not a sealed segment")  # fmt: skip
+                raise CorruptData(
+                    f"segment {what} is not a sealed segment (encryption was on "
+                    "when it was stored?)"
+                    if bytes(view[:4]) == CHECKED
+                    else f"segment {what} is not a sealed segment"
+                )
             flags = view[4]
             plain = bytearray(len(view) - _HEAD - _TAG)
             try:

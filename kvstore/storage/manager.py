@@ -262,13 +262,19 @@ class TieredStore:
         return StoreSnapshot(
             tiers=self.tier_snapshots(),
             blocks={state.value: n for state, n in self.table.states().items()},
-            hits=stats.hits, misses=stats.misses, evictions=stats.evictions,
-            fault_evictions=stats.fault_evictions, expired=stats.expired,
-            demotions=stats.demotions, promotions=stats.promotions,
-            promotions_dropped=stats.promotions_dropped, copies_dropped=stats.copies_dropped,
+            hits=stats.hits,
+            misses=stats.misses,
+            evictions=stats.evictions,
+            fault_evictions=stats.fault_evictions,
+            expired=stats.expired,
+            demotions=stats.demotions,
+            promotions=stats.promotions,
+            promotions_dropped=stats.promotions_dropped,
+            copies_dropped=stats.copies_dropped,
             integrity_failures=stats.integrity_failures,
-            lease_rejections=self.leases.rejections, leases=len(self.leases),
-        )  # fmt: skip
+            lease_rejections=self.leases.rejections,
+            leases=len(self.leases),
+        )
 
     # --- writes --------------------------------------------------------
 
@@ -397,8 +403,9 @@ class TieredStore:
         await info.claim.take()
         try:
             if self.pinned(ref) and not force:
-                raise PreconditionFailed(f"block {ref.block_key} is leased or being read "
-                                         "(force=true removes it even so)")  # fmt: skip
+                raise PreconditionFailed(
+                    f"block {ref.block_key} is leased or being read (force=true removes it even so)"
+                )
             if not await self.placement.evict(info, "deleted"):
                 raise NotFound(f"block {ref.block_key} is not held")
         finally:
@@ -422,9 +429,13 @@ class TieredStore:
     # --- reads ---------------------------------------------------------
 
     def read(
-        self, ref: BlockRef, first: int | None = None, last: int | None = None, *,
+        self,
+        ref: BlockRef,
+        first: int | None = None,
+        last: int | None = None,
+        *,
         count: bool = True,
-    ) -> BlockRead:  # fmt: skip
+    ) -> BlockRead:
         """Start a read of layers ``first..last`` (default: all held), BL1-BL2.
         ``count=False``: a probe (HEAD), neither a hit nor a use of the block."""
         info = self.table.serving(ref)

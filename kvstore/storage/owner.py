@@ -39,8 +39,10 @@ def owner_name(what: str = "") -> str:
     pid, host, what it serves; then a token (pids repeat across containers)
     and its pid namespace (see :func:`stale`)."""
     serving = f", {what}" if what else ""
-    name = (f"pid {os.getpid()} on {socket.gethostname()}{serving} "
-            f"[{secrets.token_hex(4)} {_pid_namespace()}]")  # fmt: skip
+    name = (
+        f"pid {os.getpid()} on {socket.gethostname()}{serving} "
+        f"[{secrets.token_hex(4)} {_pid_namespace()}]"
+    )
     _ours.add(name)
     return name
 

@@ -155,8 +155,9 @@ class Placement:
     async def place_copy(self, info: BlockInfo, segment: Segment, plain: BytesLike) -> None:
         """Write-through: a copy of a new segment in the first persistent tier
         below it that can take it; else the PUT fails (it would not be durable)."""
-        below = [i for i in range(segment.slot + 1, len(self.slots))
-                 if self.slots[i].tier.persistent]  # fmt: skip
+        below = [
+            i for i in range(segment.slot + 1, len(self.slots)) if self.slots[i].tier.persistent
+        ]
         try:
             copy = await self.write_first(info, segment.first, segment.last, plain, below)
         except InsufficientStorage as exc:
@@ -263,8 +264,10 @@ class Placement:
                 continue
             if self.store.pinned(ref):
                 continue  # LE2: leased and in-flight blocks never move
-            part = next((x for x in [*info.segments, *info.copies]
-                         if x.first == first and x.slot == index), None)  # fmt: skip
+            part = next(
+                (x for x in [*info.segments, *info.copies] if x.first == first and x.slot == index),
+                None,
+            )
             if part is not None and info.claim.try_take():
                 return (info, part), busy
         return None, busy
@@ -287,8 +290,12 @@ class Placement:
         a victim down first. Off when ``demote_above`` is None."""
         above = self.store.demote_above
         slot = self.slots[index]
-        if (above is None or index == len(self.slots) - 1 or index in self._draining
-                or slot.used <= above * slot.capacity):  # fmt: skip
+        if (
+            above is None
+            or index == len(self.slots) - 1
+            or index in self._draining
+            or slot.used <= above * slot.capacity
+        ):
             return
         self._draining.add(index)
         if not self.drains.start(lambda: self._drain(index), f"kvstore-demote-{slot.kind}"):
@@ -315,9 +322,13 @@ class Placement:
     # --- moves -----------------------------------------------------------
 
     async def demote(
-        self, info: BlockInfo, segment: Segment, make_room: bool = True, wait: bool = True,
+        self,
+        info: BlockInfo,
+        segment: Segment,
+        make_room: bool = True,
+        wait: bool = True,
         pinned_ok: bool = False,
-    ) -> bool | None:  # fmt: skip
+    ) -> bool | None:
         """Move a segment one step down the chain (skipping degraded tiers);
         the caller holds the block's claim.
 
@@ -351,8 +362,7 @@ class Placement:
             dst = self.slots[index]
             if self.io.degraded(index):
                 continue
-            stored = await self.io.stored_form(dst, info.ref, segment.first, segment.last,
-                                                    plain)  # fmt: skip
+            stored = await self.io.stored_form(dst, info.ref, segment.first, segment.last, plain)
             size = len(memoryview(stored))
             if make_room:
                 if not await self.make_room(index, size, exclude=info.ref, wait=wait):
@@ -364,8 +374,9 @@ class Placement:
             if dst.tier.persistent and index not in info.meta_slots:
                 # The layer table goes with the segment, in one batch call
                 # (one LMDB transaction, one fsync; one Redis pipeline).
-                items.append((info.ref.meta_key, self.io.sealer.seal(info.ref.meta_name,
-                                                                    info.meta())))  # fmt: skip
+                items.append(
+                    (info.ref.meta_key, self.io.sealer.seal(info.ref.meta_name, info.meta()))
+                )
             keys = [key for key, _ in items]
             try:
                 # Written below before it is removed above: nothing is lost.
@@ -382,8 +393,11 @@ class Placement:
                 raise
             if len(items) > 1:
                 info.meta_slots.add(index)
-            if (info.readers or (not pinned_ok and self.store.pinned(info.ref))
-                    or not self.holds(info, segment)):  # fmt: skip
+            if (
+                info.readers
+                or (not pinned_ok and self.store.pinned(info.ref))
+                or not self.holds(info, segment)
+            ):
                 # A read or a lease started (LE2), or the block went, while
                 # we copied: undo (the layer table goes with the next sync).
                 self.table.unreserve(index, size)
@@ -422,8 +436,7 @@ class Placement:
             top = self.slots[0]
             if not self.holds(info, segment) or self.io.degraded(0):
                 return
-            stored = await self.io.stored_form(top, info.ref, segment.first, segment.last,
-                                                    plain)  # fmt: skip
+            stored = await self.io.stored_form(top, info.ref, segment.first, segment.last, plain)
             size = len(memoryview(stored))
             if not await self.make_room(0, size, exclude=info.ref, wait=False):
                 self.stats.promotions_dropped += 1
@@ -515,8 +528,9 @@ class Placement:
         for index in info.meta_slots:
             keys.setdefault(index, []).append(info.ref.meta_key)
         # One batch call per tier (a Redis pipeline), the tiers at once.
-        await asyncio.gather(*(self.io.delete_quietly(self.slots[index], *batch)
-                               for index, batch in keys.items()))  # fmt: skip
+        await asyncio.gather(
+            *(self.io.delete_quietly(self.slots[index], *batch) for index, batch in keys.items())
+        )
         info.meta_slots.clear()
         settle(info)
 
@@ -529,8 +543,9 @@ class Placement:
         without it counts the block's age from then) and its layer
         digests, so a PUT is acknowledged only with it in place: a disk out
         of room after the segment went in is a 507, a tier gone a 503."""
-        want = {x.slot for x in [*info.segments, *info.copies]
-                if self.slots[x.slot].tier.persistent}  # fmt: skip
+        want = {
+            x.slot for x in [*info.segments, *info.copies] if self.slots[x.slot].tier.persistent
+        }
         for index in sorted(want - info.meta_slots):
             slot = self.slots[index]
             stored = self.io.sealer.seal(info.ref.meta_name, info.meta())
@@ -545,8 +560,12 @@ class Placement:
                     if isinstance(exc, TierUnavailable):
                         raise TierUnavailable(f"{what}: {exc.detail}", tier=slot.kind) from exc
                     raise InsufficientStorage(f"{what}: {exc.detail}") from exc
-                log.warning("layer table of %s not stored in %s: %s", info.ref.block_key,
-                            slot.kind, exc.detail)  # fmt: skip
+                log.warning(
+                    "layer table of %s not stored in %s: %s",
+                    info.ref.block_key,
+                    slot.kind,
+                    exc.detail,
+                )
         for index in sorted(info.meta_slots - want):
             info.meta_slots.discard(index)
             await self.io.delete_quietly(self.slots[index], info.ref.meta_key)

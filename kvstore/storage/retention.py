@@ -85,8 +85,7 @@ def lease_terms(
     if not store.retention_s:
         return held, ttl_ms
     end = store.wall_clock() + ttl_ms / 1000
-    lasting = [(r, size) for r, size in held
-               if store.info(r).stored_at + store.retention_s >= end]  # fmt: skip
+    lasting = [(r, size) for r, size in held if store.info(r).stored_at + store.retention_s >= end]
     if lasting:
         return lasting, ttl_ms
     return held, retention_ttl(store, ttl_ms, [r for r, _ in held])

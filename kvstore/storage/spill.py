@@ -43,8 +43,7 @@ async def spill(store: TieredStore, timeout_s: float = 10.0) -> int:
                 finally:
                     info.claim.give()
     except TimeoutError:
-        log.warning("shutdown: %d segments moved to persistent tiers before the deadline",
-                    moved)  # fmt: skip
+        log.warning("shutdown: %d segments moved to persistent tiers before the deadline", moved)
     return moved
 
 

@@ -51,16 +51,22 @@ async def recover(store: TieredStore) -> int:
             for key, stored in zip(keys, values, strict=True):
                 unchecked += not await _recover_segment(store, index, slot, key, stored)
     if unchecked:
-        log.warning("%d segments not adopted: their blocks have no readable layer table "
-                    "(left in place)", unchecked)  # fmt: skip
+        log.warning(
+            "%d segments not adopted: their blocks have no readable layer table (left in place)",
+            unchecked,
+        )
     for info in store.blocks():
         known = sorted(info.layers)
         # A block is kept only if its record can list every layer (R2) and
         # something of it survived; what is dropped here stays on disk.
         if not info.segments or known != list(range(len(known))):
             if info.segments:
-                log.warning("not adopting %s: layers %s known, %d segments", info.ref.block_key,
-                            known[:3], len(info.segments))  # fmt: skip
+                log.warning(
+                    "not adopting %s: layers %s known, %d segments",
+                    info.ref.block_key,
+                    known[:3],
+                    len(info.segments),
+                )
             store.table.unregister(info)
         elif not info.complete:
             info.whole_repr_digest = None  # taken over layers no longer held

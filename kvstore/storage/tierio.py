@@ -67,8 +67,10 @@ class TierIO:
         if slot.degraded_until > self.clock():
             # Failed a moment ago: not asked again until its retry time, so
             # one request never waits out a hung tier's deadline twice.
-            refusal = (f"{slot.kind}: unavailable ({slot.last_error}); retried after "
-                       f"{slot.degraded_until - self.clock():.1f} s")  # fmt: skip
+            refusal = (
+                f"{slot.kind}: unavailable ({slot.last_error}); retried after "
+                f"{slot.degraded_until - self.clock():.1f} s"
+            )
         elif late := [k for k in changes if (id(slot), k) in self._late]:
             refusal = f"{slot.kind}: an earlier change of {late[0]} is still under way"
         if refusal is not None:
@@ -147,8 +149,12 @@ class TierIO:
         except Exception as exc:
             # The data is already unaccounted for; an orphan costs space, not
             # correctness (recover() finds and re-adopts it at the next start).
-            log.warning("could not delete %s from %s (%s); it stays orphaned", ", ".join(keys),
-                        slot.kind, exc)  # fmt: skip
+            log.warning(
+                "could not delete %s from %s (%s); it stays orphaned",
+                ", ".join(keys),
+                slot.kind,
+                exc,
+            )
 
     async def stored_form(
         self, slot: TierSlot, ref: BlockRef, first: int, last: int, plain: BytesLike

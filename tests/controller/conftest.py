@@ -51,8 +51,9 @@ class Instances:
         async def prefetch(request: Request) -> Response:
             body = json.loads(await request.body())
             self.prefetched.append((request.path_params["name"], body))
-            return JSONResponse({}, status_code=202,
-                                headers={"Location": f"prefetch/{body['directive']}"})  # fmt: skip
+            return JSONResponse(
+                {}, status_code=202, headers={"Location": f"prefetch/{body['directive']}"}
+            )
 
         async def put_state(request: Request) -> Response:
             self.states.append((request.path_params["name"], json.loads(await request.body())))
@@ -68,19 +69,22 @@ class Instances:
                 await asyncio.sleep(2)
             return Response(status_code=200)
 
-        return Starlette(routes=[
-            Route("/{name}/reshard", reshard, methods=["POST"]),
-            Route("/{name}/sessions/{session}/resume", resume, methods=["POST"]),
-            Route("/{name}/prefetch", prefetch, methods=["POST"]),
-            Route("/{name}/state", put_state, methods=["PUT"]),
-        ])  # fmt: skip
+        return Starlette(
+            routes=[
+                Route("/{name}/reshard", reshard, methods=["POST"]),
+                Route("/{name}/sessions/{session}/resume", resume, methods=["POST"]),
+                Route("/{name}/prefetch", prefetch, methods=["POST"]),
+                Route("/{name}/state", put_state, methods=["PUT"]),
+            ]
+        )
 
 
 @pytest.fixture
 async def instances() -> AsyncIterator[Instances]:
     found = Instances()
-    config = uvicorn.Config(found.app(), host="127.0.0.1", port=found.port, log_level="error",
-                            lifespan="off")  # fmt: skip
+    config = uvicorn.Config(
+        found.app(), host="127.0.0.1", port=found.port, log_level="error", lifespan="off"
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

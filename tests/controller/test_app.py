@@ -21,12 +21,16 @@ from .test_state import checkpoint, status
 PC = "https://pc.test/pc/"
 II1, II2 = "https://ii1.test/kvsp/", "https://ii2.test/kvsp/"
 
-POLICY = Policy.from_json({"principals": {
-    "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": ["*"]},
-    "urn:kvstore:ii2": {"roles": ["instance"], "instance": II2, "write_scopes": ["*"]},
-    "urn:kvstore:alice": {"read_scopes": ["*"]},
-    "urn:kvstore:ii3": {"roles": ["instance"], "instance": "https://ii3.test/kvsp/"},
-}})  # fmt: skip
+POLICY = Policy.from_json(
+    {
+        "principals": {
+            "urn:kvstore:ii1": {"roles": ["instance"], "instance": II1, "write_scopes": ["*"]},
+            "urn:kvstore:ii2": {"roles": ["instance"], "instance": II2, "write_scopes": ["*"]},
+            "urn:kvstore:alice": {"read_scopes": ["*"]},
+            "urn:kvstore:ii3": {"roles": ["instance"], "instance": "https://ii3.test/kvsp/"},
+        }
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +114,9 @@ async def test_checkpoints_and_fencing(
         "epoch": 2,
         "output_offset": 10,
     }
-    other = await ii2.put(f"sessions/{uuid.uuid4()}/checkpoint",
-                          json=checkpoint(session, 2, 10).to_json())  # fmt: skip
+    other = await ii2.put(
+        f"sessions/{uuid.uuid4()}/checkpoint", json=checkpoint(session, 2, 10).to_json()
+    )
     assert other.status_code == 400
     # An epoch the PC never assigned is newer than current, not stale: a
     # 409 whose type does not say "older than current" (H3).
@@ -149,8 +154,9 @@ async def test_place_without_index_ranks_active_instances(
 async def test_checkpoint_needs_the_scope(as_: Callable[[str], httpx.AsyncClient]) -> None:
     # SEC1: ii3 may not write any scope; its checkpoint is refused, not stored.
     session = str(uuid.uuid4())
-    response = await as_("ii3").put(f"sessions/{session}/checkpoint",
-                                    json=checkpoint(session, 1, 1).to_json())  # fmt: skip
+    response = await as_("ii3").put(
+        f"sessions/{session}/checkpoint", json=checkpoint(session, 1, 1).to_json()
+    )
     assert response.status_code == 403
 
 
@@ -174,8 +180,12 @@ async def test_place_without_a_reachable_index(certs: Path, pc: ControllerState)
         wrapped = AsPrincipal(app, (certs / "client-alice.pem").read_text())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped), base_url=PC) as c:
             await pc.put_status(status(II1))
-            body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": ["c" * 64],
-                    "tokens": 8}  # fmt: skip
+            body = {
+                "scope_id": "a" * 32,
+                "compat_id": "b" * 64,
+                "block_keys": ["c" * 64],
+                "tokens": 8,
+            }
             response = await c.post("place", json=body)
     assert response.status_code == 200
     assert response.json()["index"] == "unavailable" and response.json()["matched"] == 0

@@ -29,8 +29,9 @@ from .conftest import Instances
 def maps(inst: Instances) -> tuple[ShardMap, ShardMap]:
     """The draft's example: v4 over three instances, v5 over two."""
     ii1, ii2, ii3 = (inst.uri(n) for n in ("ii1", "ii2", "ii3"))
-    v4 = ShardMap("c3f8", 4, (Shard(0, 32768, ii1), Shard(32768, 65536, ii2),
-                              Shard(65536, 98304, ii3)))  # fmt: skip
+    v4 = ShardMap(
+        "c3f8", 4, (Shard(0, 32768, ii1), Shard(32768, 65536, ii2), Shard(65536, 98304, ii3))
+    )
     v5 = ShardMap("c3f8", 5, (Shard(0, 49152, ii1), Shard(49152, 98304, ii3)))
     return v4, v5
 
@@ -110,16 +111,22 @@ async def test_reshard_resources(instances: Instances, certs: Path) -> None:
     # Ours: PUT/GET maps/{map} and POST maps/{map}/reshard, for admins only.
     pc = MemoryControllerState()
     v4, v5 = maps(instances)
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:alice": {"roles": ["admin"]}, "urn:kvstore:ii1": {"read_scopes": ["*"]},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:alice": {"roles": ["admin"]},
+                "urn:kvstore:ii1": {"read_scopes": ["*"]},
+            }
+        }
+    )
     async with InstanceClient() as client:
         app = create_app(ControllerSettings("https://pc.test/pc/"), pc, policy, None, client)
 
         def as_(name: str) -> httpx.AsyncClient:
             wrapped = AsPrincipal(app, (certs / f"client-{name}.pem").read_text())
-            return httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                     base_url="https://pc.test/pc/")  # fmt: skip
+            return httpx.AsyncClient(
+                transport=httpx.ASGITransport(wrapped), base_url="https://pc.test/pc/"
+            )
 
         async with as_("alice") as alice, as_("ii1") as other:
             assert (await other.put("maps/c3f8", json=v4.to_json())).status_code == 403
@@ -139,7 +146,10 @@ async def test_reshard_resources(instances: Instances, certs: Path) -> None:
             again = await alice.post("maps/c3f8/reshard", json=body)
             assert again.status_code == 409
             # Maps are the PC's own resources, not what kvsp-not-found covers.
-            for missing in (await alice.get("maps/none"),
-                            await alice.post("maps/none/reshard", json={
-                                **body, "target": {**v5.to_json(), "map": "none"}})):  # fmt: skip
+            for missing in (
+                await alice.get("maps/none"),
+                await alice.post(
+                    "maps/none/reshard", json={**body, "target": {**v5.to_json(), "map": "none"}}
+                ),
+            ):
                 assert missing.status_code == 404 and missing.json()["type"] == "about:blank"

@@ -48,10 +48,18 @@ KEYS = [f"{n:064x}" for n in range(6)]
 
 def status(instance: str, *links: Link, ttl_ms: int = 3000, queued: int = 0) -> InstanceStatus:
     return InstanceStatus(
-        instance=instance, epoch=1, state="active", running=0, queued=queued, batch_size=8,
-        kv_utilization=0.1, prefill_tokens_per_s=40000, decode_tokens_per_s=3000,
-        ttl_ms=ttl_ms, links=links,
-    )  # fmt: skip
+        instance=instance,
+        epoch=1,
+        state="active",
+        running=0,
+        queued=queued,
+        batch_size=8,
+        kv_utilization=0.1,
+        prefill_tokens_per_s=40000,
+        decode_tokens_per_s=3000,
+        ttl_ms=ttl_ms,
+        links=links,
+    )
 
 
 def shape(holder: str) -> ReplicaShape:
@@ -84,19 +92,38 @@ def test_directive_lists_what_the_instance_lacks_cheapest_source_first() -> None
     runs = [((shape(H1), shape(H2)), 2), ((shape(ii), shape(H1)), 1), ((partial, shape(H2)), 1)]
     placement = Placement([], 4, "ok", runs)  # type: ignore[arg-type]
     near_h2 = status(ii, Link(H1, 100000.0, 50.0), Link(H2, 100000.0, 10.0))
-    found = directive(placement, ii, near_h2.links, KEYS, SCOPE, COMPAT, deadline_ms=50,
-                      lease_ms=2000,
-                      request_ref="r-1")  # fmt: skip
+    found = directive(
+        placement,
+        ii,
+        near_h2.links,
+        KEYS,
+        SCOPE,
+        COMPAT,
+        deadline_ms=50,
+        lease_ms=2000,
+        request_ref="r-1",
+    )
     assert found is not None
     assert [(b.block_key, b.sources) for b in found.blocks] == [
-        (KEYS[0], (H2, H1)), (KEYS[1], (H2, H1)), (KEYS[3], (H2,)),
-    ]  # fmt: skip
+        (KEYS[0], (H2, H1)),
+        (KEYS[1], (H2, H1)),
+        (KEYS[3], (H2,)),
+    ]
     assert PrefetchDirective.from_json(found.to_json()) == found
     assert (found.deadline_ms, found.lease_ms, found.request_ref) == (50, 2000, "r-1")
     # Keys that came packed (POST place as octets) give the same directive.
     packed = PackedKeys(b"".join(bytes.fromhex(k) for k in KEYS))
-    again = directive(placement, ii, near_h2.links, packed, SCOPE, COMPAT, deadline_ms=50,
-                      lease_ms=2000, request_ref="r-1")  # fmt: skip
+    again = directive(
+        placement,
+        ii,
+        near_h2.links,
+        packed,
+        SCOPE,
+        COMPAT,
+        deadline_ms=50,
+        lease_ms=2000,
+        request_ref="r-1",
+    )
     assert again is not None and again.blocks == found.blocks
     only_resident = Placement([], 1, "ok", [((shape(ii),), 1)])
     links = near_h2.links
@@ -107,8 +134,9 @@ def test_directive_lists_what_the_instance_lacks_cheapest_source_first() -> None
 
 async def place(app: Any, certs: Path, body: dict[str, Any]) -> httpx.Response:
     wrapped = AsPrincipal(app, (certs / "client-alice.pem").read_text())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                 base_url="https://pc.test/pc/") as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(wrapped), base_url="https://pc.test/pc/"
+    ) as client:
         return await client.post("place", json=body)
 
 
@@ -122,18 +150,38 @@ async def test_place_sends_the_chosen_instance_a_prefetch_directive(
     await pc.put_status(status(near, Link(H1, 100000.0, 10.0)))
     await pc.put_status(status(far, Link(H1, 1000.0, 10.0)))
     gone = f"http://127.0.0.1:{free_port()}/gone/"  # nothing listens there
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:alice": {"read_scopes": ["*"]},
-        **{f"urn:kvstore:{n}": {"roles": ["instance"], "instance": uri, "write_scopes": [SCOPE]}
-           for n, uri in (("near", near), ("far", far), ("gone", gone))},
-    }})  # fmt: skip
-    settings = ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}, prefetch=True,
-                                  prefetch_deadline_ms=80, prefetch_lease_ms=3000)  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:alice": {"read_scopes": ["*"]},
+                **{
+                    f"urn:kvstore:{n}": {
+                        "roles": ["instance"],
+                        "instance": uri,
+                        "write_scopes": [SCOPE],
+                    }
+                    for n, uri in (("near", near), ("far", far), ("gone", gone))
+                },
+            }
+        }
+    )
+    settings = ControllerSettings(
+        "https://pc.test/pc/",
+        block_tokens={COMPAT: 4},
+        prefetch=True,
+        prefetch_deadline_ms=80,
+        prefetch_lease_ms=3000,
+    )
     index = FakeIndex([((shape(H1),), 3)])
     async with InstanceClient() as client:
         app = create_app(settings, pc, policy, index, client)
-        body = {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": KEYS[:4], "tokens": 16,
-                "request_ref": "front-7"}  # fmt: skip
+        body = {
+            "scope_id": SCOPE,
+            "compat_id": COMPAT,
+            "block_keys": KEYS[:4],
+            "tokens": 16,
+            "request_ref": "front-7",
+        }
         response = await place(app, certs, body)
         assert response.status_code == 200, response.text
         answer = response.json()
@@ -181,13 +229,18 @@ async def test_sessions_of_a_failed_instance_resume_elsewhere(
     await pc.put_status(status(good, ttl_ms=60_000, queued=1))
     instances.refuse.add("busy")
     sessions = [str(uuid.uuid4()) for _ in range(3)]
-    await pc.put_checkpoint(dataclasses.replace(checkpoint(sessions[0], 1, 5), compat_id=COMPAT,
-                                                prompt_blocks=tuple(KEYS[:3])), dead)  # fmt: skip
+    await pc.put_checkpoint(
+        dataclasses.replace(
+            checkpoint(sessions[0], 1, 5), compat_id=COMPAT, prompt_blocks=tuple(KEYS[:3])
+        ),
+        dead,
+    )
     await pc.assign(sessions[1], dead)  # no checkpoint: cannot be resumed
     await pc.put_checkpoint(checkpoint(sessions[2], 1, 2), good)  # on a live instance
     async with InstanceClient() as client:
-        migrator = Migrator(pc, Placer(pc, FakeIndex([((shape(H1),), 3)]), 1000.0), client,
-                            {COMPAT: 4})  # fmt: skip
+        migrator = Migrator(
+            pc, Placer(pc, FakeIndex([((shape(H1),), 3)]), 1000.0), client, {COMPAT: 4}
+        )
         assert await migrator.run_once() == 0  # nobody failed yet
         clock.now += 2
         assert await migrator.run_once() == 1
@@ -254,17 +307,22 @@ async def test_delete_session_resource(certs: Path) -> None:
     # Ours: DELETE sessions/{session} by the owner only.
     pc = MemoryControllerState()
     ii1 = "https://ii1.test/kvsp/"
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:ii1": {"roles": ["instance"], "instance": ii1, "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"read_scopes": ["*"]},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:ii1": {"roles": ["instance"], "instance": ii1, "write_scopes": ["*"]},
+                "urn:kvstore:alice": {"read_scopes": ["*"]},
+            }
+        }
+    )
     app = create_app(ControllerSettings("https://pc.test/pc/"), pc, policy)
     session = str(uuid.uuid4())
     await pc.put_checkpoint(checkpoint(session, 1, 1), ii1)
     for name, expected in (("alice", 403), ("ii1", 204), ("ii1", 404)):
         wrapped = AsPrincipal(app, (certs / f"client-{name}.pem").read_text())
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                     base_url="https://pc.test/pc/") as client:  # fmt: skip
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(wrapped), base_url="https://pc.test/pc/"
+        ) as client:
             response = await client.delete(f"sessions/{session}")
         assert response.status_code == expected, (name, response.text)
     assert role_id(ii1)  # the instance's id is what its status path names
@@ -277,16 +335,22 @@ async def test_an_operator_wakes_a_sleeping_instance(instances: Instances, certs
     sleepy = instances.uri("sleepy")
     await pc.put_status(status(sleepy))
     await pc.set_state(sleepy, "sleeping")
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:alice": {"roles": ["admin"]}, "urn:kvstore:ii1": {"read_scopes": ["*"]},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:alice": {"roles": ["admin"]},
+                "urn:kvstore:ii1": {"read_scopes": ["*"]},
+            }
+        }
+    )
     async with InstanceClient() as client:
         app = create_app(ControllerSettings("https://pc.test/pc/"), pc, policy, None, client)
 
         async def put(name: str, instance: str, body: Any) -> httpx.Response:
             wrapped = AsPrincipal(app, (certs / f"client-{name}.pem").read_text())
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                         base_url="https://pc.test/pc/") as http:  # fmt: skip
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(wrapped), base_url="https://pc.test/pc/"
+            ) as http:
                 return await http.put(f"instances/{role_id(instance)}/state", json=body)
 
         assert (await put("ii1", sleepy, {"state": "active"})).status_code == 403
@@ -315,10 +379,18 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
 
     pc = MemoryControllerState()
     new = instances.uri("new")
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:alice": {"read_scopes": ["*"]},
-        "urn:kvstore:new": {"roles": ["instance"], "instance": new, "write_scopes": [SCOPE]},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:alice": {"read_scopes": ["*"]},
+                "urn:kvstore:new": {
+                    "roles": ["instance"],
+                    "instance": new,
+                    "write_scopes": [SCOPE],
+                },
+            }
+        }
+    )
     runs = certs.parent / f"runs-{uuid.uuid4().hex[:6]}"
     command = (
         sys.executable,
@@ -326,9 +398,13 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
         f"import os; assert os.environ['KVSP_SCOPE_ID'] == '{SCOPE}'; "
         f"open({str(runs)!r}, 'a').write('x'); print('{new}', flush=True)",
     )
-    settings = ControllerSettings("https://pc.test/pc/", block_tokens={COMPAT: 4}, prefetch=True,
-                                  start_command=shlex.join(command),
-                                  start_cooldown_s=60)  # fmt: skip
+    settings = ControllerSettings(
+        "https://pc.test/pc/",
+        block_tokens={COMPAT: 4},
+        prefetch=True,
+        start_command=shlex.join(command),
+        start_cooldown_s=60,
+    )
     body = {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": KEYS[:2], "tokens": 8}
     async with InstanceClient() as client:
         app = create_app(settings, pc, policy, FakeIndex([((shape(H1),), 2)]), client)
@@ -347,10 +423,14 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
     # An active instance that fits is used: nothing is started.
     old = instances.uri("old")
     await pc.put_status(status(old, Link(H1, 1e5, 10.0)))
-    with_old = Policy.from_json({"principals": {
-        "urn:kvstore:alice": {"read_scopes": ["*"]},
-        "urn:kvstore:old": {"roles": ["instance"], "instance": old, "write_scopes": ["*"]},
-    }})  # fmt: skip
+    with_old = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:alice": {"read_scopes": ["*"]},
+                "urn:kvstore:old": {"roles": ["instance"], "instance": old, "write_scopes": ["*"]},
+            }
+        }
+    )
     async with InstanceClient() as client:
         app = create_app(settings, pc, with_old, FakeIndex([((shape(H1),), 2)]), client)
         answer = (await place(app, certs, body)).json()

@@ -74,8 +74,9 @@ async def test_retries_back_off_and_log_one_error_then_summaries(
     retry = Clock()
     caplog.set_level(logging.DEBUG, "kvstore.controller")
     async with InstanceClient() as client:
-        migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 1.0,
-                            retry_cap_s=16.0)  # fmt: skip
+        migrator = Migrator(
+            pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 1.0, retry_cap_s=16.0
+        )
         for _ in range(240):  # two minutes of rounds every 0.5 s
             assert await migrator.run_once() == 0
             retry.now += 0.5
@@ -100,8 +101,9 @@ async def test_jitter_spreads_the_retries(instances: Instances) -> None:
     pc, _, _, _ = await refused_session(instances, 3_600_000)
     retry = Clock()
     async with InstanceClient() as client:
-        migrator = Migrator(pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 0.0,
-                            retry_base_s=4.0)  # fmt: skip
+        migrator = Migrator(
+            pc, Placer(pc, None), client, {}, clock=retry, jitter=lambda: 0.0, retry_base_s=4.0
+        )
         await migrator.run_once()
         retry.now += 1.9
         await migrator.run_once()
@@ -133,9 +135,15 @@ async def test_an_index_answering_garbage_means_placing_without_cache() -> None:
         return Response("<html>a proxy's page</html>", media_type="text/html")
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(
-        Starlette(routes=[Route("/is/lookup", lookup, methods=["POST"])]), host="127.0.0.1",
-        port=port, log_level="error", lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            Starlette(routes=[Route("/is/lookup", lookup, methods=["POST"])]),
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="off",
+        )
+    )
     import asyncio
 
     task = asyncio.create_task(server.serve())
@@ -238,14 +246,16 @@ async def test_prefetch_to_an_instance_gone_since_it_was_chosen() -> None:
             shape = ReplicaShape("https://h.test/", 1 << 20, (Residency("host", 0, 31),), 32)
             return LookupResponse(1, (), shapes=ShapeRuns(((shape,),), ((0, 1),)))
 
-    settings = ControllerSettings("http://pc.test/pc/", allow_anonymous=True, prefetch=True,
-                                  block_tokens={"b" * 64: 4})  # fmt: skip
+    settings = ControllerSettings(
+        "http://pc.test/pc/", allow_anonymous=True, prefetch=True, block_tokens={"b" * 64: 4}
+    )
     async with InstanceClient() as client:
         app = create_app(settings, pc, policy, Index(), client)
         import httpx
 
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
-                                     base_url="http://pc.test/pc/") as http:  # fmt: skip
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://pc.test/pc/"
+        ) as http:
             body = {"scope_id": "a" * 32, "compat_id": "b" * 64, "block_keys": ["c" * 64]}
             response = await http.post("place", json=body)
     assert response.status_code == 200, response.text
@@ -347,9 +357,14 @@ async def test_the_starter_takes_the_first_line_and_lets_the_command_run() -> No
 
     from kvstore.controller.starter import InstanceStarter
 
-    stays = InstanceStarter([sys.executable, "-c",
-                             "import time; print('http://127.0.0.1:1/new/', flush=True); "
-                             "time.sleep(30)"], timeout_s=20)  # fmt: skip
+    stays = InstanceStarter(
+        [
+            sys.executable,
+            "-c",
+            "import time; print('http://127.0.0.1:1/new/', flush=True); time.sleep(30)",
+        ],
+        timeout_s=20,
+    )
     started = time.monotonic()
     assert await stays.start("a" * 32, "b" * 64, "ref\x00with a nul") == "http://127.0.0.1:1/new/"
     assert time.monotonic() - started < 10

@@ -38,10 +38,17 @@ def record(key: str, holder: str, first_host: int = 0) -> ReplicaRecord:
     digests = tuple(hashlib.sha256(f"{key}{i}".encode()).hexdigest() for i in range(32))
     digest = hashlib.sha256(b"".join(bytes.fromhex(d) for d in digests)).hexdigest()
     return ReplicaRecord(
-        block_key=key, compat_id=COMPAT, scope_id=SCOPE, holder=holder, codec=1, size=1 << 20,
-        digest="sha-256:" + digest, layer_digests=digests,
-        residency=(Residency("host", first_host, 31),), ttl_ms=60_000,
-    )  # fmt: skip
+        block_key=key,
+        compat_id=COMPAT,
+        scope_id=SCOPE,
+        holder=holder,
+        codec=1,
+        size=1 << 20,
+        digest="sha-256:" + digest,
+        layer_digests=digests,
+        residency=(Residency("host", first_host, 31),),
+        ttl_ms=60_000,
+    )
 
 
 async def filled() -> MemoryState:
@@ -54,17 +61,28 @@ async def filled() -> MemoryState:
     return state
 
 
-POLICY = Policy.from_json({"principals": {
-    "urn:kvstore:alice": {"read_scopes": ["*"]},
-    **{f"urn:kvstore:ii{n}": {"roles": ["instance"], "instance": uri, "write_scopes": [SCOPE]}
-       for n, uri in ((1, II1), (2, II2))},
-}})  # fmt: skip
+POLICY = Policy.from_json(
+    {
+        "principals": {
+            "urn:kvstore:alice": {"read_scopes": ["*"]},
+            **{
+                f"urn:kvstore:ii{n}": {
+                    "roles": ["instance"],
+                    "instance": uri,
+                    "write_scopes": [SCOPE],
+                }
+                for n, uri in ((1, II1), (2, II2))
+            },
+        }
+    }
+)
 
 
 async def _post(app: Any, certs: Path, path: str, body: dict[str, Any]) -> httpx.Response:
     wrapped = AsPrincipal(app, (certs / "client-alice.pem").read_text())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                 base_url="https://kv.test/") as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(wrapped), base_url="https://kv.test/"
+    ) as client:
         return await client.post(path, json=body)
 
 
@@ -103,36 +121,49 @@ async def test_place_with_the_is_in_process_and_compact_keys(certs: Path) -> Non
     app = create_app(settings, pc, POLICY, LocalIndex(await filled()))
     listed = {"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": KEYS}
     packed = b"".join(bytes.fromhex(k) for k in KEYS)
-    compact = {"scope_id": SCOPE, "compat_id": COMPAT,
-               "block_keys_b64": base64.b64encode(packed).decode()}  # fmt: skip
+    compact = {
+        "scope_id": SCOPE,
+        "compat_id": COMPAT,
+        "block_keys_b64": base64.b64encode(packed).decode(),
+    }
     first = await _post(app, certs, "pc/place", listed)
     second = await _post(app, certs, "pc/place", compact)
     assert first.status_code == second.status_code == 200, (first.text, second.text)
     assert first.json() == second.json()
     assert first.json()["matched"] == 30 and first.json()["index"] == "ok"
     # Bad compact keys are a 400 problem, as bad hex keys are.
-    for bad in ({**compact, "block_keys": KEYS}, {**compact, "block_keys_b64": "***"},
-                {**compact, "block_keys_b64": base64.b64encode(packed[:-1]).decode()},
-                {**compact, "block_keys_b64": ""}, {**compact, "block_keys_b64": 7}):  # fmt: skip
+    for bad in (
+        {**compact, "block_keys": KEYS},
+        {**compact, "block_keys_b64": "***"},
+        {**compact, "block_keys_b64": base64.b64encode(packed[:-1]).decode()},
+        {**compact, "block_keys_b64": ""},
+        {**compact, "block_keys_b64": 7},
+    ):
         response = await _post(app, certs, "pc/place", bad)
         assert response.status_code == 400, (bad, response.text)
         assert response.headers["content-type"] == "application/problem+json"
     # The keys' octets themselves: a JSON header line, then 32 octets a key.
     header = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT}).encode()
     wrapped = AsPrincipal(app, (certs / "client-alice.pem").read_text())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                 base_url="https://kv.test/") as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(wrapped), base_url="https://kv.test/"
+    ) as client:
         octets = {"content-type": "application/octet-stream"}
         third = await client.post("pc/place", content=header + b"\n" + packed, headers=octets)
         assert third.status_code == 200, third.text
         assert third.json() == first.json()
-        for bad_body in (header + packed, b"{]\n" + packed, header + b"\n" + packed[:-3],
-                         b'{"scope_id": 1}\n' + packed,
-                         json.dumps({**listed}).encode() + b"\n" + packed):  # fmt: skip
+        for bad_body in (
+            header + packed,
+            b"{]\n" + packed,
+            header + b"\n" + packed[:-3],
+            b'{"scope_id": 1}\n' + packed,
+            json.dumps({**listed}).encode() + b"\n" + packed,
+        ):
             response = await client.post("pc/place", content=bad_body, headers=octets)
             assert response.status_code == 400, (bad_body[:40], response.text)
-    few = create_app(dataclasses.replace(settings, max_place_keys=8), pc, POLICY,
-                     LocalIndex(await filled()))  # fmt: skip
+    few = create_app(
+        dataclasses.replace(settings, max_place_keys=8), pc, POLICY, LocalIndex(await filled())
+    )
     response = await _post(few, certs, "pc/place", compact)
     assert response.status_code == 400 and "at most 8 keys" in response.json()["detail"]
 
@@ -141,9 +172,12 @@ def test_the_is_is_asked_in_process_when_both_roles_run_here(tmp_path: Path) -> 
     config = Config()  # the defaults: no controller.index_uri
     assert index_in_process(config, ("pc", "index"))
     assert not index_in_process(config, ("pc",)) and not index_in_process(config, ("index",))
-    named = dataclasses.replace(config, controller=dataclasses.replace(
-        config.controller, index_uri=config.index.uri))  # fmt: skip
+    named = dataclasses.replace(
+        config, controller=dataclasses.replace(config.controller, index_uri=config.index.uri)
+    )
     assert index_in_process(named, ("pc", "index"))
-    elsewhere = dataclasses.replace(config, controller=dataclasses.replace(
-        config.controller, index_uri="https://other-is.test/is/"))  # fmt: skip
+    elsewhere = dataclasses.replace(
+        config,
+        controller=dataclasses.replace(config.controller, index_uri="https://other-is.test/is/"),
+    )
     assert not index_in_process(elsewhere, ("pc", "index"))

@@ -20,18 +20,37 @@ MIB = 1 << 20
 def status(instance: str, link_rate: float | None, queued: int = 0) -> InstanceStatus:
     links = (Link(H1, link_rate, 10.0),) if link_rate else ()
     return InstanceStatus(
-        instance=instance, epoch=1, state="active", running=1, queued=queued, batch_size=8,
-        kv_utilization=0.2, prefill_tokens_per_s=10000, decode_tokens_per_s=1000, ttl_ms=3000,
+        instance=instance,
+        epoch=1,
+        state="active",
+        running=1,
+        queued=queued,
+        batch_size=8,
+        kv_utilization=0.2,
+        prefill_tokens_per_s=10000,
+        decode_tokens_per_s=1000,
+        ttl_ms=3000,
         links=links,
-    )  # fmt: skip
+    )
 
 
 def replicas(n: int) -> list[list[ReplicaRecord]]:
-    return [[ReplicaRecord(
-        block_key=f"{i:064x}", compat_id="c" * 64, scope_id="d" * 32, holder=H1, codec=1,
-        size=2 * MIB, digest="sha-256:" + "0" * 64, residency=(Residency("host", 0, 31),),
-        ttl_ms=1000,
-    )] for i in range(n)]  # fmt: skip
+    return [
+        [
+            ReplicaRecord(
+                block_key=f"{i:064x}",
+                compat_id="c" * 64,
+                scope_id="d" * 32,
+                holder=H1,
+                codec=1,
+                size=2 * MIB,
+                digest="sha-256:" + "0" * 64,
+                residency=(Residency("host", 0, 31),),
+                ttl_ms=1000,
+            )
+        ]
+        for i in range(n)
+    ]
 
 
 def test_cheapest_fetch_wins() -> None:
@@ -53,15 +72,25 @@ def test_queue_wait_counts() -> None:
     # wait_us = queued x mean service time can outweigh a faster fetch.
     near_busy = status(BUSY, 100000.0, queued=10)
     far = status(FAR, 1000.0)
-    ranked = rank([near_busy, far], shape_groups(replicas(4)), total_tokens=80, block_tokens=16,
-                  mean_service_us=5000)  # fmt: skip
+    ranked = rank(
+        [near_busy, far],
+        shape_groups(replicas(4)),
+        total_tokens=80,
+        block_tokens=16,
+        mean_service_us=5000,
+    )
     assert choose(ranked).instance == FAR
     assert ranked[1].wait_us == 50000
 
 
 def test_unreachable_replicas_mean_recompute() -> None:
-    ranked = rank([status(NEAR, None)], shape_groups(replicas(2)), total_tokens=32, block_tokens=16,
-                  mean_service_us=0)  # fmt: skip
+    ranked = rank(
+        [status(NEAR, None)],
+        shape_groups(replicas(2)),
+        total_tokens=32,
+        block_tokens=16,
+        mean_service_us=0,
+    )
     assert ranked[0].fetch_us is None
     assert ranked[0].cost_us == pytest.approx(1e6 * 32 / 10000)
 

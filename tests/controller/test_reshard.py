@@ -30,11 +30,14 @@ def test_the_drafts_example() -> None:
     plans = plan_reshard(V4, v5, deadline_ms=200)
     ii1 = plans[II1]
     assert ii1.to_json() == {
-        "map": "c3f8e1", "from": 4, "to": 5, "deadline_ms": 200,
+        "map": "c3f8e1",
+        "from": 4,
+        "to": 5,
+        "deadline_ms": 200,
         "retain": [[0, 32768]],
         "fetch": [{"tokens": [32768, 49152], "from": II2}],
         "release": [],
-    }  # fmt: skip
+    }
     assert plans[II2].retain == ((49152, 65536),)
     assert plans[II2].release == ((32768, 49152),)
     assert plans[II2].fetch == ()
@@ -42,8 +45,9 @@ def test_the_drafts_example() -> None:
 
 
 def test_growing_the_group_fetches_only_what_moves() -> None:
-    v5 = shard_map(5, (0, 16384, II1), (16384, 32768, II3), (32768, 65536, II2),
-                   (65536, 98304, II3))  # fmt: skip
+    v5 = shard_map(
+        5, (0, 16384, II1), (16384, 32768, II3), (32768, 65536, II2), (65536, 98304, II3)
+    )
     plans = plan_reshard(V4, v5, 100)
     assert plans[II3].fetch == (RangeFetch(16384, 32768, II1),)
     assert plans[II3].retain == ((65536, 98304),)
@@ -81,8 +85,9 @@ def test_every_token_is_retained_or_fetched_exactly_once(
     # exactly once, and a token never moves between an instance and itself.
     def build(version: int, points: list[int], owners: list[str]) -> ShardMap:
         edges = [0, *sorted(points), 100]
-        return shard_map(version, *((a, b, owners[i]) for i, (a, b) in
-                                    enumerate(itertools.pairwise(edges))))  # fmt: skip
+        return shard_map(
+            version, *((a, b, owners[i]) for i, (a, b) in enumerate(itertools.pairwise(edges)))
+        )
 
     old, new = build(1, cuts, owners_old), build(2, new_cuts, owners_new)
     plans = plan_reshard(old, new, 100)

@@ -36,9 +36,17 @@ class Clock:
 
 def status(instance: str = II1, epoch: int = 10, **changes: object) -> InstanceStatus:
     base = InstanceStatus(
-        instance=instance, epoch=epoch, state="active", running=4, queued=1, batch_size=32,
-        kv_utilization=0.5, prefill_tokens_per_s=40000, decode_tokens_per_s=3000, ttl_ms=3000,
-    )  # fmt: skip
+        instance=instance,
+        epoch=epoch,
+        state="active",
+        running=4,
+        queued=1,
+        batch_size=32,
+        kv_utilization=0.5,
+        prefill_tokens_per_s=40000,
+        decode_tokens_per_s=3000,
+        ttl_ms=3000,
+    )
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
@@ -58,8 +66,11 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
         else:
             cluster = request.param == "redis-cluster"
             server: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
-            made.append(RedisControllerState(server.url, prefix, clock=clock or Clock(),
-                                             cluster=cluster, **rules))  # fmt: skip
+            made.append(
+                RedisControllerState(
+                    server.url, prefix, clock=clock or Clock(), cluster=cluster, **rules
+                )
+            )
         return made[-1]
 
     yield factory
@@ -140,11 +151,16 @@ async def test_restart_does_not_wake_a_sleeping_instance(make: Make) -> None:
 
 def checkpoint(session: str, epoch: int, offset: int) -> SessionCheckpoint:
     return SessionCheckpoint(
-        session=session, epoch=epoch, compat_id="c" * 64, scope_id="d" * 32,
-        prompt_blocks=(), prompt_tail=(1, 2), generated=tuple(range(offset)),
+        session=session,
+        epoch=epoch,
+        compat_id="c" * 64,
+        scope_id="d" * 32,
+        prompt_blocks=(),
+        prompt_tail=(1, 2),
+        generated=tuple(range(offset)),
         output_offset=offset,
         sampler=Sampler("greedy", seed=0, step=offset, deterministic=True),
-    )  # fmt: skip
+    )
 
 
 async def test_checkpoints_keep_the_highest_offset_of_the_current_epoch(make: Make) -> None:

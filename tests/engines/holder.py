@@ -42,8 +42,11 @@ class Holder:
 
     def context(self) -> object:
         certs = self.root / "certs"
-        return client_context(str(certs / "ca.pem"), str(certs / "client-engine.pem"),
-                              str(certs / "client-engine.key"))  # fmt: skip
+        return client_context(
+            str(certs / "ca.pem"),
+            str(certs / "client-engine.pem"),
+            str(certs / "client-engine.key"),
+        )
 
     def metric(self, name: str, *having: str) -> float:
         """A sample of the holder's ``/metrics`` (the engine's principal may
@@ -89,9 +92,19 @@ def start_holder(
         scopes.append(scope_id(key).hex())
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:engine": {"roles": ["client", "metrics"], "read_scopes": scopes,
-                               "write_scopes": scopes}}}))  # fmt: skip
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:engine": {
+                        "roles": ["client", "metrics"],
+                        "read_scopes": scopes,
+                        "write_scopes": scopes,
+                    }
+                }
+            }
+        )
+    )
     tiers = tiers or f'[[storage.tiers]]\nbackend = "host"\ncapacity = {capacity}\n'
     config = SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n' + tiers
     process = Process(root, "holder", config, "holder")

@@ -32,10 +32,16 @@ SLOTS = 256
 
 
 def metadata() -> LMCacheMetadata:
-    return LMCacheMetadata(model_name="toy-model", world_size=1, local_world_size=1,
-                           worker_id=0, local_worker_id=0, kv_dtype=DTYPE,
-                           kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM),
-                           chunk_size=CHUNK)  # fmt: skip
+    return LMCacheMetadata(
+        model_name="toy-model",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=DTYPE,
+        kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM),
+        chunk_size=CHUNK,
+    )
 
 
 def config(holder: Holder, timeout_s: int = 5) -> LMCacheEngineConfig:
@@ -65,9 +71,13 @@ def engines() -> Iterator[list[str]]:
 def engine(name: str, holder: Holder, made: list[str], timeout_s: int = 5) -> Any:
     made.append(name)
     built = LMCacheEngineBuilder.get_or_create(
-        name, config(holder, timeout_s), metadata(), CPUKVConnector(LAYERS, HIDDEN),
-        broadcast_fn=lambda t, src: None, broadcast_object_fn=lambda o, src: o,
-    )  # fmt: skip
+        name,
+        config(holder, timeout_s),
+        metadata(),
+        CPUKVConnector(LAYERS, HIDDEN),
+        broadcast_fn=lambda t, src: None,
+        broadcast_object_fn=lambda o, src: o,
+    )
     built.post_init()
     return built
 
@@ -126,8 +136,9 @@ def test_a_fresh_engine_retrieves_what_another_stored_through_kvstore(
 
     async def stored() -> bytes:
         async with HolderClient(holder.context()) as http:  # type: ignore[arg-type]
-            return await http.get_block(holder.uri, store.compat_id, store.scope_id,
-                                        store.block_key(key.to_string()))  # fmt: skip
+            return await http.get_block(
+                holder.uri, store.compat_id, store.scope_id, store.block_key(key.to_string())
+            )
 
     container = kc.decode(asyncio.run(stored()))
     assert len(container) == LAYERS and container.token_count == end - start == CHUNK
@@ -172,23 +183,36 @@ def test_a_holder_that_is_down_makes_lmcache_miss_not_crash(
 def test_the_plugin_refuses_what_it_cannot_name(tmp_path: Path) -> None:
     # Geometry comes from LMCache's metadata; the options name the model.
     geometry = geometry_of(metadata())
-    assert (geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.kv_dtype,
-            geometry.block_tokens) == (LAYERS, HEADS, HEAD_DIM, "bf16", CHUNK)  # fmt: skip
+    assert (
+        geometry.layers,
+        geometry.kv_heads,
+        geometry.head_dim,
+        geometry.kv_dtype,
+        geometry.block_tokens,
+    ) == (LAYERS, HEADS, HEAD_DIM, "bf16", CHUNK)
     (tmp_path / "key").write_text(os.urandom(32).hex())
-    options = {"holders": "http://127.0.0.1:1/kvsp/", "scope_key_file": str(tmp_path / "key"),
-               "model": "m", "model_digest": "sha-256:" + "1" * 64,
-               "tokenizer_digest": "sha-256:" + "2" * 64}  # fmt: skip
+    options = {
+        "holders": "http://127.0.0.1:1/kvsp/",
+        "scope_key_file": str(tmp_path / "key"),
+        "model": "m",
+        "model_digest": "sha-256:" + "1" * 64,
+        "tokenizer_digest": "sha-256:" + "2" * 64,
+    }
     settings = ChunkSettings.from_options(options, namespace="lmcache", geometry=geometry)
     other = ChunkSettings.from_options(options, namespace="sglang", geometry=geometry)
     assert ChunkStore(settings).block_key("x") != ChunkStore(other).block_key("x")
     from kvstore.config import ConfigError
 
     with pytest.raises(ConfigError, match="scope_key_file"):
-        ChunkSettings.from_options({**options, "scope_key_file": str(tmp_path / "none")},
-                                   namespace="lmcache", geometry=geometry)  # fmt: skip
+        ChunkSettings.from_options(
+            {**options, "scope_key_file": str(tmp_path / "none")},
+            namespace="lmcache",
+            geometry=geometry,
+        )
     with pytest.raises(ConfigError, match="model_digest"):
-        ChunkSettings.from_options({**options, "model_digest": "md5"}, namespace="lmcache",
-                                   geometry=geometry)  # fmt: skip
+        ChunkSettings.from_options(
+            {**options, "model_digest": "md5"}, namespace="lmcache", geometry=geometry
+        )
 
 
 def test_lmcache_health_check_put_and_get_passes_again_and_again(
@@ -258,14 +282,21 @@ def test_unsupported_lmcache_modes_stop_lmcache_with_a_clear_error(
 
     adapter = KvstoreConnectorAdapter()
     assert adapter.can_parse("plugin://kvstore") and not adapter.can_parse("plugin://fs")
-    for change, match in (({"use_layerwise": True}, "use_layerwise"),
-                          ({"remote_serde": "cachegen"}, "remote_serde")):  # fmt: skip
+    for change, match in (
+        ({"use_layerwise": True}, "use_layerwise"),
+        ({"remote_serde": "cachegen"}, "remote_serde"),
+    ):
         cfg = config(holder)
         for name, value in change.items():
             setattr(cfg, name, value)
-        context = SimpleNamespace(config=cfg, metadata=metadata(), loop=asyncio.new_event_loop(),
-                                  local_cpu_backend=None, url="plugin://kvstore",
-                                  plugin_name="kvstore")  # fmt: skip
+        context = SimpleNamespace(
+            config=cfg,
+            metadata=metadata(),
+            loop=asyncio.new_event_loop(),
+            local_cpu_backend=None,
+            url="plugin://kvstore",
+            plugin_name="kvstore",
+        )
         with pytest.raises(IrrecoverableException, match=match):
             adapter.create_connector(context)
     cfg = config(holder)

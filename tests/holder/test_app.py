@@ -299,12 +299,14 @@ async def test_a_put_under_a_compat_id_without_a_descriptor_is_refused(
     headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=HOLDER) as alice:
         data = block()
-        other = await alice.put(f"blocks/{COMPAT}/{SCOPE}/{'1' * 64}", content=data,
-                                headers=headers)  # fmt: skip
+        other = await alice.put(
+            f"blocks/{COMPAT}/{SCOPE}/{'1' * 64}", content=data, headers=headers
+        )
         assert other.status_code == 409
         assert other.json()["type"].endswith("kvsp-incompatible")
         assert "holder.descriptors" in other.json()["detail"]
-        known = await alice.put(f"blocks/{SMALL.compat_id_hex}/{SCOPE}/{'1' * 64}", content=data,
-                                headers=headers)  # fmt: skip
+        known = await alice.put(
+            f"blocks/{SMALL.compat_id_hex}/{SCOPE}/{'1' * 64}", content=data, headers=headers
+        )
         assert known.status_code == 201
     assert len(store) == 1

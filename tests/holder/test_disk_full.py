@@ -20,7 +20,7 @@ async def test_a_full_lmdb_refuses_puts_and_serves_the_rest(tmp_path: Path, cert
     # long before the store thinks the tier is.
     tier = LmdbTier(str(tmp_path / "lmdb"), map_size=256 << 10)
     store = TieredStore([(tier, 64 << 20)], lease_limits=LeaseLimits())
-    app = create_app(HolderSettings(HOLDER, max_block_octets=1 << 20), store, POLICY)  # fmt: skip
+    app = create_app(HolderSettings(HOLDER, max_block_octets=1 << 20), store, POLICY)
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))
     stored: dict[int, bytes] = {}
     async with httpx.AsyncClient(transport=transport, base_url=HOLDER) as alice:
@@ -40,7 +40,9 @@ async def test_a_full_lmdb_refuses_puts_and_serves_the_rest(tmp_path: Path, cert
         assert refused.headers["content-type"].startswith("application/problem+json")
         problem = refused.json()
         assert problem["status"] == 507 and problem["title"] in (
-            "Insufficient storage", "Storage tier full")  # fmt: skip
+            "Insufficient storage",
+            "Storage tier full",
+        )
         assert problem.get("detail")  # says what filled up
         # Nothing else broke: every acknowledged block is served, intact; a
         # lease works; the refused block is not half there.
@@ -49,7 +51,6 @@ async def test_a_full_lmdb_refuses_puts_and_serves_the_rest(tmp_path: Path, cert
             assert got.status_code == 200 and got.content == body
         missing = await alice.get(f"blocks/{COMPAT}/{SCOPE}/{ref(len(stored)).block_key}")
         assert missing.status_code == 404
-        lease = await alice.post("leases", json={"block_keys": [ref(0).block_key],
-                                                 "ttl_ms": 1000})  # fmt: skip
+        lease = await alice.post("leases", json={"block_keys": [ref(0).block_key], "ttl_ms": 1000})
         assert lease.status_code == 201
     await store.close()

@@ -21,8 +21,9 @@ from kvstore.storage import TieredStore
 from ..conftest import free_port, wait_for_port
 from ..storage.helpers import block, ref
 
-OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
-                                                      "write_scopes": ["*"]}}})  # fmt: skip
+OPEN = Policy.from_json(
+    {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+)
 DYING = Path(__file__).resolve().parent / "dying_holder.py"
 
 
@@ -35,9 +36,15 @@ async def test_a_holder_dying_mid_get_is_a_miss_and_the_next_replica_serves(
     uri = f"http://127.0.0.1:{port}/kvsp/"
     store = TieredStore([(HostTier(), 64 << 20)])
     await store.put(ref(1), data)
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(HolderSettings(uri, allow_anonymous=True), store, OPEN), host="127.0.0.1",
-        port=port, log_level="error", lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(HolderSettings(uri, allow_anonymous=True), store, OPEN),
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="off",
+        )
+    )
     task = asyncio.create_task(server.serve())
     dying_port = free_port()
     dying = subprocess.Popen(

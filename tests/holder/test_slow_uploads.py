@@ -20,8 +20,9 @@ from kvstore.storage import TieredStore
 from ..conftest import free_port
 from ..storage.helpers import COMPAT, SCOPE, block, ref
 
-OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
-                                                      "write_scopes": ["*"]}}})  # fmt: skip
+OPEN = Policy.from_json(
+    {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+)
 
 
 async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
@@ -51,9 +52,13 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
         path = f"/kvsp/blocks/{COMPAT}/{SCOPE}/{ref(1).block_key}"
         slow = block()  # a valid container, so that only its pace is wrong
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write((f"PUT {path} HTTP/1.1\r\nHost: x\r\nIf-None-Match: *\r\n"
-                      "Content-Type: application/kvsp-block\r\n"
-                      f"Content-Length: {len(slow)}\r\n\r\n").encode())  # fmt: skip
+        writer.write(
+            (
+                f"PUT {path} HTTP/1.1\r\nHost: x\r\nIf-None-Match: *\r\n"
+                "Content-Type: application/kvsp-block\r\n"
+                f"Content-Length: {len(slow)}\r\n\r\n"
+            ).encode()
+        )
         await writer.drain()
         answered: list[float] = []  # when the first octet of the answer came
 
@@ -90,15 +95,19 @@ async def test_a_slow_loris_upload_is_cut_off_and_others_go_on() -> None:
         async with httpx.AsyncClient(base_url=uri) as other:
             # Another client is served meanwhile.
             good = block()
-            put = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}", content=good,
-                                  headers={"If-None-Match": "*",
-                                           "Content-Type": "application/kvsp-block"})  # fmt: skip
+            put = await other.put(
+                f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}",
+                content=good,
+                headers={"If-None-Match": "*", "Content-Type": "application/kvsp-block"},
+            )
             assert put.status_code == 201
             assert (await other.get(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}")).content == good
             # Oversized: refused by its declared length, before the body.
-            big = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(3).block_key}",
-                                  content=b"\0" * (2 << 20),
-                                  headers={"If-None-Match": "*"})  # fmt: skip
+            big = await other.put(
+                f"blocks/{COMPAT}/{SCOPE}/{ref(3).block_key}",
+                content=b"\0" * (2 << 20),
+                headers={"If-None-Match": "*"},
+            )
             assert big.status_code == 413
         # The answer, and then the server closes: the slow client keeps no socket.
         answer = await asyncio.wait_for(reading, 5)
@@ -132,8 +141,16 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
     uri = f"http://127.0.0.1:{port}/kvsp/"
     store = TieredStore([(HostTier(), 64 << 20)])
     app = create_app(HolderSettings(uri, allow_anonymous=True), store, OPEN)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off", http=http1_protocol(0.5)))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="off",
+            http=http1_protocol(0.5),
+        )
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -168,9 +185,11 @@ async def test_slow_or_absent_request_headers_are_cut_off() -> None:
         await kept_r.readexactly(int(first.lower().split(b"content-length: ")[1].split(b"\r")[0]))
         kept = asyncio.create_task(trickle(kept_w, late))
         async with httpx.AsyncClient(base_url=uri) as other:  # served meanwhile
-            put = await other.put(f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}", content=block(),
-                                  headers={"If-None-Match": "*",
-                                           "Content-Type": "application/kvsp-block"})  # fmt: skip
+            put = await other.put(
+                f"blocks/{COMPAT}/{SCOPE}/{ref(2).block_key}",
+                content=block(),
+                headers={"If-None-Match": "*", "Content-Type": "application/kvsp-block"},
+            )
             assert put.status_code == 201
         # Each is cut off (within the 5 s each wait allows; the deadline's
         # clock is tested on an injected one in tests/test_tls.py), the
@@ -213,8 +232,16 @@ async def test_the_header_deadline_never_cuts_into_a_response_or_a_pipeline() ->
 
     app = Starlette(routes=[Route("/slow", slow), Route("/fast", fast)])
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off", http=http1_protocol(0.5)))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="off",
+            http=http1_protocol(0.5),
+        )
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)

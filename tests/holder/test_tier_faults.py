@@ -31,10 +31,14 @@ async def test_redis_down_and_back_under_http(
 ) -> None:
     redis = RedisTier(url=own_redis.url, prefix="fault:", timeout_s=1.0)
     store = TieredStore(
-        [(HostTier(), 2 * size_of()), (redis, 2 * stored_size()),
-         (LmdbTier(str(tmp_path / "lmdb")), 20 * size_of())],
-        promote=False, retry_after_s=0.2,
-    )  # fmt: skip
+        [
+            (HostTier(), 2 * size_of()),
+            (redis, 2 * stored_size()),
+            (LmdbTier(str(tmp_path / "lmdb")), 20 * size_of()),
+        ],
+        promote=False,
+        retry_after_s=0.2,
+    )
     app = create_app(HolderSettings(HOLDER), store, POLICY)
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))
     bodies = {n: block() for n in range(8)}
@@ -42,15 +46,21 @@ async def test_redis_down_and_back_under_http(
         for n in range(5):  # 0 lands in LMDB, 1-2 in Redis, 3-4 in host memory
             assert (await alice.put(url(n), content=bodies[n], headers=HEADERS)).status_code == 201
         where = {n: store.residency(ref(n))[0].tier for n in range(5)}
-        assert where == {0: "local-storage", 1: "remote-memory", 2: "remote-memory",
-                         3: "host", 4: "host"}, where  # fmt: skip
+        assert where == {
+            0: "local-storage",
+            1: "remote-memory",
+            2: "remote-memory",
+            3: "host",
+            4: "host",
+        }, where
         own_redis.kill()
         for n in (0, 3, 4):  # held in the other tiers: served, no 5xx
             got = await alice.get(url(n))
             assert got.status_code == 200 and got.content == bodies[n]
         away = await alice.get(url(1))
         assert away.status_code == 503 and away.headers["content-type"].startswith(
-            "application/problem+json")  # fmt: skip
+            "application/problem+json"
+        )
         assert store.snapshot().tiers[1].degraded
         # Writes go on: what host memory pushes down skips Redis for LMDB.
         for n in (5, 6):

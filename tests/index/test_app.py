@@ -32,22 +32,32 @@ def key(n: int) -> str:
 
 def record(n: int, holder: str = H1, **changes: Any) -> dict[str, Any]:
     base = ReplicaRecord(
-        block_key=key(n), compat_id=COMPAT, scope_id=SCOPE, holder=holder, codec=1,
-        size=2097152, digest="sha-256:" + "0" * 64,
-        residency=(Residency("host", 0, 31, 400000.0),), ttl_ms=60_000,
-    ).to_json()  # fmt: skip
+        block_key=key(n),
+        compat_id=COMPAT,
+        scope_id=SCOPE,
+        holder=holder,
+        codec=1,
+        size=2097152,
+        digest="sha-256:" + "0" * 64,
+        residency=(Residency("host", 0, 31, 400000.0),),
+        ttl_ms=60_000,
+    ).to_json()
     base.update(changes)
     return base
 
 
-POLICY = Policy.from_json({"principals": {
-    "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [SCOPE]},
-    "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [SCOPE]},
-    "urn:kvstore:alice": {"read_scopes": [SCOPE]},
-    "urn:kvstore:bob": {"read_scopes": [OTHER]},
-    "urn:kvstore:carol": {"roles": ["reporter", "metrics"], "read_scopes": [SCOPE]},
-    "urn:kvstore:dave": {"roles": ["reporter"], "read_scopes": [OTHER]},
-}})  # fmt: skip
+POLICY = Policy.from_json(
+    {
+        "principals": {
+            "urn:kvstore:holder1": {"roles": ["holder"], "holder": H1, "write_scopes": [SCOPE]},
+            "urn:kvstore:holder2": {"roles": ["holder"], "holder": H2, "write_scopes": [SCOPE]},
+            "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+            "urn:kvstore:bob": {"read_scopes": [OTHER]},
+            "urn:kvstore:carol": {"roles": ["reporter", "metrics"], "read_scopes": [SCOPE]},
+            "urn:kvstore:dave": {"roles": ["reporter"], "read_scopes": [OTHER]},
+        }
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +76,7 @@ def statuses() -> StatusBook:
 async def as_(
     certs: Path, statuses: StatusBook
 ) -> AsyncIterator[Callable[[str], httpx.AsyncClient]]:
-    settings = IndexSettings(IS, max_ttl_ms=120_000, max_lookup_keys=100,
-                             block_tokens={COMPAT: 16})  # fmt: skip
+    settings = IndexSettings(IS, max_ttl_ms=120_000, max_lookup_keys=100, block_tokens={COMPAT: 16})
     app = create_app(settings, MemoryState(), POLICY, statuses)
     clients: list[httpx.AsyncClient] = []
 
@@ -87,8 +96,9 @@ async def publish(client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Resp
 
 
 async def lookup(client: httpx.AsyncClient, keys: list[str], **extra: Any) -> httpx.Response:
-    return await client.post("lookup", json={"scope_id": SCOPE, "compat_id": COMPAT,
-                                             "block_keys": keys, **extra})  # fmt: skip
+    return await client.post(
+        "lookup", json={"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys, **extra}
+    )
 
 
 async def test_publish_and_lookup(as_: Callable[[str], httpx.AsyncClient]) -> None:
@@ -153,8 +163,9 @@ async def test_ttl_is_capped(as_: Callable[[str], httpx.AsyncClient]) -> None:
 
 async def test_bad_input(as_: Callable[[str], httpx.AsyncClient]) -> None:
     h1, alice = as_("holder1"), as_("alice")
-    overlap = record(0, residency=[{"tier": "host", "layers": [0, 9]},
-                                   {"tier": "device", "layers": [5, 31]}])  # fmt: skip
+    overlap = record(
+        0, residency=[{"tier": "host", "layers": [0, 9]}, {"tier": "device", "layers": [5, 31]}]
+    )
     bad = await publish(h1, overlap)
     assert bad.status_code == 400 and "residency" in bad.json()["detail"]
     assert (await h1.put(replica_path(H1, "x"), json=record(0))).status_code == 404
@@ -171,11 +182,21 @@ async def test_placement_estimates_by_the_drafts_formulas(
     h1, alice = as_("holder1"), as_("alice")
     for n in range(2):
         await publish(h1, record(n))
-    statuses.put(InstanceStatus(
-        instance=II, epoch=12, state="active", running=18, queued=3, batch_size=32,
-        kv_utilization=0.71, prefill_tokens_per_s=42000, decode_tokens_per_s=3100,
-        ttl_ms=3000, links=(Link(H1, 200000.0, 12.0),),
-    ))  # fmt: skip
+    statuses.put(
+        InstanceStatus(
+            instance=II,
+            epoch=12,
+            state="active",
+            running=18,
+            queued=3,
+            batch_size=32,
+            kv_utilization=0.71,
+            prefill_tokens_per_s=42000,
+            decode_tokens_per_s=3100,
+            ttl_ms=3000,
+            links=(Link(H1, 200000.0, 12.0),),
+        )
+    )
     answer = (await lookup(alice, [key(0), key(1)], targets=[II, "https://unknown.test/"])).json()
     [target] = answer["targets"]
     assert target["instance"] == II

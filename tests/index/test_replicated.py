@@ -34,9 +34,9 @@ async def states(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     made: list[ReplicatedState] = []
 
     def make(**options: Any) -> ReplicatedState:
-        made.append(ReplicatedState(server.url, prefix,
-                                    cluster=request.param == "redis-cluster",
-                                    **options))  # fmt: skip
+        made.append(
+            ReplicatedState(server.url, prefix, cluster=request.param == "redis-cluster", **options)
+        )
         return made[-1]
 
     yield make
@@ -98,8 +98,9 @@ async def test_concurrent_writers_converge(states: Factory) -> None:
     a, b = states(), states()
     await asyncio.gather(a.count(), b.count())
     for _ in range(5):
-        await asyncio.gather(a.put(record(0, ttl_ms=1000), 1000),
-                             b.put(record(0, ttl_ms=2000), 2000))  # fmt: skip
+        await asyncio.gather(
+            a.put(record(0, ttl_ms=1000), 1000), b.put(record(0, ttl_ms=2000), 2000)
+        )
     await a.put(record(0, holder=H2), 60_000)
 
     async def same() -> bool:

@@ -33,10 +33,16 @@ def key(n: int) -> str:
 
 def record(n: int, holder: str = H1, scope: str = SCOPE, ttl_ms: int = 60_000) -> ReplicaRecord:
     return ReplicaRecord(
-        block_key=key(n), compat_id=COMPAT, scope_id=scope, holder=holder, codec=1,
-        size=2 << 20, digest="sha-256:" + "0" * 64,
-        residency=(Residency("host", 0, 31),), ttl_ms=ttl_ms,
-    )  # fmt: skip
+        block_key=key(n),
+        compat_id=COMPAT,
+        scope_id=scope,
+        holder=holder,
+        codec=1,
+        size=2 << 20,
+        digest="sha-256:" + "0" * 64,
+        residency=(Residency("host", 0, 31),),
+        ttl_ms=ttl_ms,
+    )
 
 
 def parsed(found: Hits) -> list[list[ReplicaRecord]]:

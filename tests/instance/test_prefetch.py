@@ -40,8 +40,9 @@ class Holder:
         self.uri = f"http://127.0.0.1:{self.port}/kvsp/"
         self.store = TieredStore([(HostTier(), 64 << 20)], lease_limits=LeaseLimits())
         app = create_holder(HolderSettings(self.uri, allow_anonymous=True), self.store, OPEN)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", lifespan="off"))  # fmt: skip
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
+        )
 
 
 @pytest.fixture
@@ -58,9 +59,13 @@ async def holders() -> AsyncIterator[list[Holder]]:
 
 def directive(blocks: list[PrefetchBlock], deadline_ms: int = 5000) -> PrefetchDirective:
     return PrefetchDirective(
-        directive=str(uuid.uuid4()), scope_id=SCOPE, compat_id=COMPAT, blocks=tuple(blocks),
-        deadline_ms=deadline_ms, lease_ms=2000,
-    )  # fmt: skip
+        directive=str(uuid.uuid4()),
+        scope_id=SCOPE,
+        compat_id=COMPAT,
+        blocks=tuple(blocks),
+        deadline_ms=deadline_ms,
+        lease_ms=2000,
+    )
 
 
 async def wait(prefetcher: Prefetcher, directive_id: str) -> Any:
@@ -84,10 +89,16 @@ async def test_blocks_are_fetched_placed_and_published(holders: list[Holder]) ->
     published = RecordingPublisher(mine)  # hears of blocks from the store's events
     async with HolderClient() as client:
         prefetcher = Prefetcher(mine, client)
-        run = prefetcher.submit(directive([
-            PrefetchBlock(ref(0).block_key, (first.uri,)),
-            PrefetchBlock(ref(1).block_key, (first.uri, second.uri)),  # first has no block 1
-        ]))  # fmt: skip
+        run = prefetcher.submit(
+            directive(
+                [
+                    PrefetchBlock(ref(0).block_key, (first.uri,)),
+                    PrefetchBlock(
+                        ref(1).block_key, (first.uri, second.uri)
+                    ),  # first has no block 1
+                ]
+            )
+        )
         status = await wait(prefetcher, run.directive.directive)
     assert status.state == "complete"
     assert status.loaded == (ref(0).block_key, ref(1).block_key)
@@ -108,10 +119,14 @@ async def test_nothing_to_fetch_anywhere_is_failed_and_some_is_partial(
         unreachable = f"http://127.0.0.1:{free_port()}/kvsp/"
         none = prefetcher.submit(directive([PrefetchBlock(ref(5).block_key, (first.uri,))]))
         assert (await wait(prefetcher, none.directive.directive)).state == "failed"
-        some = prefetcher.submit(directive([
-            PrefetchBlock(ref(0).block_key, (unreachable, first.uri)),
-            PrefetchBlock(ref(6).block_key, (first.uri,)),
-        ]))  # fmt: skip
+        some = prefetcher.submit(
+            directive(
+                [
+                    PrefetchBlock(ref(0).block_key, (unreachable, first.uri)),
+                    PrefetchBlock(ref(6).block_key, (first.uri,)),
+                ]
+            )
+        )
         status = await wait(prefetcher, some.directive.directive)
     assert status.state == "partial" and status.loaded == (ref(0).block_key,)
 
@@ -158,8 +173,9 @@ async def test_the_resources_take_directives_from_the_pc_only(
 
         def as_(name: str) -> httpx.AsyncClient:
             wrapped = AsPrincipal(app, (tmp_path / f"client-{name}.pem").read_text())
-            return httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                     base_url="https://ii.test/ii/")  # fmt: skip
+            return httpx.AsyncClient(
+                transport=httpx.ASGITransport(wrapped), base_url="https://ii.test/ii/"
+            )
 
         body = directive([PrefetchBlock(ref(0).block_key, (first.uri,))]).to_json()
         async with as_("pc") as pc, as_("tenant") as tenant:

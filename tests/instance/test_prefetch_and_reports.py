@@ -48,10 +48,13 @@ class FakeHolders:
 
 def directive(deadline_ms: int = 2000) -> PrefetchDirective:
     return PrefetchDirective(
-        directive=str(uuid.uuid4()), scope_id=SCOPE, compat_id=COMPAT,
-        blocks=(PrefetchBlock(ref(0).block_key, (SOURCE,)),), deadline_ms=deadline_ms,
+        directive=str(uuid.uuid4()),
+        scope_id=SCOPE,
+        compat_id=COMPAT,
+        blocks=(PrefetchBlock(ref(0).block_key, (SOURCE,)),),
+        deadline_ms=deadline_ms,
         lease_ms=1000,
-    )  # fmt: skip
+    )
 
 
 async def finish(prefetcher: Prefetcher, directive_id: str) -> Any:
@@ -132,10 +135,15 @@ async def test_pending_directives_beyond_the_quota_are_429() -> None:
     store = TieredStore([(HostTier(), 1 << 24)])
     prefetcher = Prefetcher(store, FakeHolders(block(layers=3), release_s=0.5), max_pending=1)
     policy = Policy.from_json({"principals": {"anonymous": {"roles": ["pc"]}}})
-    app = create_app(InstanceSettings("http://ii.test/ii/", allow_anonymous=True), prefetcher,
-                     policy, Lifecycle())  # fmt: skip
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
-                                 base_url="http://ii.test/ii/") as pc:  # fmt: skip
+    app = create_app(
+        InstanceSettings("http://ii.test/ii/", allow_anonymous=True),
+        prefetcher,
+        policy,
+        Lifecycle(),
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app), base_url="http://ii.test/ii/"
+    ) as pc:
         first = await pc.post("prefetch", json=directive().to_json())
         assert first.status_code == 202
         refused = await pc.post("prefetch", json=directive().to_json())

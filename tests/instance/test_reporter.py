@@ -30,13 +30,15 @@ II = "https://ii.test/kvsp/"
 @pytest.fixture
 async def pc() -> AsyncIterator[tuple[MemoryControllerState, str]]:
     state = MemoryControllerState(sleep_policy=SleepPolicy(idle_for_s=0))
-    policy = Policy.from_json({"principals": {"anonymous": {"roles": ["instance"],
-                                                            "instance": II}}})  # fmt: skip
+    policy = Policy.from_json(
+        {"principals": {"anonymous": {"roles": ["instance"], "instance": II}}}
+    )
     port = free_port()
     uri = f"http://127.0.0.1:{port}/pc/"
     app = create_app(ControllerSettings(uri, allow_anonymous=True), state, policy)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -51,8 +53,13 @@ async def test_reports_carry_the_start_epoch_and_real_numbers(pc: Any) -> None:
     state, uri = pc
     store = TieredStore([(HostTier(), 4 * len(block()))])
     await store.put(ref(0), block())
-    load = Load(running=2, queued=1, prefill_tokens_per_s=40000.0, decode_tokens_per_s=3000.0,
-                links=(Link("https://h1.test/kvsp/", 1e5, 20.0),))  # fmt: skip
+    load = Load(
+        running=2,
+        queued=1,
+        prefill_tokens_per_s=40000.0,
+        decode_tokens_per_s=3000.0,
+        links=(Link("https://h1.test/kvsp/", 1e5, 20.0),),
+    )
     async with ControllerClient(uri) as client:
         before = int(time.time() * 1000)
         reporter = StatusReporter(II, client, Lifecycle(), load, store, ttl_ms=600)

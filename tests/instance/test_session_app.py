@@ -44,24 +44,37 @@ async def clients(
     engine: ReferenceEngine, tmp_path: Path
 ) -> AsyncIterator[tuple[dict[str, httpx.AsyncClient], Sessions]]:
     create_dev_certificates(tmp_path, ["pc", "tenant", "stranger"])
-    policy = Policy.from_json({"principals": {
-        "urn:kvstore:pc": {"roles": ["pc", "metrics"]},
-        "urn:kvstore:tenant": {"read_scopes": [SCOPE]},
-        "urn:kvstore:stranger": {"read_scopes": [OTHER]},
-    }})  # fmt: skip
+    policy = Policy.from_json(
+        {
+            "principals": {
+                "urn:kvstore:pc": {"roles": ["pc", "metrics"]},
+                "urn:kvstore:tenant": {"read_scopes": [SCOPE]},
+                "urn:kvstore:stranger": {"read_scopes": [OTHER]},
+            }
+        }
+    )
     store = TieredStore([(HostTier(), 64 << 20)])
     prefetcher = Prefetcher(store, None)
     lifecycle = Lifecycle()
-    sessions = Sessions(InstanceSettings("https://ii.test/ii/"), engine, store,
-                        {SCOPE: SCOPE_KEY}, lifecycle, Load(), prefetcher=prefetcher)  # fmt: skip
+    sessions = Sessions(
+        InstanceSettings("https://ii.test/ii/"),
+        engine,
+        store,
+        {SCOPE: SCOPE_KEY},
+        lifecycle,
+        Load(),
+        prefetcher=prefetcher,
+    )
     shards = Shards(store, prefetcher, policy, 8)
-    app = create_app(InstanceSettings("https://ii.test/ii/"), prefetcher, policy, lifecycle,
-                     sessions, shards)  # fmt: skip
+    app = create_app(
+        InstanceSettings("https://ii.test/ii/"), prefetcher, policy, lifecycle, sessions, shards
+    )
     found = {}
     for name in ("pc", "tenant", "stranger"):
         wrapped = AsPrincipal(app, (tmp_path / f"client-{name}.pem").read_text())
-        found[name] = httpx.AsyncClient(transport=httpx.ASGITransport(wrapped),
-                                        base_url="https://ii.test/ii/")  # fmt: skip
+        found[name] = httpx.AsyncClient(
+            transport=httpx.ASGITransport(wrapped), base_url="https://ii.test/ii/"
+        )
     yield found, sessions
     for client in found.values():
         await client.aclose()
@@ -83,8 +96,7 @@ async def test_generate_streams_tokens_and_a_session_can_be_read_again(
     assert response.headers["content-type"].startswith("application/x-ndjson")
     assert response.headers["cache-control"] == "no-store"
     events = lines(response)
-    assert events[0] == {"event": "session", "session": session, "epoch": 1,
-                         "resumed_from": None}  # fmt: skip
+    assert events[0] == {"event": "session", "session": session, "epoch": 1, "resumed_from": None}
     got = [e for e in events if "index" in e]
     assert [e["index"] for e in got] == list(range(9)) and {e["epoch"] for e in got} == {1}
     assert [e["token"] for e in got] == uninterrupted(
@@ -139,8 +151,13 @@ async def test_resume_reshard_and_contexts_only_from_the_pc(
     assert again.status_code == 409 and "stale-epoch" in again.json()["type"]
     wrong = await http["pc"].post(f"sessions/{uuid.uuid4()}/resume", json=body)
     assert wrong.status_code == 400
-    context = {"scope_id": SCOPE, "compat_id": sessions.compat_id, "block_keys": [],
-               "version": 1, "ranges": []}  # fmt: skip
+    context = {
+        "scope_id": SCOPE,
+        "compat_id": sessions.compat_id,
+        "block_keys": [],
+        "version": 1,
+        "ranges": [],
+    }
     assert (await http["tenant"].put("contexts/m", json=context)).status_code == 403
     assert (await http["pc"].put("contexts/m", json=context)).status_code == 200
     plan = {"map": "m", "from": 2, "to": 3, "deadline_ms": 100}

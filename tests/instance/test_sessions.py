@@ -90,9 +90,15 @@ def make(
 ) -> Sessions:
     store = TieredStore([(HostTier(), 64 << 20)]) if store is None else store
     return Sessions(
-        InstanceSettings(instance, **settings), engine, store, {SCOPE: SCOPE_KEY}, Lifecycle(),
-        Load(), prefetcher=Prefetcher(store, None), controller=controller,
-    )  # fmt: skip
+        InstanceSettings(instance, **settings),
+        engine,
+        store,
+        {SCOPE: SCOPE_KEY},
+        Lifecycle(),
+        Load(),
+        prefetcher=Prefetcher(store, None),
+        controller=controller,
+    )
 
 
 def request(prompt: list[int], n: int, sampler: Sampler = GREEDY, **kw: Any) -> GenerateRequest:
@@ -121,8 +127,11 @@ async def test_greedy_output_is_the_engine_s_and_blocks_are_placed(
     fed = PROMPT + tokens(events)[:-1]
     keys = block_keys(SCOPE_KEY, bytes.fromhex(sessions.compat_id), fed, 8)
     await asyncio.sleep(0.05)
-    held = {r.block_key for r in (BlockRef(sessions.compat_id, SCOPE, k.hex()) for k in keys)
-            if r in sessions.store}  # fmt: skip
+    held = {
+        r.block_key
+        for r in (BlockRef(sessions.compat_id, SCOPE, k.hex()) for k in keys)
+        if r in sessions.store
+    }
     assert held == {k.hex() for k in keys} and len(keys) == len(fed) // 8
     await sessions.close()
 
@@ -307,8 +316,13 @@ def test_generate_requests_are_validated() -> None:
     def parse(body: dict[str, Any]) -> GenerateRequest:
         return GenerateRequest.from_json(body, max_prompt=100, max_output=50)
 
-    ok = parse({"scope_id": SCOPE, "tokens": [1, 2], "sampler": {"method": "top-p",
-                "params": {"p": 0.5}, "seed": 3}})  # fmt: skip
+    ok = parse(
+        {
+            "scope_id": SCOPE,
+            "tokens": [1, 2],
+            "sampler": {"method": "top-p", "params": {"p": 0.5}, "seed": 3},
+        }
+    )
     assert ok.sampler.params == {"p": 0.5, "temperature": 1.0} and not ok.sampler.deterministic
     assert uuid.UUID(ok.session) and ok.max_tokens == 50  # the default, capped
     for bad in (
@@ -372,15 +386,21 @@ async def test_deterministic_greedy_releases_at_once(engine: ReferenceEngine) ->
 
 async def test_review_fixes_for_resume(engine: ReferenceEngine) -> None:
     sessions = make(engine)
-    base = SessionCheckpoint(str(uuid.uuid4()), 1, sessions.compat_id, SCOPE, (), tuple(PROMPT),
-                             (), 0, GREEDY)  # fmt: skip
+    base = SessionCheckpoint(
+        str(uuid.uuid4()), 1, sessions.compat_id, SCOPE, (), tuple(PROMPT), (), 0, GREEDY
+    )
     # A checkpoint whose output already ended (the end never reached the PC)
     # finishes at once: nothing past the stop token (or max_tokens).
     from kvstore.protocol.control import GenerationLimits
 
-    ended = dataclasses.replace(base, session=str(uuid.uuid4()), generated=(5, 9), output_offset=2,
-                                sampler=dataclasses.replace(GREEDY, step=2),
-                                limits=GenerationLimits(10, (9,)))  # fmt: skip
+    ended = dataclasses.replace(
+        base,
+        session=str(uuid.uuid4()),
+        generated=(5, 9),
+        output_offset=2,
+        sampler=dataclasses.replace(GREEDY, step=2),
+        limits=GenerationLimits(10, (9,)),
+    )
     done = await sessions.resume(ResumeRequest(2, ended), ended.session)
     events = await output(sessions, done)
     assert tokens(events) == [5, 9] and events[-1]["event"] == "done"

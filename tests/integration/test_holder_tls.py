@@ -74,10 +74,16 @@ class Holder:
         create_dev_certificates(certs, ["alice", "bob"])
         create_dev_certificates(root / "rogue", ["alice"])  # same name, another CA
         (root / "key.bin").write_bytes(os.urandom(32))
-        (root / "policy.json").write_text(json.dumps({"principals": {
-            "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
-            "urn:kvstore:bob": {"read_scopes": [OTHER], "write_scopes": [OTHER]},
-        }}))  # fmt: skip
+        (root / "policy.json").write_text(
+            json.dumps(
+                {
+                    "principals": {
+                        "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
+                        "urn:kvstore:bob": {"read_scopes": [OTHER], "write_scopes": [OTHER]},
+                    }
+                }
+            )
+        )
         (root / "holder.toml").write_text(f"""
 [server]
 host = "127.0.0.1"

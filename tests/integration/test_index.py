@@ -41,10 +41,19 @@ class Process:
     def start(self, port: int) -> None:
         log = (self.root / f"{self.name}.log").open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--roles", self.roles,
-             "--config", str(self.root / f"{self.name}.toml")],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--roles",
+                self.roles,
+                "--config",
+                str(self.root / f"{self.name}.toml"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_for_port(port, timeout=30)
         except RuntimeError:
@@ -76,25 +85,50 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         "holder1": f"https://127.0.0.1:{ports['holder1']}/kvsp/",
         "holder2": f"https://127.0.0.1:{ports['holder2']}/kvsp/",
     }
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:holder1": {"roles": ["holder"], "holder": uris["holder1"],
-                                "write_scopes": ["*"]},
-        "urn:kvstore:holder2": {"roles": ["holder"], "holder": uris["holder2"],
-                                "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
-    }}))  # fmt: skip
-    processes = [Process(root, "index", SERVER.format(port=ports["index"]) + f"""
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:holder1": {
+                        "roles": ["holder"],
+                        "holder": uris["holder1"],
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:holder2": {
+                        "roles": ["holder"],
+                        "holder": uris["holder2"],
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
+                }
+            }
+        )
+    )
+    processes = [
+        Process(
+            root,
+            "index",
+            SERVER.format(port=ports["index"])
+            + f"""
 [index]
-uri = "{uris['index']}"
+uri = "{uris["index"]}"
 policy = "policy.json"
 max_ttl_ms = {TTL_MS}
-""", "index")]  # fmt: skip
+""",
+            "index",
+        )
+    ]
     for name in ("holder1", "holder2"):
-        processes.append(Process(root, name, SERVER.format(port=ports[name]) + f"""
+        processes.append(
+            Process(
+                root,
+                name,
+                SERVER.format(port=ports[name])
+                + f"""
 [holder]
 uri = "{uris[name]}"
 policy = "policy.json"
-index_uri = "{uris['index']}"
+index_uri = "{uris["index"]}"
 client_certfile = "certs/client-{name}.pem"
 client_keyfile = "certs/client-{name}.key"
 replica_ttl_ms = {TTL_MS}
@@ -102,15 +136,23 @@ replica_ttl_ms = {TTL_MS}
 [[storage.tiers]]
 backend = "host"
 capacity = {2 * len(block())}
-""", "holder"))  # fmt: skip
+""",
+                "holder",
+            )
+        )
     for process in processes:
         process.start(ports[process.name])
     context = client_context(
-        str(root / "certs" / "ca.pem"), str(root / "certs" / "client-alice.pem"),
+        str(root / "certs" / "ca.pem"),
+        str(root / "certs" / "client-alice.pem"),
         str(root / "certs" / "client-alice.key"),
-    )  # fmt: skip
-    yield {"uris": uris, "context": context, "processes": {p.name: p for p in processes},
-           "root": root}  # fmt: skip
+    )
+    yield {
+        "uris": uris,
+        "context": context,
+        "processes": {p.name: p for p in processes},
+        "root": root,
+    }
     for process in processes:
         process.stop()
 
@@ -202,9 +244,11 @@ async def test_the_index_refuses_another_cas_certificate_and_none(
     # and a client with none, at the handshake; alice's own is served.
     uris, root = cluster["uris"], cluster["root"]
     create_dev_certificates(tmp_path / "rogue", ["alice"])
-    rogue = client_context(str(root / "certs" / "ca.pem"),
-                           str(tmp_path / "rogue" / "client-alice.pem"),
-                           str(tmp_path / "rogue" / "client-alice.key"))  # fmt: skip
+    rogue = client_context(
+        str(root / "certs" / "ca.pem"),
+        str(tmp_path / "rogue" / "client-alice.pem"),
+        str(tmp_path / "rogue" / "client-alice.key"),
+    )
     anonymous = client_context(str(root / "certs" / "ca.pem"))
     request = LookupRequest(SCOPE, COMPAT, (key(1),))
     for context in (rogue, anonymous):

@@ -32,27 +32,42 @@ from ..storage.helpers import COMPAT, SCOPE, ref
 from .test_holder_crash import holder_over
 
 #: Where one octet is flipped, per block; block 6 is left alone.
-FLIPS = {0: ("segment", 0), 1: ("segment", "middle"), 2: ("segment", -1),
-         3: ("meta", "middle"), 4: ("meta", 0), 5: ("segment", 17)}  # fmt: skip
+FLIPS = {
+    0: ("segment", 0),
+    1: ("segment", "middle"),
+    2: ("segment", -1),
+    3: ("meta", "middle"),
+    4: ("meta", 0),
+    5: ("segment", 17),
+}
 BLOCKS = 7
 
 
 def body_of(n: int) -> bytes:
     rng = random.Random(f"integrity-{n}")
-    return bytes(kc.encode([(rng.randbytes(16 << 10), rng.randbytes(16 << 10))
-                            for _ in range(8)], token_count=4))  # fmt: skip
+    return bytes(
+        kc.encode(
+            [(rng.randbytes(16 << 10), rng.randbytes(16 << 10)) for _ in range(8)], token_count=4
+        )
+    )
 
 
 def tier_config(kind: str, tmp_path: Path, redis_url: str, s3: dict[str, str]) -> str:
     if kind == "lmdb":
-        return (f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 67108864\n'
-                f'path = "{tmp_path / "lmdb"}"\nmap_size = 134217728\n')  # fmt: skip
+        return (
+            f'[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 67108864\n'
+            f'path = "{tmp_path / "lmdb"}"\nmap_size = 134217728\n'
+        )
     if kind == "redis":
-        return (f'[[storage.tiers]]\nbackend = "redis"\ncapacity = 67108864\n'
-                f'url = "{redis_url}"\nprefix = "{s3["prefix"]}:"\n')  # fmt: skip
-    return (f'[[storage.tiers]]\nbackend = "s3"\ncapacity = 67108864\nbucket = "{s3["bucket"]}"\n'
-            f'prefix = "{s3["prefix"]}/"\nendpoint_url = "{s3["endpoint"]}"\nregion = "us-east-1"\n'
-            'access_key_id = "testing"\nsecret_access_key = "testing"\n')  # fmt: skip
+        return (
+            f'[[storage.tiers]]\nbackend = "redis"\ncapacity = 67108864\n'
+            f'url = "{redis_url}"\nprefix = "{s3["prefix"]}:"\n'
+        )
+    return (
+        f'[[storage.tiers]]\nbackend = "s3"\ncapacity = 67108864\nbucket = "{s3["bucket"]}"\n'
+        f'prefix = "{s3["prefix"]}/"\nendpoint_url = "{s3["endpoint"]}"\nregion = "us-east-1"\n'
+        'access_key_id = "testing"\nsecret_access_key = "testing"\n'
+    )
 
 
 def open_tier(kind: str, tmp_path: Path, redis_url: str, s3: dict[str, str]) -> Tier:
@@ -61,8 +76,12 @@ def open_tier(kind: str, tmp_path: Path, redis_url: str, s3: dict[str, str]) -> 
         return LmdbTier(str(tmp_path / "lmdb"), map_size=134217728)
     if kind == "redis":
         return RedisTier(url=redis_url, prefix=s3["prefix"] + ":")
-    return S3Tier(bucket=s3["bucket"], prefix=s3["prefix"] + "/", endpoint_url=s3["endpoint"],
-                  **S3_CREDENTIALS)  # fmt: skip
+    return S3Tier(
+        bucket=s3["bucket"],
+        prefix=s3["prefix"] + "/",
+        endpoint_url=s3["endpoint"],
+        **S3_CREDENTIALS,
+    )
 
 
 async def flip(tier: Tier, key: str, where: int | str) -> None:
@@ -77,9 +96,13 @@ async def flip(tier: Tier, key: str, where: int | str) -> None:
 @pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "aes-gcm"])
 @pytest.mark.parametrize("kind", ["lmdb", "redis", "s3"])
 async def test_no_altered_octet_is_ever_served(
-    kind: str, encrypted: bool, tmp_path: Path, redis_server: RedisServer, s3_bucket: str,
+    kind: str,
+    encrypted: bool,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    s3_bucket: str,
     s3_endpoint: str,
-) -> None:  # fmt: skip
+) -> None:
     s3 = {"bucket": s3_bucket, "endpoint": s3_endpoint, "prefix": f"at-rest-{uuid.uuid4().hex[:8]}"}
     tiers = tier_config(kind, tmp_path, redis_server.url, s3)
     if encrypted:

@@ -42,10 +42,24 @@ async def test_sessions_move_off_an_instance_that_stopped_reporting(tmp_path: Pa
     ii_port, pc_port = free_port(), free_port()
     ii = {name: f"https://127.0.0.1:{ii_port}/{name}/" for name in ("ii1", "ii2")}
     pc_uri = f"https://127.0.0.1:{pc_port}/pc/"
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:ii1": {"roles": ["instance"], "instance": ii["ii1"], "write_scopes": ["*"]},
-        "urn:kvstore:ii2": {"roles": ["instance"], "instance": ii["ii2"], "write_scopes": ["*"]},
-    }}))  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:ii1": {
+                        "roles": ["instance"],
+                        "instance": ii["ii1"],
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:ii2": {
+                        "roles": ["instance"],
+                        "instance": ii["ii2"],
+                        "write_scopes": ["*"],
+                    },
+                }
+            }
+        )
+    )
 
     resumed: list[tuple[str, str | None, dict[str, Any]]] = []
 
@@ -64,9 +78,13 @@ async def test_sessions_move_off_an_instance_that_stopped_reporting(tmp_path: Pa
         keyfile=str(certs / "server.key"),
         cafile=str(certs / "ca.pem"),
     )
-    stand_in = uvicorn.Server(uvicorn_config(Config(server=server_cfg), app))  # fmt: skip
+    stand_in = uvicorn.Server(uvicorn_config(Config(server=server_cfg), app))
     serving = asyncio.create_task(stand_in.serve())
-    pc = Process(tmp_path, "pc", SERVER.format(port=pc_port) + f"""
+    pc = Process(
+        tmp_path,
+        "pc",
+        SERVER.format(port=pc_port)
+        + f"""
 [controller]
 uri = "{pc_uri}"
 policy = "policy.json"
@@ -74,33 +92,51 @@ descriptors = ["descriptor.json"]
 client_certfile = "certs/client-pc.pem"
 client_keyfile = "certs/client-pc.key"
 migrate_interval_s = 0.2
-""", "pc")  # fmt: skip
+""",
+        "pc",
+    )
     try:
         while not stand_in.started:
             await asyncio.sleep(0.01)
         pc.start(pc_port)
 
         def session_for(name: str) -> aiohttp.ClientSession:
-            context = client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                                     str(certs / f"client-{name}.key"))  # fmt: skip
+            context = client_context(
+                str(certs / "ca.pem"),
+                str(certs / f"client-{name}.pem"),
+                str(certs / f"client-{name}.key"),
+            )
             return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context))
 
         async with session_for("ii1") as ii1, session_for("ii2") as ii2:
             for client, name, ttl in ((ii1, "ii1", 1000), (ii2, "ii2", 60_000)):
                 record = InstanceStatus(
-                    instance=ii[name], epoch=1, state="active", running=1, queued=0,
-                    batch_size=8, kv_utilization=0.2, prefill_tokens_per_s=40000,
-                    decode_tokens_per_s=3000, ttl_ms=ttl,
-                )  # fmt: skip
+                    instance=ii[name],
+                    epoch=1,
+                    state="active",
+                    running=1,
+                    queued=0,
+                    batch_size=8,
+                    kv_utilization=0.2,
+                    prefill_tokens_per_s=40000,
+                    decode_tokens_per_s=3000,
+                    ttl_ms=ttl,
+                )
                 url = f"{pc_uri}instances/{role_id(ii[name])}/status"
                 async with client.put(url, json=record.to_json()) as response:
                     assert response.status == 200
             session = str(uuid.uuid4())
             checkpoint = SessionCheckpoint(
-                session=session, epoch=1, compat_id=COMPAT_ID, scope_id=SCOPE,
-                prompt_blocks=(K0,), prompt_tail=(7,), generated=(1, 2), output_offset=2,
+                session=session,
+                epoch=1,
+                compat_id=COMPAT_ID,
+                scope_id=SCOPE,
+                prompt_blocks=(K0,),
+                prompt_tail=(7,),
+                generated=(1, 2),
+                output_offset=2,
                 sampler=Sampler("top-p", seed=3, step=2, deterministic=False, params={"p": 0.9}),
-            )  # fmt: skip
+            )
             url = f"{pc_uri}sessions/{session}/checkpoint"
             async with ii1.put(url, json=checkpoint.to_json()) as response:
                 assert response.status == 200

@@ -27,16 +27,19 @@ from .test_holder_crash import body_of, holder_over
 TTL_S = 2.0
 
 
-def tiers(kind: str, tmp_path: Path, redis_url: str, bucket: str, endpoint: str,
-          prefix: str) -> str:  # fmt: skip
+def tiers(
+    kind: str, tmp_path: Path, redis_url: str, bucket: str, endpoint: str, prefix: str
+) -> str:
     head = f"[storage]\nowner_ttl_s = {TTL_S}\n[[storage.tiers]]\ncapacity = 67108864\n"
     if kind == "lmdb":
         return head + f'backend = "lmdb"\npath = "{tmp_path / "lmdb"}"\n'
     if kind == "redis":
         return head + f'backend = "redis"\nurl = "{redis_url}"\nprefix = "{prefix}:"\n'
-    return head + (f'backend = "s3"\nbucket = "{bucket}"\nprefix = "{prefix}/"\n'
-                   f'endpoint_url = "{endpoint}"\nregion = "us-east-1"\n'
-                   'access_key_id = "testing"\nsecret_access_key = "testing"\n')  # fmt: skip
+    return head + (
+        f'backend = "s3"\nbucket = "{bucket}"\nprefix = "{prefix}/"\n'
+        f'endpoint_url = "{endpoint}"\nregion = "us-east-1"\n'
+        'access_key_id = "testing"\nsecret_access_key = "testing"\n'
+    )
 
 
 def second_start(
@@ -46,8 +49,12 @@ def second_start(
     env = dict(os.environ, KVSTORE_SERVER__PORT=str(port))
     return subprocess.run(
         [sys.executable, "-m", "kvstore", "serve", "--config", str(tmp_path / config)],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "redis", "s3"])

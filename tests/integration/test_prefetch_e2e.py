@@ -37,51 +37,99 @@ async def test_the_chosen_instance_prefetches_from_the_holder(tmp_path: Path) ->
     )
     index, pc = f"{base['index']}/is/", f"{base['pc']}/pc/"
     descriptor = {
-        "model": "m", "model_digest": "sha-256:" + "0" * 64,
-        "tokenizer_digest": "sha-256:" + "1" * 64, "layers": 8, "kv_heads": 1,
-        "head_dim": 16, "kv_dtype": "fp32", "positional": "none", "block_tokens": 4,
+        "model": "m",
+        "model_digest": "sha-256:" + "0" * 64,
+        "tokenizer_digest": "sha-256:" + "1" * 64,
+        "layers": 8,
+        "kv_heads": 1,
+        "head_dim": 16,
+        "kv_dtype": "fp32",
+        "positional": "none",
+        "block_tokens": 4,
         "layout": "kvsp-layout-1",
-    }  # fmt: skip
+    }
     (tmp_path / "descriptor.json").write_text(json.dumps(descriptor))
     compat = parse_descriptor(descriptor).compat_id_hex
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
-        "urn:kvstore:holder1": {"roles": ["holder"], "holder": holder1, "write_scopes": ["*"]},
-        "urn:kvstore:ii1": {"roles": ["instance", "holder"], "instance": ii, "holder": ii_holder,
-                            "read_scopes": ["*"], "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]},
-    }}))  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:pc": {"roles": ["pc"], "read_scopes": ["*"]},
+                    "urn:kvstore:holder1": {
+                        "roles": ["holder"],
+                        "holder": holder1,
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:ii1": {
+                        "roles": ["instance", "holder"],
+                        "instance": ii,
+                        "holder": ii_holder,
+                        "read_scopes": ["*"],
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:alice": {"read_scopes": ["*"], "write_scopes": ["*"]},
+                }
+            }
+        )
+    )
 
     def cert(name: str) -> str:
-        return (f'client_certfile = "certs/client-{name}.pem"\n'
-                f'client_keyfile = "certs/client-{name}.key"\n')  # fmt: skip
+        return (
+            f'client_certfile = "certs/client-{name}.pem"\n'
+            f'client_keyfile = "certs/client-{name}.key"\n'
+        )
 
     processes = [
-        Process(tmp_path, "index", SERVER.format(port=ports["index"])
-                + f'[index]\nuri = "{index}"\npolicy = "policy.json"\n', "index"),
-        Process(tmp_path, "pc", SERVER.format(port=ports["pc"])
-                + f'[controller]\nuri = "{pc}"\npolicy = "policy.json"\nindex_uri = "{index}"\n'
-                + 'descriptors = ["descriptor.json"]\nprefetch = true\n'
-                + "prefetch_deadline_ms = 5000\n"
-                + cert("pc"), "pc"),
-        Process(tmp_path, "holder1", SERVER.format(port=ports["holder1"])
-                + f'[holder]\nuri = "{holder1}"\npolicy = "policy.json"\nindex_uri = "{index}"\n'
-                + cert("holder1") + TIERS, "holder"),
-        Process(tmp_path, "ii1", SERVER.format(port=ports["ii1"])
-                + f'[holder]\nuri = "{ii_holder}"\npolicy = "policy.json"\nindex_uri = "{index}"\n'
-                + cert("ii1")
-                + f'[instance]\nuri = "{ii}"\npolicy = "policy.json"\ncontroller_uri = "{pc}"\n'
-                + f'index_uri = "{index}"\nstatus_ttl_ms = 1500\nprefill_tokens_per_s = 1000.0\n'
-                + cert("ii1") + TIERS, "holder,instance"),
-    ]  # fmt: skip
+        Process(
+            tmp_path,
+            "index",
+            SERVER.format(port=ports["index"])
+            + f'[index]\nuri = "{index}"\npolicy = "policy.json"\n',
+            "index",
+        ),
+        Process(
+            tmp_path,
+            "pc",
+            SERVER.format(port=ports["pc"])
+            + f'[controller]\nuri = "{pc}"\npolicy = "policy.json"\nindex_uri = "{index}"\n'
+            + 'descriptors = ["descriptor.json"]\nprefetch = true\n'
+            + "prefetch_deadline_ms = 5000\n"
+            + cert("pc"),
+            "pc",
+        ),
+        Process(
+            tmp_path,
+            "holder1",
+            SERVER.format(port=ports["holder1"])
+            + f'[holder]\nuri = "{holder1}"\npolicy = "policy.json"\nindex_uri = "{index}"\n'
+            + cert("holder1")
+            + TIERS,
+            "holder",
+        ),
+        Process(
+            tmp_path,
+            "ii1",
+            SERVER.format(port=ports["ii1"])
+            + f'[holder]\nuri = "{ii_holder}"\npolicy = "policy.json"\nindex_uri = "{index}"\n'
+            + cert("ii1")
+            + f'[instance]\nuri = "{ii}"\npolicy = "policy.json"\ncontroller_uri = "{pc}"\n'
+            + f'index_uri = "{index}"\nstatus_ttl_ms = 1500\nprefill_tokens_per_s = 1000.0\n'
+            + cert("ii1")
+            + TIERS,
+            "holder,instance",
+        ),
+    ]
     try:
         for process in processes:
             process.start(ports[process.name])
 
         def context(name: str) -> object:
             certs = tmp_path / "certs"
-            return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                                  str(certs / f"client-{name}.key"))  # fmt: skip
+            return client_context(
+                str(certs / "ca.pem"),
+                str(certs / f"client-{name}.pem"),
+                str(certs / f"client-{name}.key"),
+            )
 
         data = block()
         async with HolderClient(context("alice")) as alice:
@@ -94,8 +142,12 @@ async def test_the_chosen_instance_prefetches_from_the_holder(tmp_path: Path) ->
                 await asyncio.sleep(0.1)
             connector = aiohttp.TCPConnector(ssl=context("alice"))
             async with aiohttp.ClientSession(connector=connector) as front:
-                body = {"scope_id": SCOPE, "compat_id": compat,
-                        "block_keys": [ref(0).block_key], "request_ref": "req-1"}  # fmt: skip
+                body = {
+                    "scope_id": SCOPE,
+                    "compat_id": compat,
+                    "block_keys": [ref(0).block_key],
+                    "request_ref": "req-1",
+                }
                 while True:  # until the instance's status report has arrived (S1)
                     async with front.post(f"{pc}place", json=body) as response:
                         answer = await response.json()

@@ -78,8 +78,11 @@ class Proxied:
 
     def context(self, name: str) -> ssl.SSLContext:
         certs = self.root / "certs"
-        return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                              str(certs / f"client-{name}.key"))  # fmt: skip
+        return client_context(
+            str(certs / "ca.pem"),
+            str(certs / f"client-{name}.pem"),
+            str(certs / f"client-{name}.key"),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -90,20 +93,37 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
     direct_port, nginx_port = free_port(), free_port()
     via_nginx = f"https://127.0.0.1:{nginx_port}/kvsp/"
     sock = root / "kvstore.sock"
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
-        "urn:kvstore:bob": {"read_scopes": [OTHER_SCOPE], "write_scopes": [OTHER_SCOPE]},
-    }}))  # fmt: skip
-    holder = Process(root, "holder", SERVER.format(port=direct_port)
-                     + f'unix_socket = "{sock}"\ntrusted_proxy = "unix"\n'
-                     + f'[holder]\nuri = "{via_nginx}"\npolicy = "policy.json"\n'
-                     + '[[storage.tiers]]\nbackend = "host"\ncapacity = 67108864\n',
-                     "holder")  # fmt: skip
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
+                    "urn:kvstore:bob": {
+                        "read_scopes": [OTHER_SCOPE],
+                        "write_scopes": [OTHER_SCOPE],
+                    },
+                }
+            }
+        )
+    )
+    holder = Process(
+        root,
+        "holder",
+        SERVER.format(port=direct_port)
+        + f'unix_socket = "{sock}"\ntrusted_proxy = "unix"\n'
+        + f'[holder]\nuri = "{via_nginx}"\npolicy = "policy.json"\n'
+        + '[[storage.tiers]]\nbackend = "host"\ncapacity = 67108864\n',
+        "holder",
+    )
     holder.start(direct_port)
-    (root / "nginx.conf").write_text(NGINX.format(root=root, socket=sock, port=nginx_port,
-                                                  certs=root / "certs"))  # fmt: skip
-    nginx = subprocess.Popen([binary, "-p", str(root), "-c", str(root / "nginx.conf")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+    (root / "nginx.conf").write_text(
+        NGINX.format(root=root, socket=sock, port=nginx_port, certs=root / "certs")
+    )
+    nginx = subprocess.Popen(
+        [binary, "-p", str(root), "-c", str(root / "nginx.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for_port(nginx_port)
         yield Proxied(root, via_nginx, f"https://127.0.0.1:{direct_port}/kvsp/", sock)
@@ -122,8 +142,7 @@ async def test_authorized_by_the_identity_nginx_forwards(proxied: Proxied) -> No
     async with HolderClient(proxied.context("alice")) as alice:
         record = await alice.put_block(proxied.via_nginx, COMPAT, SCOPE, key, body)
         assert record.holder == proxied.via_nginx
-        assert await alice.get_block(proxied.via_nginx, COMPAT, SCOPE, key,
-                                     record=record) == body  # fmt: skip
+        assert await alice.get_block(proxied.via_nginx, COMPAT, SCOPE, key, record=record) == body
     async with HolderClient(proxied.context("bob")) as bob:
         with pytest.raises(ScopeDenied):
             await bob.get_block(proxied.via_nginx, COMPAT, SCOPE, key)
@@ -164,18 +183,28 @@ async def test_a_proxy_over_loopback_tcp_as_an_istio_sidecar(tmp_path: Path) -> 
     # local peer gets no identity there and may not forward one.
     create_dev_certificates(tmp_path / "certs", ["alice"])
     port, proxy_port = free_port(), free_port()
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
-        "spiffe://cluster.local/ns/llm/sa/engine": {"read_scopes": [SCOPE]},
-    }}))  # fmt: skip
-    holder = Process(tmp_path, "holder", SERVER.format(port=port)
-                     + f'trusted_proxy = "127.0.0.2"\nproxy_port = {proxy_port}\n'
-                     + f"trusted_proxy_uid = {os.getuid()}\n"  # the test is the proxy
-                     + 'trusted_proxy_header = "x-forwarded-client-cert"\n'
-                     + f'[holder]\nuri = "https://127.0.0.1:{port}/kvsp/"\n'
-                     + 'policy = "policy.json"\n'
-                     + '[[storage.tiers]]\nbackend = "host"\ncapacity = 67108864\n',
-                     "holder")  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:alice": {"read_scopes": [SCOPE], "write_scopes": [SCOPE]},
+                    "spiffe://cluster.local/ns/llm/sa/engine": {"read_scopes": [SCOPE]},
+                }
+            }
+        )
+    )
+    holder = Process(
+        tmp_path,
+        "holder",
+        SERVER.format(port=port)
+        + f'trusted_proxy = "127.0.0.2"\nproxy_port = {proxy_port}\n'
+        + f"trusted_proxy_uid = {os.getuid()}\n"  # the test is the proxy
+        + 'trusted_proxy_header = "x-forwarded-client-cert"\n'
+        + f'[holder]\nuri = "https://127.0.0.1:{port}/kvsp/"\n'
+        + 'policy = "policy.json"\n'
+        + '[[storage.tiers]]\nbackend = "host"\ncapacity = 67108864\n',
+        "holder",
+    )
     holder.start(port)
     try:
         wait_for_port(proxy_port)
@@ -183,8 +212,10 @@ async def test_a_proxy_over_loopback_tcp_as_an_istio_sidecar(tmp_path: Path) -> 
         body = block()
         sidecar = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
         async with aiohttp.ClientSession(connector=sidecar) as http:
-            put = {"If-None-Match": "*", "X-Forwarded-Client-Cert":
-                   'By=spiffe://cluster.local/ns/kv/sa/kvstore;URI=urn:kvstore:alice'}  # fmt: skip
+            put = {
+                "If-None-Match": "*",
+                "X-Forwarded-Client-Cert": "By=spiffe://cluster.local/ns/kv/sa/kvstore;URI=urn:kvstore:alice",
+            }
             async with http.put(url, data=body, headers=put) as response:
                 assert response.status == 201, await response.text()
             engine = {"X-Forwarded-Client-Cert": "URI=spiffe://cluster.local/ns/llm/sa/engine"}

@@ -80,14 +80,18 @@ async def test_a_killed_master_is_replaced_and_the_tier_is_and_pc_carry_on(
         killed_at = time.monotonic()
         cluster.kill(victim)
         until = killed_at + WINDOW_S + 3.0
-        await asyncio.gather(traffic("tier", tier_step, until),
-                             traffic("index", index_step, until),
-                             traffic("pc", pc_step, until))  # fmt: skip
+        await asyncio.gather(
+            traffic("tier", tier_step, until),
+            traffic("index", index_step, until),
+            traffic("pc", pc_step, until),
+        )
         # The errors were in a bounded window after the kill, and every one
         # of the three worked again after it, to the end.
         window = max(t for t, _, _ in errors) - killed_at if errors else 0.0
-        print(f"failover: {len(errors)} errors within {window:.2f} s of the kill, by "
-              f"{sorted({n for _, n, _ in errors})}")  # fmt: skip
+        print(
+            f"failover: {len(errors)} errors within {window:.2f} s of the kill, by "
+            f"{sorted({n for _, n, _ in errors})}"
+        )
         assert errors, "killing a master of the used slots caused no error at all"
         assert max(t for t, _, _ in errors) - killed_at < WINDOW_S, errors[-3:]
         assert all(done.get(name, 0) > until - 1.5 for name in ("tier", "index", "pc")), done

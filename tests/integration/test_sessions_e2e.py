@@ -106,8 +106,10 @@ async def test_reshard_two_to_three_and_back_then_an_abort(tmp_path: Path) -> No
     container = 20 + 16 * 4 + out["block_octets"]  # header, layer table, data
 
     def moved(snapshot: dict[str, Any]) -> tuple[int, int]:
-        return (sum(s["blocks_fetched"] for s in snapshot.values()),
-                sum(s["octets_fetched"] for s in snapshot.values()))  # fmt: skip
+        return (
+            sum(s["blocks_fetched"] for s in snapshot.values()),
+            sum(s["octets_fetched"] for s in snapshot.values()),
+        )
 
     assert moved(out["before"]) == (0, 0)
     assert out["split"]["committed"] and out["split"]["version"] == 2

@@ -31,28 +31,45 @@ HOLDER, INSTANCE = "https://h1.test/kvsp/", "https://ii1.test/kvsp/"
 
 def status(epoch: int) -> InstanceStatus:
     return InstanceStatus(
-        instance=INSTANCE, epoch=epoch, state="active", running=0, queued=0, batch_size=8,
-        kv_utilization=0.1, prefill_tokens_per_s=40000, decode_tokens_per_s=2000,
-        ttl_ms=60_000, links=(Link(HOLDER, 100000.0, 20.0),),
-    )  # fmt: skip
+        instance=INSTANCE,
+        epoch=epoch,
+        state="active",
+        running=0,
+        queued=0,
+        batch_size=8,
+        kv_utilization=0.1,
+        prefill_tokens_per_s=40000,
+        decode_tokens_per_s=2000,
+        ttl_ms=60_000,
+        links=(Link(HOLDER, 100000.0, 20.0),),
+    )
 
 
 def context(root: Path, name: str) -> Any:
     """A client context with ``name``'s development certificate under ``root``."""
     certs = root / "certs"
-    return client_context(str(certs / "ca.pem"), str(certs / f"client-{name}.pem"),
-                          str(certs / f"client-{name}.key"))  # fmt: skip
+    return client_context(
+        str(certs / "ca.pem"), str(certs / f"client-{name}.pem"), str(certs / f"client-{name}.key")
+    )
 
 
 async def publish_k0_k1(index_uri: str, root: Path) -> None:
     """holder1 publishes its records of K0 and K1 at the IS."""
     async with IndexClient(index_uri, context(root, "holder1")) as publisher:
         for key in (K0, K1):
-            await publisher.publish(ReplicaRecord(
-                block_key=key, compat_id=COMPAT_ID, scope_id=SCOPE, holder=HOLDER,
-                codec=1, size=1 << 20, digest="sha-256:" + "0" * 64,
-                residency=(Residency("host", 0, 31),), ttl_ms=60_000,
-            ))  # fmt: skip
+            await publisher.publish(
+                ReplicaRecord(
+                    block_key=key,
+                    compat_id=COMPAT_ID,
+                    scope_id=SCOPE,
+                    holder=HOLDER,
+                    codec=1,
+                    size=1 << 20,
+                    digest="sha-256:" + "0" * 64,
+                    residency=(Residency("host", 0, 31),),
+                    ttl_ms=60_000,
+                )
+            )
 
 
 async def test_pc_and_is_share_redis(tmp_path: Path, redis_server: Any) -> None:
@@ -60,11 +77,25 @@ async def test_pc_and_is_share_redis(tmp_path: Path, redis_server: Any) -> None:
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR))
     ports = {"pc": free_port(), "pc2": free_port(), "index": free_port()}
     uris = {name: f"https://127.0.0.1:{port}/{name}/" for name, port in ports.items()}
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:holder1": {"roles": ["holder"], "holder": HOLDER, "write_scopes": ["*"]},
-        "urn:kvstore:ii1": {"roles": ["instance"], "instance": INSTANCE, "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"read_scopes": [SCOPE]},
-    }}))  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:holder1": {
+                        "roles": ["holder"],
+                        "holder": HOLDER,
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:ii1": {
+                        "roles": ["instance"],
+                        "instance": INSTANCE,
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+                }
+            }
+        )
+    )
     prefix = f"it{uuid.uuid4().hex[:8]}"
     shared = f"""
 state = "redis"
@@ -79,15 +110,22 @@ descriptors = ["descriptor.json"]
         return Process(tmp_path, name, config, "pc")
 
     # The IS process runs no PC: it reads the PC's Redis for instance status.
-    index = Process(tmp_path, "index", SERVER.format(port=ports["index"]) + f"""
+    index = Process(
+        tmp_path,
+        "index",
+        SERVER.format(port=ports["index"])
+        + f"""
 [index]
-uri = "{uris['index']}"
+uri = "{uris["index"]}"
 policy = "policy.json"
 state = "redis"
 redis_url = "{redis_server.url}"
 redis_prefix = "{prefix}-is:"
 descriptors = ["descriptor.json"]
-[controller]""" + shared, "index")  # fmt: skip
+[controller]"""
+        + shared,
+        "index",
+    )
 
     first, second = pc("pc"), pc("pc2")
     first.start(ports["pc"])
@@ -104,10 +142,16 @@ descriptors = ["descriptor.json"]
             assert await report(uris["pc"], 7) == 200
             session = str(uuid.uuid4())
             checkpoint = SessionCheckpoint(
-                session=session, epoch=1, compat_id=COMPAT_ID, scope_id=SCOPE,
-                prompt_blocks=(K0,), prompt_tail=(5,), generated=(1, 2, 3), output_offset=3,
+                session=session,
+                epoch=1,
+                compat_id=COMPAT_ID,
+                scope_id=SCOPE,
+                prompt_blocks=(K0,),
+                prompt_tail=(5,),
+                generated=(1, 2, 3),
+                output_offset=3,
                 sampler=Sampler("greedy", seed=1, step=3, deterministic=True),
-            )  # fmt: skip
+            )
             url = f"{uris['pc']}sessions/{session}/checkpoint"
             async with ii1.put(url, json=checkpoint.to_json()) as response:
                 assert response.status == 200, await response.text()
@@ -147,21 +191,37 @@ async def test_two_replicated_is_processes_answer_from_memory(
     create_dev_certificates(tmp_path / "certs", ["holder1", "alice"])
     ports = {"is1": free_port(), "is2": free_port()}
     uris = {name: f"https://127.0.0.1:{port}/is/" for name, port in ports.items()}
-    (tmp_path / "policy.json").write_text(json.dumps({"principals": {
-        "urn:kvstore:holder1": {"roles": ["holder"], "holder": HOLDER, "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"read_scopes": [SCOPE]},
-    }}))  # fmt: skip
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    "urn:kvstore:holder1": {
+                        "roles": ["holder"],
+                        "holder": HOLDER,
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+                }
+            }
+        )
+    )
     prefix = f"it{uuid.uuid4().hex[:8]}-rep:"
 
     def index(name: str) -> Process:
-        return Process(tmp_path, name, SERVER.format(port=ports[name]) + f"""
+        return Process(
+            tmp_path,
+            name,
+            SERVER.format(port=ports[name])
+            + f"""
 [index]
 uri = "{uris[name]}"
 policy = "policy.json"
 state = "replicated"
 redis_url = "{redis_server.url}"
 redis_prefix = "{prefix}"
-""", "index")  # fmt: skip
+""",
+            "index",
+        )
 
     first, second = index("is1"), index("is2")
     first.start(ports["is1"])

@@ -20,7 +20,9 @@ async def test_thirty_seconds_of_mixed_traffic_lose_nothing() -> None:
     written = report.acknowledged * 16 * BLOCK_SECTION
     assert written > 4 * HOST_OCTETS, "too little traffic to evict under pressure"
     assert len(report.rss) >= 30 and 0 < report.peak_rss <= report.bound_octets, (
-        report.peak_rss, report.bound_octets)  # fmt: skip
+        report.peak_rss,
+        report.bound_octets,
+    )
     assert {"put", "get", "lease"} <= set(report.latencies)
     # No leak: what grows in the last third of the run is only the index
     # of the blocks still being added (every acknowledged block is kept, in

@@ -30,10 +30,14 @@ async def echo(scope: Any, receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     tls = (scope.get("extensions") or {}).get("tls") or {}
-    body = json.dumps({
-        "principal": principal_from_scope(scope), "tls_version": tls.get("tls_version"),
-        "per_connection": tls.get(PRINCIPAL), "tls_id": id(tls),
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "principal": principal_from_scope(scope),
+            "tls_version": tls.get("tls_version"),
+            "per_connection": tls.get(PRINCIPAL),
+            "tls_id": id(tls),
+        }
+    ).encode()
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": body})
 
@@ -44,19 +48,30 @@ async def serving(tmp_path: Path, protocol: type) -> AsyncIterator[tuple[int, ss
     create_dev_certificates(tmp_path, ["carol"])
     port = free_port()
     config = uvicorn.Config(
-        echo, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning",
-        ssl_certfile=str(tmp_path / "server.pem"), ssl_keyfile=str(tmp_path / "server.key"),
-        ssl_ca_certs=str(tmp_path / "ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED,
-    )  # fmt: skip
+        echo,
+        host="127.0.0.1",
+        port=port,
+        http=protocol,
+        lifespan="off",
+        log_level="warning",
+        ssl_certfile=str(tmp_path / "server.pem"),
+        ssl_keyfile=str(tmp_path / "server.key"),
+        ssl_ca_certs=str(tmp_path / "ca.pem"),
+        ssl_cert_reqs=ssl.CERT_REQUIRED,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:
             await asyncio.sleep(0.02)
-        yield port, client_context(
-            str(tmp_path / "ca.pem"), str(tmp_path / "client-carol.pem"),
-            str(tmp_path / "client-carol.key"),
-        )  # fmt: skip
+        yield (
+            port,
+            client_context(
+                str(tmp_path / "ca.pem"),
+                str(tmp_path / "client-carol.pem"),
+                str(tmp_path / "client-carol.key"),
+            ),
+        )
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)

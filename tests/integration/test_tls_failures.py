@@ -29,8 +29,9 @@ from .test_holder_crash import LMDB, holder_over
 
 
 def kvstore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 async def test_tls_refusals_are_logged_and_explained(tmp_path: Path) -> None:
@@ -42,18 +43,22 @@ async def test_tls_refusals_are_logged_and_explained(tmp_path: Path) -> None:
     ca = str(certs / "ca.pem")
     contexts = {
         "no client certificate": client_context(ca),
-        "another CA": client_context(ca, str(tmp_path / "other" / "client-mallory.pem"),
-                                     str(tmp_path / "other" / "client-mallory.key")),
+        "another CA": client_context(
+            ca,
+            str(tmp_path / "other" / "client-mallory.pem"),
+            str(tmp_path / "other" / "client-mallory.key"),
+        ),
         "expired": client_context(ca, str(certs / "client-old.pem"), str(certs / "client-old.key")),
-    }  # fmt: skip
+    }
     key = ref(1).block_key
     try:
         holder.start(port)
         async with HolderClient(alice, timeout_s=10) as client:
             body = block()
             # Bytes keys, as BlockKeyChain.extend and compat_id give them.
-            await client.put_block(uri, bytes.fromhex(COMPAT), bytes.fromhex(SCOPE),
-                                   bytes.fromhex(key), body)  # fmt: skip
+            await client.put_block(
+                uri, bytes.fromhex(COMPAT), bytes.fromhex(SCOPE), bytes.fromhex(key), body
+            )
             assert (
                 await client.get_block(uri, bytes.fromhex(COMPAT), SCOPE, bytes.fromhex(key))
                 == body
@@ -107,14 +112,18 @@ async def test_a_certificate_issued_later_is_accepted_after_a_restart(tmp_path: 
     policy = tmp_path / "policy.json"
     again = kvstore("certs", "init", str(certs))
     assert again.returncode == 2 and "exists" in again.stderr and "--force" in again.stderr
-    issued = kvstore("certs", "issue", "--ca", str(certs), "--principal", "bob",
-                     "--policy", str(policy))  # fmt: skip
+    issued = kvstore(
+        "certs", "issue", "--ca", str(certs), "--principal", "bob", "--policy", str(policy)
+    )
     assert issued.returncode == 0, issued.stderr
     assert json.loads(issued.stdout)["roles"] == ["client", "metrics"]
     assert json.loads(policy.read_text())["principals"]["urn:kvstore:bob"]["roles"] == [
-        "client", "metrics"]  # fmt: skip
-    bob = client_context(str(certs / "ca.pem"), str(certs / "client-bob.pem"),
-                         str(certs / "client-bob.key"))  # fmt: skip
+        "client",
+        "metrics",
+    ]
+    bob = client_context(
+        str(certs / "ca.pem"), str(certs / "client-bob.pem"), str(certs / "client-bob.key")
+    )
     try:
         holder.start(port)  # (a restart of a running holder: the policy is read at start)
         async with HolderClient(bob, timeout_s=10) as client:

@@ -82,16 +82,31 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     port, index_port = consecutive_ports(2), free_port()
     workers = (f"https://127.0.0.1:{port}/kvsp/", f"https://127.0.0.1:{port + 1}/kvsp/")
     index = f"https://127.0.0.1:{index_port}/is/"
-    (root / "policy.json").write_text(json.dumps({"principals": {
-        # One certificate for the workers: the policy names all their URIs.
-        "urn:kvstore:holder": {"roles": ["holder"], "holder": list(workers),
-                               "write_scopes": ["*"]},
-        "urn:kvstore:alice": {"roles": ["client", "metrics"], "read_scopes": [SCOPE],
-                              "write_scopes": [SCOPE]},
-    }}))  # fmt: skip
-    index_process = Process(root, "index", SERVER.format(port=index_port)
-                            + f'[index]\nuri = "{index}"\npolicy = "policy.json"\n',
-                            "index")  # fmt: skip
+    (root / "policy.json").write_text(
+        json.dumps(
+            {
+                "principals": {
+                    # One certificate for the workers: the policy names all their URIs.
+                    "urn:kvstore:holder": {
+                        "roles": ["holder"],
+                        "holder": list(workers),
+                        "write_scopes": ["*"],
+                    },
+                    "urn:kvstore:alice": {
+                        "roles": ["client", "metrics"],
+                        "read_scopes": [SCOPE],
+                        "write_scopes": [SCOPE],
+                    },
+                }
+            }
+        )
+    )
+    index_process = Process(
+        root,
+        "index",
+        SERVER.format(port=index_port) + f'[index]\nuri = "{index}"\npolicy = "policy.json"\n',
+        "index",
+    )
     index_process.start(index_port)
     config = (
         SERVER.format(port=port)
@@ -119,11 +134,13 @@ map_size = 268435456
     log = (root / "holder.log").open("ab")
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--config", str(root / "holder.toml")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     certs = root / "certs"
-    context = client_context(str(certs / "ca.pem"), str(certs / "client-alice.pem"),
-                             str(certs / "client-alice.key"))  # fmt: skip
+    context = client_context(
+        str(certs / "ca.pem"), str(certs / "client-alice.pem"), str(certs / "client-alice.key")
+    )
     found = Deployment(root, supervisor, workers, index, context)
     try:
         for p in (port, port + 1):
@@ -166,8 +183,9 @@ async def test_every_worker_lists_the_set_and_reports_each_state(deployment: Dep
     for worker in (0, 1):
         await _wait_up(deployment, worker)
     ready = await _readyz(deployment, 1)
-    assert ready["workers"] == {uri: {"worker": i, "state": "up", "restarts": 0}
-                                for i, uri in enumerate(deployment.workers)}  # fmt: skip
+    assert ready["workers"] == {
+        uri: {"worker": i, "state": "up", "restarts": 0} for i, uri in enumerate(deployment.workers)
+    }
 
 
 async def test_puts_through_the_set_land_where_the_index_finds_them(
@@ -261,8 +279,9 @@ async def test_status_shows_every_worker_from_one_uri(deployment: Deployment) ->
     assert [v.base for v in views] == list(deployment.workers)
     for i, view in enumerate(views):
         assert not view.error and view.roles == ["holder"]
-        assert all(dict(k).get("worker") == str(i)
-                   for k in view.samples["kvstore_tier_capacity_bytes"])  # fmt: skip
+        assert all(
+            dict(k).get("worker") == str(i) for k in view.samples["kvstore_tier_capacity_bytes"]
+        )
 
 
 async def test_each_worker_has_its_own_socket_for_a_proxy(deployment: Deployment) -> None:
@@ -286,8 +305,10 @@ def test_sigterm_stops_every_worker_with_exit_status_0(deployment: Deployment) -
     deployment.supervisor.send_signal(signal.SIGTERM)
     assert deployment.supervisor.wait(timeout=30) == 0, deployment.log()
     for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
-            f"/proc/{pid}/status").read_text().lower()  # fmt: skip
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        )
     for uri in deployment.workers:
         port = int(uri.split(":")[2].split("/")[0])
         with pytest.raises(OSError):

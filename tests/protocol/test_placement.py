@@ -373,8 +373,11 @@ def test_placement_cost_property(
 def test_groups_do_not_change_the_plan() -> None:
     # Blocks with replicas of equal shapes, counted once, plan as if each
     # were computed on its own: n blocks of one shape read n times as long.
-    rows = [[record(K0, H1), record(K0, H2)], [record(K1, H1, size=SIZE // 2)],
-            [record(K2, H1), record(K2, H2)]]  # fmt: skip
+    rows = [
+        [record(K0, H1), record(K0, H2)],
+        [record(K1, H1, size=SIZE // 2)],
+        [record(K2, H1), record(K2, H2)],
+    ]
     groups = shape_groups(rows)
     assert sorted(n for _, n in groups) == [1, 2]
     plan = plan_groups(groups, STATUS)

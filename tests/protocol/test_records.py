@@ -551,14 +551,15 @@ def test_lookup_request_encode(keys: tuple[str, ...]) -> None:
     # encode() is to_json() as octets, whatever the keys hold.
     for request in (
         LookupRequest(SCOPE_ID, COMPAT_ID, keys),
-        LookupRequest(SCOPE_ID, COMPAT_ID, keys, targets=("https://ii7.example/kvsp/",),
-                      shapes_only=True),
-    ):  # fmt: skip
+        LookupRequest(
+            SCOPE_ID, COMPAT_ID, keys, targets=("https://ii7.example/kvsp/",), shapes_only=True
+        ),
+    ):
         assert json.loads(request.encode()) == request.to_json()
     decoded = LookupRequest.from_json(
         json.loads(LookupRequest(SCOPE_ID, COMPAT_ID, (K0,), shapes_only=True).encode())
     )
-    assert decoded.shapes_only is True  # fmt: skip
+    assert decoded.shapes_only is True
 
 
 def test_shape_runs_round_trip_and_validation() -> None:

@@ -21,8 +21,9 @@ from kvstore.storage.arena import ALIGN, Arena
 
 from .helpers import COMPAT, SCOPE, block, ref
 
-OPEN = Policy.from_json({"principals": {"anonymous": {"read_scopes": ["*"],
-                                                      "write_scopes": ["*"]}}})  # fmt: skip
+OPEN = Policy.from_json(
+    {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+)
 
 
 def test_extents_are_disjoint_and_coalesce_when_given_back() -> None:

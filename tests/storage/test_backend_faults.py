@@ -33,9 +33,13 @@ async def test_s3_body_cut_short_is_tier_unavailable() -> None:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     tier = S3Tier(
-        "bucket", endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1",
-        access_key_id="a", secret_access_key="b", timeout_s=5,
-    )  # fmt: skip
+        "bucket",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region="us-east-1",
+        access_key_id="a",
+        secret_access_key="b",
+        timeout_s=5,
+    )
     try:
         with pytest.raises(TierUnavailable):
             await tier.get("k" * 64 + "/x")

@@ -95,9 +95,11 @@ def test_deadlines_are_configured_per_tier(tmp_path: Any) -> None:
     from kvstore.serve import build_store
 
     file = tmp_path / "k.toml"
-    file.write_text('[[storage.tiers]]\nbackend = "host"\ncapacity = 4096\n'
-                    '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 1048576\npath = "lmdb"\n'
-                    "map_size = 2097152\ndeadline_s = 1.5\n")  # fmt: skip
+    file.write_text(
+        '[[storage.tiers]]\nbackend = "host"\ncapacity = 4096\n'
+        '[[storage.tiers]]\nbackend = "lmdb"\ncapacity = 1048576\npath = "lmdb"\n'
+        "map_size = 2097152\ndeadline_s = 1.5\n"
+    )
     store = build_store(load(file))
     assert [s.tier.deadline_s for s in store.slots] == [None, 1.5]
     file.write_text(file.read_text().replace("deadline_s = 1.5", "deadline_s = 0"))

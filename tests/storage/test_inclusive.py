@@ -83,8 +83,9 @@ async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
 
 async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path: Path) -> None:
     recorder = Recorder()
-    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * PSIZE)],
-                        on_evict=recorder)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * PSIZE)], on_evict=recorder
+    )
     recorder.store = store
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3, 4):
@@ -114,8 +115,9 @@ async def test_write_through_acknowledges_what_lmdb_holds(tmp_path: Path) -> Non
 
 async def test_write_through_refuses_what_no_persistent_tier_takes(tmp_path: Path) -> None:
     # Acknowledged means durable: a PUT that only memory could take fails.
-    store = TieredStore([(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), SIZE // 2)],
-                        write_through=True)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), SIZE // 2)], write_through=True
+    )
     with pytest.raises(InsufficientStorage, match="write_through"):
         await store.put(ref(1), block())
     assert ref(1) not in store and [s.used for s in store.slots] == [0, 0]
@@ -130,8 +132,9 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
     async def hook(r: Any, reason: str) -> None:
         evicted.append((r, reason))
 
-    store = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)],
-                        on_evict=hook)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)], on_evict=hook
+    )
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3, 4):
         await store.put(ref(n), data[n])  # host: 3, 4; LMDB (full): 1, 2
@@ -151,9 +154,11 @@ async def test_a_copy_in_a_down_tier_does_not_take_over(tmp_path: Path) -> None:
     from .helpers import FlakyTier
 
     below = FlakyTier(LmdbTier(str(tmp_path / "a")))
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE),
-                         (LmdbTier(str(tmp_path / "b")), 64 * SIZE)],
-                        write_through=True, retry_after_s=60)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 2 * SIZE), (below, 64 * SIZE), (LmdbTier(str(tmp_path / "b")), 64 * SIZE)],
+        write_through=True,
+        retry_after_s=60,
+    )
     data = block()
     await store.put(ref(1), data)  # host, and a copy in the first LMDB
     below.down = True

@@ -107,9 +107,14 @@ async def against_the_model(tmp_path: Path, seed: int, cancel: bool) -> None:
         (Jitter(LmdbTier(str(tmp_path / "lmdb")), rng), 4 * SIZE),
         (Jitter(HostTier(), rng, kind="remote-memory"), 5 * SIZE),
     ]
-    store = TieredStore(tiers, on_evict=hook, retention_s=300, wall_clock=lambda: now[0],
-                        fast_layers=4 if seed % 3 == 0 else None,
-                        write_through=seed % 2 == 1)  # fmt: skip
+    store = TieredStore(
+        tiers,
+        on_evict=hook,
+        retention_s=300,
+        wall_clock=lambda: now[0],
+        fast_layers=4 if seed % 3 == 0 else None,
+        write_through=seed % 2 == 1,
+    )
 
     async def one() -> None:
         assert store is not None
@@ -170,8 +175,9 @@ async def against_the_model(tmp_path: Path, seed: int, cancel: bool) -> None:
     assert used == expected
     assert all(s.used <= s.capacity for s in store.slots)
     for index, slot in enumerate(store.slots):
-        counted = {x.key for i in store.blocks() for x in [*i.segments, *i.copies]
-                   if x.slot == index}  # fmt: skip
+        counted = {
+            x.key for i in store.blocks() for x in [*i.segments, *i.copies] if x.slot == index
+        }
         counted |= {i.ref.meta_key for i in store.blocks() if index in i.meta_slots}
         kept = {key async for key in slot.tier.keys()}
         assert kept == counted, f"tier {index}: orphans {kept - counted}, missing {counted - kept}"

@@ -84,8 +84,10 @@ async def test_a_refused_store_gives_back_the_claims_it_took(
         await Ownership([s.tier for s in store.slots], "me").claim()
     # The LMDB lock was given back: another process takes it at once.
     lock = Path(lmdb.path) / LmdbTier.OWNER_FILE  # type: ignore[attr-defined]
-    take = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
-            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)")  # fmt: skip
+    take = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"
+    )
     assert subprocess.run([sys.executable, "-c", take, str(lock)]).returncode == 0
     await rival.release("rival")
     await rival.close()
@@ -95,10 +97,13 @@ async def test_a_refused_store_gives_back_the_claims_it_took(
 async def test_a_second_process_is_refused_the_lmdb_directory(lmdb_path: str) -> None:
     tier = LmdbTier(lmdb_path)
     await Ownership([tier], "pid 1 on here").claim()
-    other = ("import asyncio, sys; from kvstore.backends.lmdb import LmdbTier; "
-             "asyncio.run(LmdbTier(sys.argv[1]).claim('two', 30.0))")  # fmt: skip
-    refused = subprocess.run([sys.executable, "-c", other, lmdb_path], capture_output=True,
-                             text=True)  # fmt: skip
+    other = (
+        "import asyncio, sys; from kvstore.backends.lmdb import LmdbTier; "
+        "asyncio.run(LmdbTier(sys.argv[1]).claim('two', 30.0))"
+    )
+    refused = subprocess.run(
+        [sys.executable, "-c", other, lmdb_path], capture_output=True, text=True
+    )
     assert refused.returncode != 0
     assert f"StorageInUse: {lmdb_path} is in use by pid 1 on here" in refused.stderr
     await tier.close()  # closing lets go
@@ -110,9 +115,16 @@ async def test_a_record_of_a_process_of_this_host_that_is_gone_is_taken_over(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
     # A holder restarted after a SIGKILL is not refused for owner_ttl_s.
-    gone = subprocess.run([sys.executable, "-c", "from kvstore.storage.owner import owner_name; "
-                           "print(owner_name('holder X'))"], capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
+    gone = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from kvstore.storage.owner import owner_name; print(owner_name('holder X'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert stale(gone)  # its pid is no more
     first = make_tier(kind, request)
     second = make_tier(kind, request, **same_storage(kind, first))

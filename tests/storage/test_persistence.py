@@ -229,9 +229,11 @@ async def test_degraded_tier_is_skipped_for_writes_until_retry() -> None:
 
 async def test_s3_unreachable_is_tier_unavailable() -> None:
     tier = S3Tier(
-        bucket="nowhere", endpoint_url=f"http://127.0.0.1:{free_port()}", timeout_s=2.0,
+        bucket="nowhere",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        timeout_s=2.0,
         **S3_CREDENTIALS,
-    )  # fmt: skip
+    )
     with pytest.raises(TierUnavailable):
         await tier.put("k" * 64 + "/x", b"data")
     store = TieredStore([(HostTier(), SIZE), (tier, 10 * SIZE)])
@@ -337,8 +339,9 @@ async def test_s3_tier_can_make_its_bucket(s3_endpoint: str) -> None:
         await tier.put("k", b"v")
         assert await tier.get("k") == b"v"
         await tier.close()
-    missing = S3Tier(f"kvstore-absent-{uuid.uuid4().hex[:12]}", endpoint_url=s3_endpoint,
-                     **S3_CREDENTIALS)  # fmt: skip
+    missing = S3Tier(
+        f"kvstore-absent-{uuid.uuid4().hex[:12]}", endpoint_url=s3_endpoint, **S3_CREDENTIALS
+    )
     with pytest.raises(TierUnavailable):
         await missing.put("k", b"v")
     await missing.close()
@@ -369,9 +372,12 @@ async def test_retention_removes_old_blocks_from_every_tier_even_after_a_restart
     recorder = Recorder()
 
     def make() -> TieredStore:
-        return TieredStore([(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())],
-                           retention_s=60, wall_clock=lambda: now[0],
-                           on_evict=recorder)  # fmt: skip
+        return TieredStore(
+            [(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())],
+            retention_s=60,
+            wall_clock=lambda: now[0],
+            on_evict=recorder,
+        )
 
     store = make()
     recorder.store = store
@@ -402,8 +408,7 @@ async def test_the_retention_sweeper_runs_on_its_own() -> None:
     from kvstore.storage.retention import RetentionSweeper
 
     now = [0.0]
-    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=10,
-                        wall_clock=lambda: now[0])  # fmt: skip
+    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=10, wall_clock=lambda: now[0])
     await store.put(ref(1), block())
     now[0] = 11.0
     sweeper = RetentionSweeper(store, interval_s=0.01)
@@ -465,8 +470,9 @@ async def test_retention_is_not_fooled_by_the_sweep_or_a_clock_ahead(lmdb_path: 
     now = [1_000_000.0]
 
     def make() -> TieredStore:
-        return TieredStore([(LmdbTier(lmdb_path), 10 * size_of())], retention_s=60,
-                           wall_clock=lambda: now[0])  # fmt: skip
+        return TieredStore(
+            [(LmdbTier(lmdb_path), 10 * size_of())], retention_s=60, wall_clock=lambda: now[0]
+        )
 
     store = make()
     await store.put(ref(1), block())
@@ -494,8 +500,7 @@ async def test_a_lease_never_keeps_a_block_past_the_retention_limit() -> None:
     # the TTL ends when the oldest must go (renewals too); a block already
     # past the limit is not leased.
     now = [1_000.0]
-    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=60,
-                        wall_clock=lambda: now[0])  # fmt: skip
+    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=60, wall_clock=lambda: now[0])
     await store.put(ref(1), block())
     now[0] += 20
     await store.put(ref(2), block())
@@ -527,8 +532,12 @@ async def test_a_retention_sweep_lets_other_requests_in_between_batches() -> Non
     async def slow_withdrawal(r: Any, reason: str) -> None:
         await asyncio.sleep(0.02)
 
-    store = TieredStore([(HostTier(), 12 * size_of())], retention_s=10,
-                        wall_clock=lambda: now[0], on_evict=slow_withdrawal)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 12 * size_of())],
+        retention_s=10,
+        wall_clock=lambda: now[0],
+        on_evict=slow_withdrawal,
+    )
     for n in range(8):
         await store.put(ref(n), block())
     now[0] = 11.0

@@ -40,12 +40,16 @@ class FaultProxy:
         assert self._client is not None
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
-        async with self._client.request(request.method, self.target + request.path_qs,
-                                        data=body, headers=headers) as upstream:  # fmt: skip
+        async with self._client.request(
+            request.method, self.target + request.path_qs, data=body, headers=headers
+        ) as upstream:
             payload = await upstream.read()
             drop = {"transfer-encoding", "content-length", "content-encoding", "connection"}
-            return web.Response(status=upstream.status, body=payload, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in drop})  # fmt: skip
+            return web.Response(
+                status=upstream.status,
+                body=payload,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in drop},
+            )
 
     async def start(self) -> None:
         self._client = aiohttp.ClientSession(auto_decompress=False)
@@ -75,8 +79,9 @@ async def test_s3_errors_and_timeouts_degrade_and_recover(
     proxy: FaultProxy, s3_bucket: str, fault: str
 ) -> None:
     s3 = S3Tier(s3_bucket, endpoint_url=proxy.url, timeout_s=1.0, **S3_CREDENTIALS)
-    store = TieredStore([(HostTier(), 2 * size_of()), (s3, 20 * size_of())],
-                        promote=False, retry_after_s=0.5)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 2 * size_of()), (s3, 20 * size_of())], promote=False, retry_after_s=0.5
+    )
     bodies = {n: block() for n in range(8)}
     for n in range(4):  # 0-1 pushed down to S3, 2-3 in host memory
         await store.put(ref(n), bodies[n])
@@ -119,19 +124,22 @@ async def test_a_holder_over_a_failing_s3_answers_503_only_for_what_s3_alone_hel
 
     from .helpers import COMPAT, SCOPE
 
-    open_policy = Policy.from_json({"principals": {"anonymous": {
-        "read_scopes": ["*"], "write_scopes": ["*"]}}})  # fmt: skip
+    open_policy = Policy.from_json(
+        {"principals": {"anonymous": {"read_scopes": ["*"], "write_scopes": ["*"]}}}
+    )
     s3 = S3Tier(s3_bucket, endpoint_url=proxy.url, timeout_s=1.0, **S3_CREDENTIALS)
-    store = TieredStore([(HostTier(), 2 * size_of()), (s3, 20 * size_of())],
-                        promote=False, retry_after_s=0.5)  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 2 * size_of()), (s3, 20 * size_of())], promote=False, retry_after_s=0.5
+    )
     uri = "https://h.test/kvsp/"
     app = create_app(HolderSettings(uri, allow_anonymous=True), store, open_policy)
     bodies = {n: block() for n in range(5)}
     headers = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=uri) as client:
         for n in range(4):
-            put = await client.put(f"blocks/{COMPAT}/{SCOPE}/{ref(n).block_key}",
-                                   content=bodies[n], headers=headers)  # fmt: skip
+            put = await client.put(
+                f"blocks/{COMPAT}/{SCOPE}/{ref(n).block_key}", content=bodies[n], headers=headers
+            )
             assert put.status_code == 201
         proxy.mode = "error"
         # GETs try S3 (and fail fast); the HEAD, within the tier's retry
@@ -144,8 +152,9 @@ async def test_a_holder_over_a_failing_s3_answers_503_only_for_what_s3_alone_hel
         for n in (2, 3):
             got = await client.get(f"blocks/{COMPAT}/{SCOPE}/{ref(n).block_key}")
             assert got.status_code == 200 and got.content == bodies[n]
-        put = await client.put(f"blocks/{COMPAT}/{SCOPE}/{ref(4).block_key}",
-                               content=bodies[4], headers=headers)  # fmt: skip
+        put = await client.put(
+            f"blocks/{COMPAT}/{SCOPE}/{ref(4).block_key}", content=bodies[4], headers=headers
+        )
         assert put.status_code == 201
         proxy.mode = "pass"
         await asyncio.sleep(0.6)

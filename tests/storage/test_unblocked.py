@@ -67,8 +67,10 @@ async def test_a_put_and_a_read_go_on_while_a_withdrawal_hangs() -> None:
     async with asyncio.timeout(2):
         assert await store.get(ref(2)) == data[2]
         await store.put(ref(4), data[4])  # evicts 2 (1 is leaving): not held up
-    assert [(r, reason) for r, reason, _ in hook.calls] == [(ref(1), "capacity"),
-                                                           (ref(2), "capacity")]  # fmt: skip
+    assert [(r, reason) for r, reason, _ in hook.calls] == [
+        (ref(1), "capacity"),
+        (ref(2), "capacity"),
+    ]
     # LEAVING: still held (the data is there until the withdrawal is over),
     # but neither served nor leasable.
     assert ref(1) in store and not store.serves(ref(1))
@@ -89,8 +91,9 @@ async def test_a_put_and_a_read_go_on_while_a_withdrawal_hangs() -> None:
 async def test_a_delete_and_a_retention_sweep_hang_alone() -> None:
     now = [1000.0]
     hook = Withdrawals()
-    store = TieredStore([(HostTier(), 8 * SIZE)], on_evict=hook, retention_s=60,
-                        wall_clock=lambda: now[0])  # fmt: skip
+    store = TieredStore(
+        [(HostTier(), 8 * SIZE)], on_evict=hook, retention_s=60, wall_clock=lambda: now[0]
+    )
     hook.store = store
     for n in (1, 2):
         await store.put(ref(n), block())

@@ -12,8 +12,15 @@ from kvstore.storage.tier import Tier
 
 from ..conftest import S3_CREDENTIALS
 
-KINDS = ["device", "host", "host-arena", "local-storage", "remote-memory",
-         "remote-memory-cluster", "remote-storage"]  # fmt: skip
+KINDS = [
+    "device",
+    "host",
+    "host-arena",
+    "local-storage",
+    "remote-memory",
+    "remote-memory-cluster",
+    "remote-storage",
+]
 
 
 def make_tier(kind: str, request: pytest.FixtureRequest, **options: Any) -> Tier:
