@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -79,3 +80,27 @@ def test_truncated_sealed_segment() -> None:
     for cut in (0, 10, 20, len(stored) - 1):
         with pytest.raises(CorruptData):
             sealer.open(b"x", stored[:cut])
+
+
+def test_checksummed_segments_use_xxh3_and_older_crc32_ones_still_open() -> None:
+    """Unencrypted segments carry an XXH3-64 of name, flags and body
+    (``KVC2``); those written before it (``KVC1``, a CRC-32) still open. A
+    flipped octet, another name or a truncated segment fails either way."""
+    import zlib
+
+    from kvstore.storage.crypto import CHECKED, CHECKED_CRC32, CHECKSUM_OVERHEAD
+
+    sealer = SegmentSealer()
+    body = os.urandom(5000)
+    stored = bytes(sealer.seal(b"name", body))
+    assert stored[:4] == CHECKED and len(stored) == len(body) + CHECKSUM_OVERHEAD == len(body) + 13
+    assert bytes(sealer.open(b"name", stored)) == body
+    crc = zlib.crc32(body, zlib.crc32(b"name" + b"\x00"))
+    older = CHECKED_CRC32 + b"\x00" + struct.pack("!I", crc) + body
+    assert bytes(sealer.open(b"name", older)) == body
+    for form in (stored, older):
+        flipped = bytearray(form)
+        flipped[-7] ^= 0x10
+        for name, octets in ((b"name", bytes(flipped)), (b"other", form), (b"name", form[:8])):
+            with pytest.raises(CorruptData):
+                sealer.open(name, octets)
