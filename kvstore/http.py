@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -224,6 +225,26 @@ def principal(request: Request, allow_anonymous: bool = False) -> str | None:
     return found
 
 
+@dataclass(slots=True)
+class Role:
+    """A role's app as ``kvstore serve`` composes it, typed (Starlette's
+    ``app.state`` is not): the app of its routes relative to its base, the
+    base it is mounted at, its metrics, and its role-specific counters."""
+
+    mountable: Starlette
+    base: str
+    metrics: Metrics
+    counters: Any = None
+
+
+def role_of(app: Starlette) -> Role:
+    """The :class:`Role` of an app made by :func:`role_app`."""
+    role = getattr(app.state, "role", None)
+    if not isinstance(role, Role):
+        raise TypeError(f"{app!r} is not a role's app (kvstore.http.role_app)")
+    return role
+
+
 def role_app(
     base: str,
     routes: list[Route],
@@ -251,7 +272,7 @@ def role_app(
     prefix = base.rstrip("/")
     # The role's own app: its routes and ``metrics`` relative to its base.
     # ``kvstore serve`` mounts it at the base beside the other roles
-    # (``app.state.mountable``); alone, the app below mounts it itself.
+    # (``role_of(app).mountable``); alone, the app below mounts it itself.
     mountable = Starlette(
         routes=[*routes, Route("/metrics", get_metrics, methods=["GET"])],
         exception_handlers=EXCEPTION_HANDLERS,
@@ -268,7 +289,5 @@ def role_app(
             lifespan=lifespan,
         )
         app.router.redirect_slashes = False
-    app.state.metrics = metrics
-    app.state.mountable = mountable
-    app.state.base = prefix
+    app.state.role = Role(mountable, prefix, metrics)
     return app

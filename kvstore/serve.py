@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from .config import Config, ConfigError, check
 from .holder import create_app
-from .http import EXCEPTION_HANDLERS
+from .http import EXCEPTION_HANDLERS, role_of
 from .lifespan import Listening, Service, Shutdown, Step, run_steps, running
 from .listener import (
     bind_listener,
@@ -464,12 +464,12 @@ def compose(
             if shutdown is not None:
                 shutdown.freeze()
 
-    mounts = sorted(apps, key=lambda a: -len(a.state.base))
+    roles = sorted((role_of(a) for a in apps), key=lambda r: -len(r.base))
     routes: list[BaseRoute] = [
         Route("/healthz", health),  # any method, as a probe may send
         Route("/readyz", health),
-        Route("/metrics", apps[0].state.mountable, methods=["GET"]),
-        *(Mount(a.state.base, app=a.state.mountable) for a in mounts),
+        Route("/metrics", role_of(apps[0]).mountable, methods=["GET"]),
+        *(Mount(r.base, app=r.mountable) for r in roles),
     ]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.router.redirect_slashes = False
@@ -585,7 +585,7 @@ async def _build(
             # The PC's placer asks this process's IS directly (issue 20).
             from .index.local import LocalIndex
 
-            local = LocalIndex(index_state, index_app.state.counters)
+            local = LocalIndex(index_state, role_of(index_app).counters)
     if "pc" in roles:
         assert pc_state is not None
         apps.append(build_controller(config, pc_state, listening, local))
@@ -601,7 +601,7 @@ async def _build(
     if seat is not None:
         services.append(SeatService(seat))  # up once it listens
         for role_app in apps:
-            role_app.state.metrics.labels = {"worker": str(seat.index)}
+            role_of(role_app).metrics.labels = {"worker": str(seat.index)}
     return compose(
         apps,
         store,

@@ -28,7 +28,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..http import empty_response, json_response, principal, read_body, read_json, role_app
+from ..http import (
+    empty_response,
+    json_response,
+    principal,
+    read_body,
+    read_json,
+    role_app,
+    role_of,
+)
 from ..lifespan import Listening, Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
@@ -364,7 +372,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.controller = state
-    app.state.counters = controller.counters
+    role_of(app).counters = controller.counters
     app.state.starter = controller.starter
     app.state.migrator = controller.migrator
     app.state.placer = controller.placer

@@ -36,6 +36,7 @@ from ..http import (
     principal,
     read_json,
     role_app,
+    role_of,
 )
 from ..metrics import Metrics
 from ..protocol.control import InstanceStatus
@@ -219,7 +220,7 @@ def create_app(
     metrics = Metrics(counters=index.counters, counters_prefix="kvstore_index")
     app = role_app(settings.base_path, index.routes(), metrics, policy, settings.allow_anonymous)
     app.state.state = state
-    app.state.counters = index.counters
+    role_of(app).counters = index.counters
     app.state.statuses = index.statuses
     return app
 

@@ -21,6 +21,7 @@ from kvstore.controller.migrate import Migrator
 from kvstore.controller.placer import Placement, Placer, directive
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.controller.state import ControllerState, MemoryControllerState
+from kvstore.http import role_of
 from kvstore.protocol.control import InstanceStatus, Link, ResumeRequest
 from kvstore.protocol.keys import PackedKeys
 from kvstore.protocol.problems import Forbidden, StaleEpoch
@@ -197,7 +198,9 @@ async def test_place_sends_the_chosen_instance_a_prefetch_directive(
         response = await place(app, certs, body)
         assert response.status_code == 200
         assert response.json()["instance"] == gone and "error" in response.json()["prefetch"]
-        assert app.state.counters.prefetches == 1 and app.state.counters.prefetch_failures == 1
+        assert (
+            role_of(app).counters.prefetches == 1 and role_of(app).counters.prefetch_failures == 1
+        )
         response = await place(app, certs, {**body, "request_ref": "x" * 300})
         assert response.status_code == 400
 
@@ -418,7 +421,7 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
         # instance: it is started once.
         answers = await asyncio.gather(*(place(app, certs, body) for _ in range(4)))
         assert {a.json()["instance"] for a in answers} == {new}
-        assert app.state.counters.instances_started == 1 and runs.read_text() == "x"
+        assert role_of(app).counters.instances_started == 1 and runs.read_text() == "x"
         await app.state.starter.close(kill=True)
     # An active instance that fits is used: nothing is started.
     old = instances.uri("old")
@@ -435,7 +438,7 @@ async def test_an_instance_is_started_when_none_fits(instances: Instances, certs
         app = create_app(settings, pc, with_old, FakeIndex([((shape(H1),), 2)]), client)
         answer = (await place(app, certs, body)).json()
         assert answer["instance"] == old and "started" not in answer
-        assert app.state.counters.instances_started == 0
+        assert role_of(app).counters.instances_started == 0
     failing = dataclasses.replace(
         settings, start_command=shlex.join((sys.executable, "-c", "exit(3)"))
     )

@@ -18,6 +18,7 @@ import pytest
 from kvstore.config import Config
 from kvstore.controller.app import create_app
 from kvstore.controller.state import MemoryControllerState
+from kvstore.http import role_of
 from kvstore.index import MemoryState
 from kvstore.index import create_app as create_index
 from kvstore.index.local import LocalIndex
@@ -94,7 +95,7 @@ async def test_the_in_process_answer_is_the_is_answer(certs: Path, shapes_only: 
     response = await _post(index_app, certs, "is/lookup", query.to_json())
     assert response.status_code == 200, response.text
     over_http = LookupResponse.from_json(response.json())
-    local = LocalIndex(state, index_app.state.counters)
+    local = LocalIndex(state, role_of(index_app).counters)
     here = await local.lookup(query)
     assert here.matched == over_http.matched == 30
     assert here.shapes is not None
@@ -106,7 +107,7 @@ async def test_the_in_process_answer_is_the_is_answer(certs: Path, shapes_only: 
     if not shapes_only:
         assert here.replicas == over_http.replicas
     # The IS's own figures count the lookups asked in process too (OPS1).
-    counters = index_app.state.counters
+    counters = role_of(index_app).counters
     assert (counters.lookups, counters.lookup_matched_keys) == (2, 60)
     # A group of shapes is parsed once and kept.
     again = await local.lookup(query)

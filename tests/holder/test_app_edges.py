@@ -4,6 +4,7 @@ server would: an app error is a 500, not an exception)."""
 
 import hashlib
 
+from kvstore.http import role_of
 from kvstore.protocol.wire import parse_repr_digest
 from tests.holder.conftest import SMALL
 from tests.storage.helpers import SCOPE, block
@@ -79,7 +80,7 @@ async def test_metrics_method_cardinality(served_as, app):
     c = served_as("mallory")  # principal not even in the policy
     for i in range(200):
         await c.request(f"X{i}", path())
-    text = app.state.metrics.render().decode()
+    text = role_of(app).metrics.render().decode()
     n = sum(1 for line in text.splitlines() if line.startswith("kvstore_http_requests_total{"))
     assert n < 20, n
 
