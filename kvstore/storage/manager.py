@@ -59,7 +59,7 @@ from .policy import LRU, EvictionPolicy
 from .startup import measure_read_rates, recover
 from .state import SERVING, SETTLING
 from .table import BlockTable
-from .tier import Tier
+from .tier import ArenaTier, Tier
 from .tierio import OFFLOAD_OCTETS, TierIO
 from .types import BlockRef
 
@@ -251,7 +251,7 @@ class TieredStore:
                 s.degraded_until > now,
                 s.failures,
                 s.last_error,
-                s.tier.arena_figures(),
+                s.tier.arena_figures() if isinstance(s.tier, ArenaTier) else None,
             )
             for s in self.slots
         )
@@ -283,7 +283,7 @@ class TieredStore:
         keeps without a copy if the block is placed there (the host tier's
         arena), or None. Released by dropping it."""
         for slot in self.slots:
-            if (found := slot.tier.buffer(size)) is not None:
+            if isinstance(slot.tier, ArenaTier) and (found := slot.tier.buffer(size)) is not None:
                 return found
         return None
 

@@ -19,11 +19,27 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 from ..protocol._bytes import BytesLike
 
 #: "KVSP Storage Tiers" registry names, fastest first: the demotion chain.
 TIER_ORDER = ("device", "host", "local-storage", "remote-memory", "remote-storage")
+
+
+@runtime_checkable
+class ArenaTier(Protocol):
+    """A tier that keeps blocks in an arena of its own (the host tier's
+    business, not every tier's): the store asks it for memory to receive a
+    block into, and reports its figures."""
+
+    def arena_figures(self) -> tuple[int, int, int] | None:
+        """(octets mapped, octets in extents, blocks kept outside the arena);
+        None while it has no arena (it could not map one)."""
+
+    def buffer(self, size: int) -> memoryview | None:
+        """Writable memory for ``size`` octets that ``put`` keeps without a
+        copy when given the whole of it, or None (no room, no arena)."""
 
 
 class StorageInUse(RuntimeError):
@@ -76,17 +92,6 @@ class Tier(ABC):
     def provision(self, capacity: int) -> None:  # noqa: B027 - optional hook
         """Told once, before use, the octets the store may keep here (a
         memory tier may reserve them up front)."""
-
-    def arena_figures(self) -> tuple[int, int, int] | None:
-        """(octets mapped, octets in extents, blocks kept outside the arena)
-        for a tier that keeps blocks in an arena (metrics); None otherwise."""
-        return None
-
-    def buffer(self, size: int) -> memoryview | None:
-        """Writable memory for ``size`` octets that :meth:`put` keeps without
-        a copy when given the whole of it, or None (the default: the tier
-        keeps or sends what it is given)."""
-        return None
 
     # Batch forms, built from the single-item ones; backends with a native
     # batch operation (Redis pipelines) override them.
