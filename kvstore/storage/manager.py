@@ -113,9 +113,9 @@ class TieredStore:
         the rest in the second (the draft's device 0-15 / host 16-31 split).
         ``verify_reads``: True re-checks layer digests on every read of a
         persistent tier. By default (None) reads are checked by what is cheap:
-        the AES-GCM tag when encryption is on, else a CRC-32 stored with the
-        segment when it was written (detects corruption, not a forger; turn
-        encryption on against one).
+        the AES-GCM tag when encryption is on, else an XXH3-64 stored with
+        the segment when it was written (a CRC-32 in segments written before
+        it; detects corruption, not a forger; turn encryption on against one).
         ``retention_s``: blocks stored longer ago than this are removed by
         :meth:`expire` (SEC4: the retention limit of the originating service).
         ``write_through``: a PUT is acknowledged once every layer is also in
@@ -491,7 +491,7 @@ class TieredStore:
         checked = segment
 
         def check_and_open() -> BytesLike:
-            # The AES-GCM tag or the CRC-32 written with the segment (never a
+            # The AES-GCM tag or the checksum written with the segment (never a
             # value taken from what was read): see .crypto.
             plain = self.sealer.open(info.ref.segment_name(checked.first, checked.last), stored)
             if self.verify_reads:

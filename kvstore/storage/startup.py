@@ -5,8 +5,8 @@ trusting only what was written when a block was stored (integrity at rest):
 
 1. every block's layer table (``meta``: layer lengths and digests, codec,
    tokens, the whole block's Repr-Digest, all taken at PUT) is read first,
-   opened against its own AES-GCM tag or CRC-32;
-2. then every segment, opened against its own tag or CRC-32, and each of
+   opened against its own AES-GCM tag or checksum;
+2. then every segment, opened against its own tag or checksum, and each of
    its layers checked against the digest its layer table holds.
 
 A segment whose block has no readable layer table is not adopted and left in

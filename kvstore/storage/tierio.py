@@ -165,7 +165,7 @@ class TierIO:
         if not slot.tier.persistent:
             return plain
         name = ref.segment_name(first, last)
-        # Large segments are sealed off the event loop (AES-GCM, zstd, CRC).
+        # Large segments are sealed off the event loop (AES-GCM, zstd, the checksum).
         if len(memoryview(plain)) >= OFFLOAD_OCTETS:
             return await asyncio.to_thread(self.sealer.seal, name, plain)
         return self.sealer.seal(name, plain)
