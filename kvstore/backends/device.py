@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvstore.protocol._bytes import BytesLike
-from kvstore.protocol.problems import TierFull, TierUnavailable
+from kvstore.storage.errors import TierFull, TierUnavailable
 from kvstore.storage.tier import Tier
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import TypeVar
 import lmdb
 
 from kvstore.protocol._bytes import BytesLike
-from kvstore.protocol.problems import TierFull, TierUnavailable
+from kvstore.storage.errors import TierFull, TierUnavailable
 from kvstore.storage.tier import StorageInUse, Tier
 
 T = TypeVar("T")

@@ -23,8 +23,8 @@ from typing import Any, cast
 from redis import exceptions as redis_errors
 
 from kvstore.protocol._bytes import BytesLike
-from kvstore.protocol.problems import TierFull, TierUnavailable
 from kvstore.redis_client import ERRORS, connect
+from kvstore.storage.errors import TierFull, TierUnavailable
 from kvstore.storage.owner import stale
 from kvstore.storage.tier import StorageInUse, Tier
 

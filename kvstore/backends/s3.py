@@ -21,7 +21,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.protocol._bytes import BytesLike
-from kvstore.protocol.problems import TierUnavailable
+from kvstore.storage.errors import TierUnavailable
 from kvstore.storage.owner import stale
 from kvstore.storage.tier import StorageInUse, Tier
 

@@ -27,9 +27,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from ..protocol.problems import TierUnavailable
 from ..protocol.wire import role_id
 from ..redis_client import ERRORS, connect, server_time
+from ..storage.errors import TierUnavailable
 from .rules import InstanceEntry, MapEntry, SessionEntry
 from .state import ControllerState, InstanceChange, MapChange, SessionChange
 

@@ -32,10 +32,10 @@ from typing import Any
 
 from redis import exceptions as redis_errors
 
-from ..protocol.problems import TierUnavailable
 from ..protocol.records import ReplicaRecord
 from ..protocol.wire import role_id
 from ..redis_client import ERRORS, connect
+from ..storage.errors import TierUnavailable
 from .state import Hits, IndexFull, record_octets
 
 #: Lookup scripts sent at once on a cluster (one per block key).

@@ -45,9 +45,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..protocol.problems import TierUnavailable
 from ..protocol.records import ReplicaRecord
 from ..redis_client import ERRORS, connect, server_time
+from ..storage.errors import TierUnavailable
 from .state import Hits, MemoryState, record_octets
 
 log = logging.getLogger("kvstore.index")

@@ -19,19 +19,21 @@ one handler renders every error and one ``isinstance`` check catches them all::
     ├── StaleEpoch                  kvsp-stale-epoch         409
     ├── InvalidState                kvsp-invalid-state       409
     ├── DigestMismatch              kvsp-digest-mismatch     422
-    │   └── CorruptData             stored segment fails decryption or its digest
+    │   └── CorruptData             stored segment fails decryption or its digest (*)
     ├── PlanConflict                kvsp-plan-conflict       409
     ├── Conflict                    (about:blank, 409)       e.g. an epoch never assigned
     ├── PreconditionFailed          (about:blank, 412)       BL7: replica exists
     ├── PreconditionRequired        (about:blank, 428)       BL7: If-None-Match missing
     ├── Forbidden / Unauthenticated (about:blank, 403/401)   SEC1: policy, no certificate
-    ├── TierUnavailable             (about:blank, 503)       a storage tier is down
+    ├── TierUnavailable (*)         (about:blank, 503)       a storage tier is down
     ├── BadGateway                  (about:blank, 502)       a peer role refused or failed
     ├── Unreachable                 (client side, 503)       a role could not be reached
     │   ├── HolderUnavailable       a holder: refused, reset, timed out (its URI, why)
     │   └── TlsRefused              the TLS handshake failed: what to fix, which side
     └── InsufficientStorage         (about:blank, 507)       no tier can take a write
-        └── TierFull                one tier's backend is out of space
+        └── TierFull (*)            one tier's backend is out of space
+
+(*) The storage's own errors live with it, in :mod:`kvstore.storage.errors`.
 
 Errors that are not KVSP problem types use ``about:blank`` with their status, as
 RFC 9457 section 4.2.1 prescribes.
@@ -199,21 +201,6 @@ class Unauthenticated(KvspError):
     title = "Client certificate required"
 
 
-class CorruptData(DigestMismatch):
-    title = "Stored data failed its integrity check"
-
-
-class TierUnavailable(KvspError):
-    """A storage backend failed (connection refused, timeout, 5xx)."""
-
-    status = 503
-    title = "Storage tier unavailable"
-
-    def __init__(self, detail: str, tier: str = "", **extensions: Any) -> None:
-        super().__init__(detail, **extensions)
-        self.tier = tier
-
-
 class BadGateway(KvspError):
     """A role this one had to call (an instance, for the PC) refused or failed."""
 
@@ -251,10 +238,6 @@ class TlsRefused(Unreachable):
 class InsufficientStorage(KvspError):
     status = 507
     title = "Insufficient storage"
-
-
-class TierFull(InsufficientStorage):
-    title = "Storage tier full"
 
 
 # Every KVSP problem type of the draft's table, by suffix (H3). Clients use it

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
-from ..protocol.problems import CorruptData, NotFound, TierUnavailable
+from ..protocol.problems import NotFound
+from .errors import CorruptData, TierUnavailable
 from .policy import LRU, EvictionPolicy
 from .state import BlockState, Claim
 from .tier import Tier

@@ -46,7 +46,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..protocol._bytes import BytesLike
-from ..protocol.problems import CorruptData
+from .errors import CorruptData
 
 MAGIC = b"KVE1"
 CHECKED = b"KVC2"

@@ -33,13 +33,7 @@ from typing import Any, TypeVar
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor
-from ..protocol.problems import (
-    CorruptData,
-    LayersUnavailable,
-    MalformedContainer,
-    NotFound,
-    PreconditionFailed,
-)
+from ..protocol.problems import LayersUnavailable, MalformedContainer, NotFound, PreconditionFailed
 from ..protocol.records import ReplicaRecord, Residency
 from .blocks import (
     BlockInfo,
@@ -51,6 +45,7 @@ from .blocks import (
     repr_digest_of,
 )
 from .crypto import SegmentSealer
+from .errors import CorruptData
 from .events import EvictHook, OnEvict, StoreEvents, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits, LeaseTable
 from .owner import Ownership, owner_name

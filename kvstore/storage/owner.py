@@ -20,7 +20,7 @@ import socket
 from collections.abc import Iterable
 
 from ..background import Background
-from ..protocol.problems import TierUnavailable
+from .errors import TierUnavailable
 from .tier import StorageInUse, Tier
 
 log = logging.getLogger("kvstore.storage")

@@ -30,14 +30,9 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from ..protocol._bytes import BytesLike
-from ..protocol.problems import (
-    CorruptData,
-    InsufficientStorage,
-    NotFound,
-    TierFull,
-    TierUnavailable,
-)
+from ..protocol.problems import InsufficientStorage, NotFound
 from .blocks import BlockInfo, Segment
+from .errors import CorruptData, TierFull, TierUnavailable
 from .moves import Moves
 from .state import BlockState
 from .types import BlockRef

@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
 from ..protocol import container as kc
-from ..protocol.problems import TierFull, TierUnavailable
 from .blocks import BlockInfo, Segment, TierSlot
+from .errors import TierFull, TierUnavailable
 from .types import BlockRef, parse_segment_key
 
 if TYPE_CHECKING:

@@ -298,7 +298,7 @@ async def test_redis_clock_expires_records(redis_server: Any) -> None:
 
 
 async def test_unreachable_redis_is_unavailable() -> None:
-    from kvstore.protocol.problems import TierUnavailable
+    from kvstore.storage.errors import TierUnavailable
 
     pc = RedisControllerState("redis://127.0.0.1:1/0", timeout_s=0.5)
     with pytest.raises(TierUnavailable) as info:

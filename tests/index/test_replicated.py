@@ -16,8 +16,8 @@ import pytest
 
 from kvstore.index.replicated import ReplicatedState
 from kvstore.index.state import IndexFull, MemoryState
-from kvstore.protocol.problems import TierUnavailable
 from kvstore.protocol.wire import role_id
+from kvstore.storage.errors import TierUnavailable
 
 from .test_state import COMPAT, H1, H2, SCOPE, key, parsed, record
 

@@ -19,7 +19,7 @@ from kvstore.backends.redis import RedisTier
 from kvstore.bench.redis_cluster import RedisCluster
 from kvstore.controller.redis_state import RedisControllerState
 from kvstore.index.redis_state import RedisState
-from kvstore.protocol.problems import TierUnavailable
+from kvstore.storage.errors import TierUnavailable
 
 from ..controller.test_state import II1, status
 from ..index.test_state import key, record

@@ -59,7 +59,7 @@ class FlakyTier(Tier):
         self.down = False
 
     def _check(self) -> None:
-        from kvstore.protocol.problems import TierUnavailable
+        from kvstore.storage.errors import TierUnavailable
 
         if self.down:
             raise TierUnavailable("injected failure", tier=self.kind)
@@ -111,7 +111,7 @@ class GatedTier(HostTier):
         await super().delete(key)
 
     async def put(self, key: str, value: Any) -> None:
-        from kvstore.protocol.problems import TierUnavailable
+        from kvstore.storage.errors import TierUnavailable
 
         self.waiting += 1
         try:

@@ -11,8 +11,8 @@ from aiohttp import web
 
 from kvstore.backends.device import DeviceTier
 from kvstore.backends.s3 import S3Tier
-from kvstore.protocol.problems import CorruptData, TierUnavailable
 from kvstore.storage.crypto import MAGIC, SegmentSealer
+from kvstore.storage.errors import CorruptData, TierUnavailable
 
 from ..conftest import free_port
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from kvstore.backends.host import HostTier
-from kvstore.protocol.problems import InsufficientStorage, NotFound, TierFull
+from kvstore.protocol.problems import InsufficientStorage, NotFound
 from kvstore.storage import BlockRef, TieredStore
+from kvstore.storage.errors import TierFull
 
 from .helpers import GatedTier, block, cancelled, ref, size_of
 from .test_concurrency import accounting

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvstore.backends.host import HostTier
-from kvstore.protocol.problems import TierUnavailable
 from kvstore.storage import TieredStore
+from kvstore.storage.errors import TierUnavailable
 
 from .helpers import block, ref, size_of
 

@@ -13,15 +13,14 @@ from kvstore.backends.redis import RedisTier
 from kvstore.backends.s3 import S3Tier
 from kvstore.protocol import container as kc
 from kvstore.protocol.problems import (
-    CorruptData,
     DigestMismatch,
     InsufficientStorage,
     LayersUnavailable,
     NotFound,
-    TierUnavailable,
 )
 from kvstore.protocol.records import ReplicaRecord
 from kvstore.storage import SegmentSealer, TieredStore
+from kvstore.storage.errors import CorruptData, TierUnavailable
 from kvstore.storage.tier import Tier
 
 from ..conftest import S3_CREDENTIALS, RedisServer, free_port
@@ -245,7 +244,7 @@ async def test_s3_unreachable_is_tier_unavailable() -> None:
 
 
 async def test_lmdb_full_is_reported(lmdb_path: str) -> None:
-    from kvstore.protocol.problems import TierFull
+    from kvstore.storage.errors import TierFull
 
     tier = LmdbTier(lmdb_path, map_size=64 * 1024)
     with pytest.raises(TierFull):
@@ -563,7 +562,7 @@ async def test_a_put_whose_layer_table_cannot_be_stored_is_not_acknowledged(
     # The segment goes in, then the disk has no room for the layer table: a
     # restart could not recover the block, so the PUT fails (507) and
     # leaves nothing behind, rather than being acknowledged and then lost.
-    from kvstore.protocol.problems import TierFull
+    from kvstore.storage.errors import TierFull
 
     class NoRoomForTables(FlakyTier):
         async def put(self, key: str, value: Any) -> None:

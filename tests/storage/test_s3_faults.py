@@ -15,8 +15,8 @@ from aiohttp import web
 
 from kvstore.backends.host import HostTier
 from kvstore.backends.s3 import S3Tier
-from kvstore.protocol.problems import TierUnavailable
 from kvstore.storage import TieredStore
+from kvstore.storage.errors import TierUnavailable
 
 from ..conftest import S3_CREDENTIALS, free_port
 from .helpers import block, ref, size_of

@@ -1,0 +1,28 @@
+"""The storage's own errors: a tier down, a tier full, a stored segment that
+fails its check. Each is a :class:`~kvstore.protocol.problems.KvspError`, so
+a role renders it as problem+json like any other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol.problems import DigestMismatch, InsufficientStorage, KvspError
+
+
+class CorruptData(DigestMismatch):
+    title = "Stored data failed its integrity check"
+
+
+class TierUnavailable(KvspError):
+    """A storage backend failed (connection refused, timeout, 5xx)."""
+
+    status = 503
+    title = "Storage tier unavailable"
+
+    def __init__(self, detail: str, tier: str = "", **extensions: Any) -> None:
+        super().__init__(detail, **extensions)
+        self.tier = tier
+
+
+class TierFull(InsufficientStorage):
+    title = "Storage tier full"
