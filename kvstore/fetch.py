@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import http.client
 import json
 import logging
@@ -84,9 +83,9 @@ from .protocol.wire import (
     block_path,
     format_layers,
     hex_id,
-    parse_repr_digest,
 )
 from .unreachable import error_of, unreachable
+from .verify import StreamCheck
 
 log = logging.getLogger("kvstore.fetch")
 
@@ -603,7 +602,16 @@ class BlockFetcher:
                     f"more than max_octets ({self.max_octets})"
                 )
             view = memoryview(bytearray(length))
-        check = _Check(url, headers, record, self.limits, self.verify, length, request.on_layer)
+        if self.verify and "repr-digest" not in headers:
+            raise DigestMismatch(f"GET {url}: no Repr-Digest field")
+        check = StreamCheck(
+            f"GET {url}",
+            headers.get("repr-digest") if self.verify else None,
+            record if self.verify else None,
+            length,
+            request.on_layer,
+            self.limits,
+        )
         filled = 0
         while filled < length:
             if batch.cancelled:
@@ -742,139 +750,6 @@ def _writable(buffer: Any) -> memoryview:
     if view.readonly:
         raise ValueError("into: a writable buffer")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-class _Check:
-    """The digests of one answer taken as its octets arrive: the
-    Repr-Digest over everything (BL4), each layer's digest against the
-    record's the moment the layer is complete, the replica digest at the end
-    (BL6). Nothing is copied: each range is hashed where it lies."""
-
-    def __init__(
-        self,
-        url: str,
-        headers: dict[str, str],
-        record: ReplicaRecord | None,
-        limits: kc.Limits,
-        verify: bool,
-        length: int,
-        on_layer: Callable[[kc.Layer], None] | None,
-    ) -> None:
-        self.url = url
-        self.on_layer = on_layer
-        self.verify = verify
-        self.length = length
-        self.limits = limits
-        self.record = record
-        self.expected: bytes | None = None
-        if verify:
-            field_value = headers.get("repr-digest")
-            if field_value is None:
-                raise DigestMismatch(f"GET {url}: no Repr-Digest field")
-            self.expected = parse_repr_digest(field_value)
-        self.whole = hashlib.sha256()
-        self.header: kc.ContainerHeader | None = None
-        self.layer_digests: list[bytes] | None = None
-        self.spans: list[tuple[int, int, int, int]] = []  # (layer, start, k end, v end)
-        self.next = 0  # the span being hashed
-        self.layer = hashlib.sha256()
-        self.hashed = 0  # octets of the body fed to the layer hashes
-
-    def update(self, view: memoryview, start: int, end: int) -> None:
-        if self.verify:
-            self.whole.update(view[start:end])
-        if self.header is None:
-            header = kc.decode_header(view[:end], self.limits)
-            if header is None:
-                return
-            self._start(header)
-        if self.layer_digests is not None:
-            self._layers(view, end)
-
-    def _start(self, header: kc.ContainerHeader) -> None:
-        if header.total_octets != self.length:
-            raise MalformedContainer(
-                f"GET {self.url}: the container's header makes "
-                f"{header.total_octets} octets, Content-Length "
-                f"{self.length}"
-            )
-        self.header = header
-        offset = header.header_octets
-        for n, (k_len, v_len) in enumerate(header.lengths):
-            self.spans.append(
-                (header.first_layer + n, offset, offset + k_len, offset + k_len + v_len)
-            )
-            offset += k_len + v_len
-        record = self.record
-        if (
-            self.verify
-            and record is not None
-            and record.layer_digests is not None
-            and header.codec == record.codec
-        ):
-            # With the replica's codec: every layer against the record (BL6);
-            # transcoded, the Repr-Digest alone protects it.
-            if header.last_layer >= len(record.layer_digests):
-                raise DigestMismatch(
-                    f"GET {self.url}: the record lists "
-                    f"{len(record.layer_digests)} layer digests, the "
-                    f"container reaches layer {header.last_layer}"
-                )
-            self.layer_digests = [bytes.fromhex(d) for d in record.layer_digests]
-            self.hashed = header.header_octets
-
-    def _layers(self, view: memoryview, end: int) -> None:
-        assert self.layer_digests is not None
-        while self.next < len(self.spans):
-            index, _, _, stop = self.spans[self.next]
-            upto = min(end, stop)
-            if upto > self.hashed:
-                self.layer.update(view[self.hashed : upto])
-                self.hashed = upto
-            if self.hashed < stop:
-                return
-            if self.layer.digest() != self.layer_digests[index]:
-                raise DigestMismatch(
-                    f"GET {self.url}: layer {index} does not match its "
-                    "layer digest in the replica record"
-                )
-            self.layer = hashlib.sha256()
-            self.next += 1
-            self._hand_over(view, self.next - 1)
-
-    def _hand_over(self, view: memoryview, n: int) -> None:
-        if self.on_layer is not None:
-            index, start, k_end, stop = self.spans[n]
-            self.on_layer(kc.Layer(index, view[start:k_end], view[k_end:stop]))
-
-    def finish(self, view: memoryview) -> None:
-        if self.header is None:
-            raise MalformedContainer(f"GET {self.url}: the body is not a whole container")
-        if self.verify:
-            self._verify()
-        if self.layer_digests is None:  # not handed over as they came (B4)
-            for n in range(len(self.spans)):
-                self._hand_over(view, n)
-
-    def _verify(self) -> None:
-        assert self.expected is not None and self.header is not None
-        if self.whole.digest() != self.expected:
-            raise DigestMismatch(f"GET {self.url}: Repr-Digest does not match the octets received")
-        record, header = self.record, self.header
-        if (
-            self.layer_digests is None
-            or record is None
-            or header.first_layer != 0
-            or header.layer_count != len(self.layer_digests)
-        ):
-            return
-        # All layers came: the replica digest too (BL6).
-        if kc.replica_digest(self.layer_digests) != bytes.fromhex(
-            record.digest.removeprefix("sha-256:")
-        ):
-            raise DigestMismatch(
-                f"GET {self.url}: the record's layer digests do not make its replica digest"
-            )
 
 
 __all__ = ["Batch", "BlockFetcher", "BlockRequest", "Fetched", "Source", "default_threads"]
