@@ -307,13 +307,8 @@ def _scope(holder: Holder) -> str:
 
 
 async def test_a_holder_killed_mid_fetch_fails_its_own_blocks_only(tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
     a = start_holder(tmp_path / "a")
-    b_root = tmp_path / "b"
-    b_root.mkdir()
-    # The second holder trusts the same CA and the same scope.
-    (b_root / "certs").symlink_to(tmp_path / "a" / "certs")
-    b = _second_holder(b_root, a)
+    b = start_holder(tmp_path / "b", like=a)  # the same CA and the same scope
     try:
         context = client_context(
             *(
@@ -348,39 +343,6 @@ async def test_a_holder_killed_mid_fetch_fails_its_own_blocks_only(tmp_path: Pat
     assert at_a[0].ok  # fetched before the kill
     lost = [r for r in at_a if not r.ok]
     assert lost and all(isinstance(r.errors[0], HolderUnavailable) for r in lost)
-
-
-def _second_holder(root: Path, first: Holder) -> Holder:
-    """A holder process under ``root`` with the certificates, scope key and
-    policy of ``first``."""
-    from kvstore.protocol.keys import scope_id
-
-    from .conftest import free_port
-    from .integration.test_index import SERVER, Process
-
-    port = free_port()
-    uri = f"https://127.0.0.1:{port}/kvsp/"
-    scope = scope_id(bytes.fromhex(first.scope_key_file.read_text())).hex()
-    (root / "policy.json").write_text(
-        json.dumps(
-            {
-                "principals": {
-                    "urn:kvstore:engine": {
-                        "roles": ["client"],
-                        "read_scopes": [scope],
-                        "write_scopes": [scope],
-                    }
-                }
-            }
-        )
-    )
-    config = (
-        SERVER.format(port=port) + f'[holder]\nuri = "{uri}"\npolicy = "policy.json"\n'
-        f'[[storage.tiers]]\nbackend = "host"\ncapacity = {64 << 20}\n'
-    )
-    process = Process(root, "holder", config, "holder")
-    process.start(port)
-    return Holder(root, uri, port, process, first.scope_key_file)
 
 
 async def test_cancelling_leaves_no_thread_on_a_buffer(served: tuple[str, Tamper]) -> None:

@@ -78,17 +78,27 @@ class Holder:
 
 
 def start_holder(
-    root: Path, capacity: int = 256 << 20, scope_keys: int = 1, tiers: str | None = None
+    root: Path,
+    capacity: int = 256 << 20,
+    scope_keys: int = 1,
+    tiers: str | None = None,
+    like: Holder | None = None,
 ) -> Holder:
     """A holder with ``capacity`` octets of host memory (or ``tiers``, the
     configuration's ``[[storage.tiers]]``); its policy lets the
     engine's principal read and write the scopes of ``scope.key`` (and of
-    ``scope-1.key`` ... for ``scope_keys`` above one)."""
-    create_dev_certificates(root / "certs", ["engine"])
+    ``scope-1.key`` ... for ``scope_keys`` above one). ``like``: a second
+    holder with that one's certificates and scope keys."""
+    root.mkdir(parents=True, exist_ok=True)
+    if like is None:
+        create_dev_certificates(root / "certs", ["engine"])
+    else:
+        (root / "certs").symlink_to(like.root / "certs")
     scopes = []
     for i in range(scope_keys):
-        key = os.urandom(32)
-        (root / ("scope.key" if i == 0 else f"scope-{i}.key")).write_text(key.hex())
+        name = "scope.key" if i == 0 else f"scope-{i}.key"
+        key = bytes.fromhex((like.root / name).read_text()) if like else os.urandom(32)
+        (root / name).write_text(key.hex())
         scopes.append(scope_id(key).hex())
     port = free_port()
     uri = f"https://127.0.0.1:{port}/kvsp/"
