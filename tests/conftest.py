@@ -19,6 +19,10 @@ from kvstore.bench.redis_cluster import NoRedis, RedisCluster, start_cluster
 
 _GIVEN: set[int] = set()
 
+#: The torch device of the device-tier and paged-cache tests: ``cpu`` here
+#: and in CI, ``cuda`` on a machine with a GPU (scripts/device-check.sh).
+TEST_DEVICE = os.environ.get("KVSTORE_TEST_DEVICE", "cpu")
+
 
 def free_port() -> int:
     """A port free now and never handed out before in this process: two

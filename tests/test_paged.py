@@ -1,6 +1,7 @@
 """Paged KV caches as KVSP blocks (kvstore.integrations.paged, issue 34): the
 vLLM connector's gather and scatter, without vLLM, on CPU tensors in every
-layout it reads (vLLM's CPU layout and the GPU ones, allocated on the CPU).
+layout it reads (vLLM's CPU layout and the GPU ones, allocated on the CPU;
+on ``KVSTORE_TEST_DEVICE``, e.g. ``cuda``, where that is set).
 
 The expected octets are taken element by element from each layout's
 definition, not from the views under test."""
@@ -21,6 +22,8 @@ from kvstore.integrations.paged import (  # noqa: E402
     scatter_layer,
 )
 from kvstore.protocol import container as kc  # noqa: E402
+
+from .conftest import TEST_DEVICE  # noqa: E402
 
 BLOCKS, N, H, D = 6, 4, 3, 8  # pages, tokens a page, KV heads, head_dim
 SHAPES = {
@@ -46,14 +49,15 @@ def element(t: torch.Tensor, layout: str, side: int, b: int, n: int, h: int) -> 
 
 
 def expected_section(t: torch.Tensor, layout: str, side: int, b: int) -> bytes:
-    """kvsp-layout-1: tokens slowest, then heads, then elements."""
+    """kvsp-layout-1: tokens slowest, then heads, then elements (read on the CPU)."""
+    t = t.cpu()
     rows = [element(t, layout, side, b, n, h) for n in range(N) for h in range(H)]
     return torch.stack(rows).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def paged(layout: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(SHAPES[layout], generator=g).to(dtype)
+    return torch.randn(SHAPES[layout], generator=g).to(dtype).to(TEST_DEVICE)
 
 
 @pytest.mark.parametrize("layout", list(SHAPES))

@@ -21,6 +21,7 @@ from kvstore.protocol.wire import parse_repr_digest
 from kvstore.storage import TieredStore
 from kvstore.storage.policy import FIFO
 
+from ..conftest import TEST_DEVICE
 from .helpers import Recorder, block, ref, size_of, stored_size
 
 SIZE = size_of()
@@ -227,10 +228,11 @@ async def test_health_reports_usage() -> None:
 
 
 async def test_device_tier_in_the_store() -> None:
-    # The draft's split: first layers in accelerator memory (cpu here), the rest in host.
+    # The draft's split: first layers in accelerator memory (KVSTORE_TEST_DEVICE,
+    # cpu by default), the rest in host.
     from kvstore.backends.device import DeviceTier
 
-    device = DeviceTier("cpu")
+    device = DeviceTier(TEST_DEVICE)
     store = TieredStore(
         [(device, 10 * SIZE), (HostTier(), 10 * SIZE)], fast_layers=4, promote=False
     )
@@ -242,7 +244,8 @@ async def test_device_tier_in_the_store() -> None:
     ]
     [first, _] = store.info(ref(1)).segments
     tensor = device.tensor(first.key)
-    assert tensor is not None and tensor.device.type == "cpu"
+    assert tensor is not None and tensor.device.type == device.device.type
+    assert device.device.type == TEST_DEVICE.split(":")[0]
     assert await store.get(ref(1)) == data
 
 

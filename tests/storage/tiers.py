@@ -10,7 +10,7 @@ import pytest
 from kvstore.backends import create_tier
 from kvstore.storage.tier import Tier
 
-from ..conftest import S3_CREDENTIALS
+from ..conftest import S3_CREDENTIALS, TEST_DEVICE
 
 KINDS = [
     "device",
@@ -26,7 +26,7 @@ KINDS = [
 def make_tier(kind: str, request: pytest.FixtureRequest, **options: Any) -> Tier:
     """A fresh tier of ``kind``; repeated calls with the same options reopen the same data."""
     if kind == "device":
-        return create_tier("device", device="cpu", **options)
+        return create_tier("device", device=TEST_DEVICE, **options)
     if kind == "host":
         return create_tier("host", **options)
     if kind == "host-arena":  # as a store provisions it: blocks in its arena
