@@ -118,7 +118,8 @@ their defaults::
     fast_layers = 0                   # 0: no split
     promote = true
     write_through = false             # PUT acknowledged once in a persistent tier
-    demote_above = 0.0                # demote in the background above this fill (0: off)
+    demote_above = 0.9                # high watermark: drain a tier above this fill (0: off)
+    demote_to = 0.0                   # low watermark: a drain stops there (0: 0.9 x above)
     lease_max_ttl_ms = 60000
     lease_max_octets_per_client = 8589934592
     retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
@@ -214,8 +215,11 @@ class StorageConfig:
     fast_layers: int = 0
     promote: bool = True
     write_through: bool = False
-    #: Demote in the background once a tier is this full (0: only on demand).
-    demote_above: float = 0.0
+    #: The high watermark: demote in the background once a tier is this
+    #: full (0: only on demand, a PUT moving a victim down itself).
+    demote_above: float = 0.9
+    #: The low watermark: a drain stops there (0: 0.9 of ``demote_above``).
+    demote_to: float = 0.0
     lease_max_ttl_ms: int = 60_000
     lease_max_octets_per_client: int = 8 << 30
     retention_s: float = 0.0
@@ -497,6 +501,11 @@ def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
         out.append("storage.owner_ttl_s: a positive number of seconds")
     if not 0 <= cfg.demote_above < 1:
         out.append("storage.demote_above: a fraction of a tier's capacity, 0 <= x < 1 (0: off)")
+    elif cfg.demote_to and not (cfg.demote_above and 0 < cfg.demote_to < cfg.demote_above):
+        out.append(
+            "storage.demote_to: a fraction of a tier's capacity below storage.demote_above "
+            "(0: 0.9 of it)"
+        )
     if cfg.write_through and not any(t.backend in PERSISTENT_BACKENDS for t in cfg.tiers[1:]):
         out.append(
             "storage.write_through: needs a persistent tier (lmdb, redis, s3) below the first one"

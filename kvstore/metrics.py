@@ -113,6 +113,8 @@ class _StoreCollector(Collector):
         moves.add_metric(["copy_dropped"], snap.copies_dropped)
         # Hits not promoted (bound reached, block busy, no room without waiting).
         moves.add_metric(["promotion_dropped"], snap.promotions_dropped)
+        # PUT segments written below a full tier that drains in the background.
+        moves.add_metric(["put_fell_through"], snap.puts_fell_through)
         yield moves
         yield CounterMetricFamily(
             "kvstore_digest_failures", "Integrity check failures", value=snap.integrity_failures

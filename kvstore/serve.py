@@ -95,6 +95,7 @@ def build_store(config: Config) -> TieredStore:
         promote=cfg.promote,
         write_through=cfg.write_through,
         demote_above=cfg.demote_above or None,
+        demote_to=cfg.demote_to or None,
         fast_layers=cfg.fast_layers or None,
         retention_s=cfg.retention_s or None,
     )

@@ -224,6 +224,9 @@ class StoreStats:
     #: Hits not promoted: enough promotions under way already, the block busy
     #: moving, or no room in the first tier without waiting for it.
     promotions_dropped: int = 0
+    #: PUT segments written to a lower tier than their first choice, which
+    #: was full and draining in the background (watermarks on).
+    puts_fell_through: int = 0
     evictions: int = 0
     fault_evictions: int = 0
     #: Blocks removed for being older than the retention limit (SEC4).

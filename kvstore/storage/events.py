@@ -119,6 +119,7 @@ class StoreSnapshot:
     demotions: int
     promotions: int
     promotions_dropped: int
+    puts_fell_through: int
     copies_dropped: int
     integrity_failures: int
     lease_rejections: int

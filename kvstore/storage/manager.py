@@ -98,7 +98,8 @@ class TieredStore:
         retention_s: float | None = None,
         wall_clock: Callable[[], float] = time.time,
         write_through: bool = False,
-        demote_above: float | None = None,
+        demote_above: float | None = 0.9,
+        demote_to: float | None = None,
     ) -> None:
         """
         ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
@@ -116,16 +117,24 @@ class TieredStore:
         ``write_through``: a PUT is acknowledged once every layer is also in
         the first persistent tier below the one serving it (a copy there),
         so that an acknowledged block survives a crash.
-        ``demote_above``: once a tier above the last is fuller than this
-        fraction of its capacity, its least recently used segments move down
-        in the background (to 0.9 of it), so that PUTs find room without
-        demoting a victim first. None: only a PUT that needs room moves one.
+        ``demote_above`` (the high watermark): once a tier above the last is
+        fuller than this fraction of its capacity, its least recently used
+        segments move down in the background, down to ``demote_to`` (the low
+        watermark; default 0.9 of ``demote_above``), so that PUTs find room
+        without demoting a victim first; a PUT that finds such a tier full
+        anyway is written to the tier below it (see
+        :meth:`.Placement.make_room`). None: no background demotion; a PUT
+        that needs room moves a victim down itself, however long that takes.
         """
         if not tiers:
             raise ValueError("a store needs at least one tier")
         if demote_above is not None and not 0 < demote_above < 1:
             raise ValueError("demote_above is a fraction of a tier's capacity, in (0, 1)")
+        if demote_to is not None and (demote_above is None or not 0 < demote_to < demote_above):
+            raise ValueError("demote_to is a fraction of a tier's capacity below demote_above")
         self.demote_above = demote_above
+        #: The low watermark: a background drain stops there.
+        self.demote_to = demote_to or 0.9 * (demote_above or 1.0)
         self.slots = [TierSlot(tier, capacity, policy()) for tier, capacity in tiers]
         #: The tiers with an arena to receive blocks into (the host tier's).
         self._arenas = [tier for tier, _ in tiers if isinstance(tier, ArenaTier)]
@@ -267,6 +276,7 @@ class TieredStore:
             demotions=stats.demotions,
             promotions=stats.promotions,
             promotions_dropped=stats.promotions_dropped,
+            puts_fell_through=stats.puts_fell_through,
             copies_dropped=stats.copies_dropped,
             integrity_failures=stats.integrity_failures,
             lease_rejections=self.leases.rejections,

@@ -19,12 +19,16 @@ requirement they serve:
   persistent tier keeps its copy until it needs the room; a demotion onto a
   kept copy writes nothing;
 * promotions are optional work: in the background, bounded, dropped when the
-  bound is reached or the block is busy, and they never wait for room.
+  bound is reached or the block is busy, and they never wait for room;
+* tiers above the last keep headroom on their own (watermarks: drained in
+  the background), and a PUT never waits for a demotion: one that finds
+  such a tier full goes to the tier below (see :meth:`Placement.make_room`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +47,69 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.storage")
 
 
+class Demotion(enum.Enum):
+    """How a :meth:`Placement.demote` ended."""
+
+    #: The segment left its tier: moved below, or dropped as lost.
+    LEFT = "left"
+    #: A read or a lease came while it was copied (LE2): undone, the block
+    #: stays where it is (not a reason to evict it).
+    STAYED = "stayed"
+    #: No tier below could take it.
+    NO_ROOM = "no room"
+
+
+class Reservation:
+    """Room reserved in one tier for one write: the write protocol, once.
+
+    Taken (by :meth:`Placement.make_room` or :meth:`.BlockTable.reserve`)
+    before the write, then ``async with`` it: :meth:`write` stores the
+    items, :meth:`keep` says the segment written is attached (with no await
+    in between). Leaving the block without :meth:`keep` gives the room back;
+    leaving it on an exception (a cancel) after the write began also deletes
+    what that write may still land, before the caller lets go of the block
+    (its claim, or its WRITING state), so that no newer write of those keys
+    comes between."""
+
+    def __init__(self, placement: Placement, index: int, octets: int) -> None:
+        self.placement, self.index, self.octets = placement, index, octets
+        self.kept = False
+        #: Why the tier refused the write (TierUnavailable, TierFull).
+        self.refused: str | None = None
+        self._writing: list[str] = []
+
+    async def write(self, items: list[tuple[str, BytesLike]]) -> bool:
+        """Store ``items`` in the tier (one batch call for several: one LMDB
+        transaction, one Redis pipeline). False when the tier refused them."""
+        slot = self.placement.slots[self.index]
+        self._writing = [key for key, _ in items]
+        try:
+            if len(items) == 1:
+                await self.placement.io.call(slot, slot.tier.put(*items[0]), self._writing)
+            else:
+                await self.placement.io.call(slot, slot.tier.put_many(items), self._writing)
+        except (TierUnavailable, TierFull) as exc:
+            self._writing = []  # refused: nothing of it lands (TierIO's late calls)
+            self.refused = f"{slot.kind}: {exc.detail}"
+            return False
+        return True
+
+    def keep(self) -> None:
+        """The written segment is the table's now (attached, replaced or kept
+        as a copy): the room is counted there."""
+        self.kept = True
+
+    async def __aenter__(self) -> Reservation:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if self.kept:
+            return
+        self.placement.table.unreserve(self.index, self.octets)
+        if kind is not None and self._writing:
+            await self.placement._undo(self.index, *self._writing)
+
+
 class Placement:
     #: Promotions waiting or running at once; beyond, a hit is not promoted
     #: (dropped, not waited for: a GET never queues behind tier writes).
@@ -53,6 +120,10 @@ class Placement:
     #: other's room (possible with blocks split over tiers) end here.
     ROOM_WAIT_S = 5.0
     ROOM_POLL_S = 0.05
+    #: Longest a PUT waits for the background drain of a full tier before it
+    #: is written to the next tier below instead (watermarks on): an
+    #: engine's write-behind never waits on a demotion's tier I/O.
+    PUT_ROOM_WAIT_S = 0.02
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
@@ -142,7 +213,9 @@ class Placement:
         self, info: BlockInfo, first: int, last: int, plain: BytesLike, start: int
     ) -> Segment:
         """Write a new segment in the first tier from ``start`` that can take it."""
-        segment = await self.write_first(info, first, last, plain, range(start, len(self.slots)))
+        segment = await self.write_first(
+            info, first, last, plain, range(start, len(self.slots)), hurry=True
+        )
         self.table.attach(info, segment)
         self.after_write(segment.slot)
         return segment
@@ -160,11 +233,19 @@ class Placement:
         self.table.attach_copy(info, copy)
 
     async def write_first(
-        self, info: BlockInfo, first: int, last: int, plain: BytesLike, slots: Iterable[int]
+        self,
+        info: BlockInfo,
+        first: int,
+        last: int,
+        plain: BytesLike,
+        slots: Iterable[int],
+        hurry: bool = False,
     ) -> Segment:
         """Store layers ``first..last`` in the first of ``slots`` that can take
         them (making room there); the segment written into reserved room, for
-        the caller to attach with no await in between."""
+        the caller to attach with no await in between. ``hurry`` (a PUT): a
+        tier that drains in the background is not made room in by this
+        write; see :meth:`make_room`."""
         errors: list[str] = []
         for index in slots:
             slot = self.slots[index]
@@ -173,21 +254,15 @@ class Placement:
                 continue
             stored = await self.io.stored_form(slot, info.ref, first, last, plain)
             size = len(memoryview(stored))
-            if not await self.make_room(index, size, exclude=info.ref):
+            if not await self.make_room(index, size, exclude=info.ref, hurry=hurry):
                 errors.append(f"{slot.kind}: full")
                 continue
             segment = Segment(info.ref, first, last, index, size)
-            try:
-                await self.io.call(slot, slot.tier.put(segment.key, stored), [segment.key])
-            except (TierUnavailable, TierFull) as exc:
-                self.table.unreserve(index, size)
-                errors.append(f"{slot.kind}: {exc.detail}")
-                continue
-            except BaseException:
-                self.table.unreserve(index, size)
-                await self._undo(index, segment.key)
-                raise
-            return segment
+            async with Reservation(self, index, size) as room:
+                if await room.write([(segment.key, stored)]):
+                    room.keep()
+                    return segment
+                errors.append(cast(str, room.refused))
         raise InsufficientStorage(
             f"no tier can store layers {first}-{last} of {info.ref.block_key} ({'; '.join(errors)})"
         )
@@ -195,15 +270,29 @@ class Placement:
     # --- room ------------------------------------------------------------
 
     async def make_room(
-        self, index: int, need: int, exclude: BlockRef | None = None, wait: bool = True
+        self,
+        index: int,
+        need: int,
+        exclude: BlockRef | None = None,
+        wait: bool = True,
+        hurry: bool = False,
     ) -> bool:
         """Reserve ``need`` octets in tier ``index``, demoting or evicting
         unpinned segments for them. False when that cannot be done: then
         nothing is reserved. ``wait``: when only moves under way could free
-        the room, wait for them (a little); promotions do not."""
+        the room, wait for them (a little); promotions do not.
+
+        ``hurry`` (a PUT): in a tier that drains in the background
+        (watermarks on, a tier below), move no victim; take free room, or
+        what the drain frees within :attr:`PUT_ROOM_WAIT_S`, else False, and
+        the PUT goes to the next tier below instead of waiting for a
+        demotion's tier I/O. The PUTs' tails are then those of the tier that
+        takes them, not of a queue of demotions."""
         slot = self.slots[index]
         if need > slot.capacity:
             return False
+        if hurry and self.drains_in_background(index):
+            return await self._room_from_drain(index, need)
         give_up_at = None  # ROOM_WAIT_S in all, however many wake-ups
         while not self.table.reserve(index, need):
             victim, busy = self._victim(index, exclude)
@@ -223,9 +312,9 @@ class Placement:
                     await self.drop_copy(info, part)
                     continue
                 moved = await self.demote(info, part, wait=wait)
-                if moved is None:
+                if moved is Demotion.STAYED:
                     continue  # a read or a lease came meanwhile: it stays, next victim
-                if not moved:
+                if moved is Demotion.NO_ROOM:
                     if self.table.reserve(index, need):
                         return True  # room came free meanwhile: nothing evicted for it
                     if self.holds(info, part):
@@ -275,31 +364,48 @@ class Placement:
 
     # --- background demotion ---------------------------------------------
 
-    #: A drain stops once its tier is this fraction of ``demote_above`` full.
-    DRAIN_TO = 0.9
+    def drains_in_background(self, index: int) -> bool:
+        """Tier ``index`` keeps headroom on its own: watermarks on, a tier below."""
+        return self.store.demote_above is not None and index < len(self.slots) - 1
 
-    def after_write(self, index: int) -> None:
+    def after_write(self, index: int, need: int = 0) -> None:
         """Once tier ``index`` (above the last) is fuller than the store's
-        ``demote_above`` fraction, demote its least recently used segments in
-        the background, so that the next PUTs find free room rather than move
-        a victim down first. Off when ``demote_above`` is None."""
-        above = self.store.demote_above
+        high watermark (``demote_above``), or too full for a write of
+        ``need`` octets, demote its least recently used segments in the
+        background down to the low watermark (``demote_to``), so that the next
+        PUTs find free room rather than move a victim down first. Off when
+        ``demote_above`` is None."""
+        if not self.drains_in_background(index) or index in self._draining:
+            return
         slot = self.slots[index]
-        if (
-            above is None
-            or index == len(self.slots) - 1
-            or index in self._draining
-            or slot.used <= above * slot.capacity
-        ):
+        above = cast(float, self.store.demote_above)
+        if slot.used <= above * slot.capacity and slot.used + need <= slot.capacity:
             return
         self._draining.add(index)
         if not self.drains.start(lambda: self._drain(index), f"kvstore-demote-{slot.kind}"):
             self._draining.discard(index)
 
+    async def _room_from_drain(self, index: int, need: int) -> bool:
+        """A PUT's room in a tier that drains: free now, or freed by the
+        drain within :attr:`PUT_ROOM_WAIT_S`; never a victim moved by it."""
+        if self.table.reserve(index, need):
+            self.after_write(index)
+            return True
+        self.after_write(index, need)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.PUT_ROOM_WAIT_S
+        while not self.table.reserve(index, need):
+            left = give_up_at - loop.time()
+            if left <= 0 or index not in self._draining:
+                self.stats.puts_fell_through += 1
+                return False
+            await self.table.room_freed(index, left)
+        return True
+
     async def _drain(self, index: int) -> None:
         slot = self.slots[index]
         try:
-            while slot.used > (self.store.demote_above or 1.0) * self.DRAIN_TO * slot.capacity:
+            while slot.used > self.store.demote_to * slot.capacity:
                 victim, _ = self._victim(index, None)
                 if victim is None:
                     return  # all pinned or moving: the PUTs make room as before
@@ -307,12 +413,13 @@ class Placement:
                 try:
                     if part in info.copies:
                         await self.drop_copy(info, part)
-                    elif not await self.demote(info, part, wait=False):
+                    elif await self.demote(info, part, wait=False) is not Demotion.LEFT:
                         return  # no room below without waiting, or pinned: later
                 finally:
                     info.claim.give()
         finally:
             self._draining.discard(index)
+            self.table.wake(index)  # a PUT waiting for this drain goes below now
 
     # --- moves -----------------------------------------------------------
 
@@ -323,15 +430,10 @@ class Placement:
         make_room: bool = True,
         wait: bool = True,
         pinned_ok: bool = False,
-    ) -> bool | None:
+    ) -> Demotion:
         """Move a segment one step down the chain (skipping degraded tiers);
-        the caller holds the block's claim.
-
-        True when the segment left its tier: moved, or dropped as lost.
-        None when a read or a lease came while it was copied (LE2): undone,
-        the block stays where it is (not a reason to evict it). False when
-        no tier below could take it.
-        ``make_room``: demote or evict what is below to fit (else only free
+        the caller holds the block's claim. See :class:`Demotion` for how it
+        ends. ``make_room``: demote or evict what is below to fit (else only free
         room is used). ``pinned_ok``: a lease arriving meanwhile does not stop
         it (the spill at a graceful stop, which keeps the block).
         """
@@ -345,14 +447,14 @@ class Placement:
             self.table.copy_takes_over(info, segment, copy)
             self.stats.demotions += 1
             await self._finish(self._clean(info, (segment.slot, segment.key)))
-            return True
+            return Demotion.LEFT
         below = range(segment.slot + 1, len(self.slots))
         if all(self.io.degraded(i) for i in below):
-            return False  # nowhere to go: not even worth reading it
+            return Demotion.NO_ROOM  # nowhere to go: not even worth reading it
         try:
             plain = await self.store._load(info, segment)
         except (TierUnavailable, CorruptData, NotFound):
-            return not self.holds(info, segment)
+            return Demotion.NO_ROOM if self.holds(info, segment) else Demotion.LEFT
         for index in below:
             dst = self.slots[index]
             if self.io.degraded(index):
@@ -372,41 +474,34 @@ class Placement:
                 items.append(
                     (info.ref.meta_key, self.io.sealer.seal(info.ref.meta_name, info.meta()))
                 )
-            keys = [key for key, _ in items]
-            try:
+            async with Reservation(self, index, size) as room:
                 # Written below before it is removed above: nothing is lost.
-                if len(items) == 1:
-                    await self.io.call(dst, dst.tier.put(moved.key, stored), keys)
-                else:
-                    await self.io.call(dst, dst.tier.put_many(items), keys)
-            except (TierUnavailable, TierFull):
-                self.table.unreserve(index, size)
-                continue
-            except BaseException:
-                self.table.unreserve(index, size)
-                await self._undo(index, *keys)
-                raise
-            if len(items) > 1:
-                info.meta_slots.add(index)
-            if (
-                info.readers
-                or (not pinned_ok and self.store.pinned(info.ref))
-                or not self.holds(info, segment)
-            ):
-                # A read or a lease started (LE2), or the block went, while
-                # we copied: undo (the layer table goes with the next sync).
-                self.table.unreserve(index, size)
-                if self.holds(info, segment):
-                    await self._finish(self._clean(info, (index, moved.key)))
-                else:  # gone: its removal may have run before the table went in
-                    info.meta_slots.discard(index)
-                    await self._finish(self._clean(None, *((index, k) for k in keys)))
-                return True if not self.holds(info, segment) else None
-            self.table.replace(info, segment, moved)
-            self.stats.demotions += 1
-            await self._finish(self._clean(info, (segment.slot, segment.key)))
-            return True
-        return False
+                if not await room.write(items):
+                    continue
+                if len(items) > 1:
+                    info.meta_slots.add(index)
+                undone = (
+                    info.readers
+                    or (not pinned_ok and self.store.pinned(info.ref))
+                    or not self.holds(info, segment)
+                )
+                if not undone:
+                    room.keep()
+                    self.table.replace(info, segment, moved)
+            if not undone:
+                self.stats.demotions += 1
+                await self._finish(self._clean(info, (segment.slot, segment.key)))
+                return Demotion.LEFT
+            # A read or a lease started (LE2), or the block went, while we
+            # copied: undone (the layer table goes with the next sync).
+            if self.holds(info, segment):
+                await self._finish(self._clean(info, (index, moved.key)))
+                return Demotion.STAYED
+            # Gone: its removal may have run before the table went in.
+            info.meta_slots.discard(index)
+            await self._finish(self._clean(None, *((index, key) for key, _ in items)))
+            return Demotion.LEFT
+        return Demotion.NO_ROOM
 
     def promote_later(self, info: BlockInfo, segments: list[tuple[Segment, BytesLike]]) -> None:
         """Copy a read's lower segments up in a background task, if few run."""
@@ -437,32 +532,25 @@ class Placement:
                 self.stats.promotions_dropped += 1
                 return
             moved = Segment(info.ref, segment.first, segment.last, 0, size)
-            try:
-                await self.io.call(top, top.tier.put(moved.key, stored), [moved.key])
-            except (TierUnavailable, TierFull):
-                self.table.unreserve(0, size)
-                return
-            except BaseException:
-                self.table.unreserve(0, size)
-                await self._undo(0, moved.key)
-                raise
-            if not self.holds(info, segment):
-                self.table.unreserve(0, size)
+            # Inclusive: a persistent copy stays (and keeps its room there)
+            # until that tier evicts it; the block stays durable.
+            persistent = self.slots[segment.slot].tier.persistent
+            async with Reservation(self, 0, size) as room:
+                if not await room.write([(moved.key, stored)]):
+                    return
+                if self.holds(info, segment):
+                    room.keep()
+                    # A read of the old place that is still under way finds
+                    # its segment moved and follows it (TieredStore._load).
+                    keep = self.table.keep_as_copy if persistent else self.table.replace
+                    keep(info, segment, moved)
+            if not room.kept:  # gone while it was copied
                 await self._finish(self._clean(None, (0, moved.key)))
                 return
-            # A read of the old place that is still under way finds its
-            # segment moved and follows it (TieredStore._load).
             self.stats.promotions += 1
-            if self.slots[segment.slot].tier.persistent:
-                # Inclusive: the persistent copy stays (and keeps its room
-                # there) until that tier evicts it; the block stays durable.
-                self.table.keep_as_copy(info, segment, moved)
-                self.after_write(0)
-                await self._finish(self._clean(info))
-            else:
-                self.table.replace(info, segment, moved)
-                self.after_write(0)
-                await self._finish(self._clean(info, (segment.slot, segment.key)))
+            self.after_write(0)
+            old = () if persistent else ((segment.slot, segment.key),)
+            await self._finish(self._clean(info, *old))
         finally:
             info.claim.give()
 

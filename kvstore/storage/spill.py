@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .blocks import BlockInfo
+from .placement import Demotion
 from .types import BlockRef
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ async def _down(store: TieredStore, info: BlockInfo, first: int) -> int:
         return 0  # gone while we waited for it
     current = next((x for x in info.segments if x.first == first), None)
     while current is not None and not store.slots[current.slot].tier.persistent:
-        if not await store.placement.demote(info, current, make_room=False, pinned_ok=True):
+        moved = await store.placement.demote(info, current, make_room=False, pinned_ok=True)
+        if moved is not Demotion.LEFT:
             break
         current = next((x for x in info.segments if x.first == first), None)
         steps += 1

@@ -150,7 +150,9 @@ async def test_shutdown_withdraws_only_what_does_not_survive(
     # Graceful shutdown: a replica only in host memory is gone with the
     # process, so its record goes first; one in LMDB stays published (a
     # restart serves it and republishes it).
-    store = TieredStore([(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())])
+    store = TieredStore(
+        [(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())], demote_above=None
+    )
     publisher = wire(store, client)
     for n in (1, 2):  # the second pushes the first down to LMDB
         await store.put(ref(n), block())

@@ -38,6 +38,7 @@ async def test_redis_down_and_back_under_http(
         ],
         promote=False,
         retry_after_s=0.2,
+        demote_above=None,
     )
     app = create_app(HolderSettings(HOLDER), store, POLICY)
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))

@@ -89,7 +89,8 @@ class GatedTier(HostTier):
     """Memory whose puts wait while ``gate`` is closed, and deletes while
     ``delete_gate`` is (a slow or hung tier); ``kind`` and ``persistent`` as
     given, so it can stand for LMDB below host. ``failures``: how many of the
-    next puts fail (after the gate)."""
+    next puts fail (after the gate). ``gated``: which keys' puts the gate
+    holds (default: all)."""
 
     def __init__(self, kind: str = "host", persistent: bool = False) -> None:
         super().__init__()
@@ -101,6 +102,7 @@ class GatedTier(HostTier):
         self.waiting = 0
         self.deleting = 0
         self.failures = 0
+        self.gated: Any = lambda key: True
 
     async def delete(self, key: str) -> None:
         self.deleting += 1
@@ -113,11 +115,12 @@ class GatedTier(HostTier):
     async def put(self, key: str, value: Any) -> None:
         from kvstore.storage.errors import TierUnavailable
 
-        self.waiting += 1
-        try:
-            await self.gate.wait()
-        finally:
-            self.waiting -= 1
+        if self.gated(key):
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
         if self.failures:
             self.failures -= 1
             raise TierUnavailable("injected", tier=self.kind)

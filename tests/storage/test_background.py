@@ -25,7 +25,10 @@ async def stored_below(
     tmp_path: Path, blocks: int
 ) -> tuple[TieredStore, GatedTier, dict[int, bytes]]:
     host = GatedTier()
-    store = TieredStore([(host, 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)])
+    # Promotions alone: no background drain moving what they bring up.
+    store = TieredStore(
+        [(host, 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)], demote_above=None
+    )
     data = {n: block() for n in range(blocks)}
     for n, octets in data.items():
         await store.put(ref(n), octets)

@@ -119,7 +119,7 @@ async def test_a_cancelled_move_leaves_no_orphan_behind() -> None:
     # Its old place is deleted, and its layer table moved, whatever happens
     # to the caller: an orphan would bring a deleted block back at restart.
     top, below = persistent("remote-memory"), persistent("remote-storage")
-    store = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)])
+    store = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)], demote_above=None)
     await store.put(ref(1), block())
     await store.put(ref(2), block())
     top.delete_gate.clear()
@@ -134,7 +134,7 @@ async def test_a_cancelled_move_leaves_no_orphan_behind() -> None:
     segments = [v for k, v in top._data.items() if not k.endswith("/meta")]  # tables: uncounted
     assert store.slots[0].used == sum(len(v) for v in segments)
     await store.delete(ref(1))
-    again = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)])
+    again = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)], demote_above=None)
     await again.recover()
     assert ref(1) not in again  # deleted stays deleted
     await store.close()
@@ -146,7 +146,7 @@ async def test_a_cancelled_move_holds_its_block_until_its_old_place_is_gone() ->
     # read's) writes the same place meanwhile, and the late delete takes it:
     # "host lost layers", a block lost (seen once in CI's model test).
     top, below = GatedTier("host"), persistent()
-    store = TieredStore([(top, 2 * SIZE), (below, 64 * SIZE)])
+    store = TieredStore([(top, 2 * SIZE), (below, 64 * SIZE)], demote_above=None)
     first = block()
     await store.put(ref(1), first)
     await store.put(ref(2), block())

@@ -52,7 +52,9 @@ class Hanging(HostTier):
 
 async def test_a_hung_tier_costs_at_most_its_deadline_then_is_skipped() -> None:
     below = Hanging()
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)], retry_after_s=60)
+    store = TieredStore(
+        [(HostTier(), 2 * SIZE), (below, 64 * SIZE)], retry_after_s=60, demote_above=None
+    )
     data = {n: block() for n in range(4)}
     for n in (0, 1, 2):
         await store.put(ref(n), data[n])  # 0 goes below
@@ -111,7 +113,9 @@ async def test_one_request_waits_out_a_hung_tier_once() -> None:
     # Degraded after its first missed deadline, the tier was still read and
     # deleted from (and written to) within the same PUT: four deadlines.
     below = Hanging()
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 3 * SIZE)], retry_after_s=60)
+    store = TieredStore(
+        [(HostTier(), 2 * SIZE), (below, 3 * SIZE)], retry_after_s=60, demote_above=None
+    )
     for n in range(5):
         await store.put(ref(n), block())  # host: 3, 4; below (full): 0, 1, 2
     below.hung = True

@@ -65,7 +65,7 @@ async def test_a_block_read_after_reaching_lmdb_survives_a_crash(tmp_path: Path)
 
 async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
     lmdb = LmdbTier(str(tmp_path / "lmdb"))
-    store = TieredStore([(HostTier(), 2 * SIZE), (lmdb, 64 * SIZE)])
+    store = TieredStore([(HostTier(), 2 * SIZE), (lmdb, 64 * SIZE)], demote_above=None)
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3):
         await store.put(ref(n), data[n])
@@ -84,7 +84,9 @@ async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
 async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path: Path) -> None:
     recorder = Recorder()
     store = TieredStore(
-        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * PSIZE)], on_evict=recorder
+        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * PSIZE)],
+        on_evict=recorder,
+        demote_above=None,
     )
     recorder.store = store
     data = {n: block() for n in (1, 2, 3, 4)}
@@ -133,7 +135,9 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
         evicted.append((r, reason))
 
     store = TieredStore(
-        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)], on_evict=hook
+        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)],
+        on_evict=hook,
+        demote_above=None,
     )
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3, 4):
@@ -142,7 +146,9 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
     await store.spill()
     await store.close()
     assert evicted == []
-    again = TieredStore([(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)])
+    again = TieredStore(
+        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)], demote_above=None
+    )
     await again.recover()
     assert ref(1) in again and ref(2) in again
     await again.close()

@@ -167,6 +167,7 @@ async def test_demotion_chain_skips_to_the_end(lmdb_path: str, redis_server: obj
     store = TieredStore(
         [(HostTier(), SIZE), (LmdbTier(lmdb_path), 2 * stored_size()), (redis, 10 * SIZE)],
         promote=False,
+        demote_above=None,
     )
     for n in range(1, 5):
         await store.put(ref(n), block())

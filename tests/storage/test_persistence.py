@@ -214,7 +214,9 @@ async def test_redis_killed_mid_run_degrades_and_recovers(own_redis: RedisServer
 async def test_degraded_tier_is_skipped_for_writes_until_retry() -> None:
     lower = FlakyTier(HostTier())
     lower.persistent = False
-    store = TieredStore([(HostTier(), SIZE), (lower, 10 * SIZE)], retry_after_s=3600)
+    store = TieredStore(
+        [(HostTier(), SIZE), (lower, 10 * SIZE)], retry_after_s=3600, demote_above=None
+    )
     await store.put(ref(1), block())
     lower.down = True
     await store.put(ref(2), block())  # demoting 1 fails: 1 is evicted, 2 is placed
@@ -235,7 +237,7 @@ async def test_s3_unreachable_is_tier_unavailable() -> None:
     )
     with pytest.raises(TierUnavailable):
         await tier.put("k" * 64 + "/x", b"data")
-    store = TieredStore([(HostTier(), SIZE), (tier, 10 * SIZE)])
+    store = TieredStore([(HostTier(), SIZE), (tier, 10 * SIZE)], demote_above=None)
     await store.put(ref(1), block())
     await store.put(ref(2), block())  # demotion fails, 1 is evicted, no crash
     assert ref(2) in store
@@ -376,6 +378,7 @@ async def test_retention_removes_old_blocks_from_every_tier_even_after_a_restart
             retention_s=60,
             wall_clock=lambda: now[0],
             on_evict=recorder,
+            demote_above=None,
         )
 
     store = make()

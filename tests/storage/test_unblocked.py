@@ -143,7 +143,9 @@ async def test_redis_stopped_below_holds_up_nothing_in_host(own_redis: RedisServ
     # unrelated work in host goes on meanwhile.
     redis = create_tier("redis", url=own_redis.url, prefix="stop:")
     redis.deadline_s = 3
-    store = TieredStore([(HostTier(), 2 * SIZE), (redis, 64 * SIZE)], retry_after_s=60)
+    store = TieredStore(
+        [(HostTier(), 2 * SIZE), (redis, 64 * SIZE)], retry_after_s=60, demote_above=None
+    )
     data = {n: block() for n in (1, 2, 3, 4)}
     await store.put(ref(1), data[1])
     await store.put(ref(2), data[2])
@@ -205,7 +207,7 @@ async def test_a_put_waiting_on_a_failed_one_stores_its_own() -> None:
 
 async def test_a_cancelled_put_leaves_nothing_reserved() -> None:
     below = GatedTier("local-storage", persistent=True)
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)])
+    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)], demote_above=None)
     for n in (1, 2):
         await store.put(ref(n), block())
     below.gate.clear()
