@@ -62,7 +62,8 @@ def paged(layout: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> to
 
 @pytest.mark.parametrize("layout", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-def test_round_trip_is_octet_exact(layout: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["per-page", "staged"])
+def test_round_trip_is_octet_exact(layout: str, dtype: torch.dtype, staged: bool) -> None:
     layers = [paged(layout, dtype, seed) for seed in range(3)]
     backend = "CPU" if layout == "cpu" else "FLASH_ATTN"
     hnd = layout == "kv-second-hnd"
@@ -101,7 +102,7 @@ def test_round_trip_is_octet_exact(layout: str, dtype: torch.dtype) -> None:
         for source, dest in moved.items():
             layer = kc.decode(bodies[ids.index(source)]).layer(i)
             pages.append((dest, layer.k, layer.v))
-        scatter_layer(target, pages)
+        scatter_layer(target, pages, staged=staged)
     for i, t in enumerate(empty):
         for source, dest in moved.items():
             for side in (0, 1):

@@ -136,6 +136,10 @@ def layer_views(
     return PagedLayer(k, v, layout)
 
 
+#: An integer type of each element size (octets), for moving elements as bits.
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _octets(t: torch.Tensor) -> memoryview:
     """The octets of a contiguous CPU tensor (bf16 and fp8 included)."""
     array: Any = t.reshape(-1).view(torch.uint8).numpy()
@@ -150,10 +154,26 @@ def gather(layers: Sequence[PagedLayer], block_ids: Sequence[int]) -> list[torch
         return []
     device = layers[0].k.device
     index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    cuda = device.type == "cuda"
     out = []
     for layer in layers:
-        pair = torch.stack((layer.k.index_select(0, index), layer.v.index_select(0, index)))
-        out.append(pair.to("cpu") if pair.device.type != "cpu" else pair)
+        # Both sides selected straight into one buffer (no stack, a copy less),
+        # as integers of the element's size (every dtype has that kernel).
+        bits = _SAME_SIZE[layer.k.element_size()]
+        shape = (2, len(block_ids), *layer.k.shape[1:])
+        pair = torch.empty(shape, dtype=layer.k.dtype, device=device)
+        for side, src in enumerate((layer.k, layer.v)):
+            torch.index_select(src.view(bits), 0, index, out=pair[side].view(bits))
+        if cuda:
+            # Into pinned memory (torch keeps it cached), every layer's copy
+            # queued before one wait: the transfers run back to back.
+            host = torch.empty(shape, dtype=pair.dtype, pin_memory=True)
+            host.copy_(pair, non_blocking=True)
+            out.append(host)
+        else:
+            out.append(pair.to("cpu") if device.type != "cpu" else pair)
+    if cuda:
+        torch.cuda.current_stream(device).synchronize()
     return out
 
 
@@ -187,14 +207,42 @@ def check_block(container: kc.Container, layers: int, section: int, block_tokens
             )
 
 
-def scatter_layer(layer: PagedLayer, pages: Sequence[tuple[int, BytesLike, BytesLike]]) -> None:
+def scatter_layer(
+    layer: PagedLayer,
+    pages: Sequence[tuple[int, BytesLike, BytesLike]],
+    staged: bool | None = None,
+) -> None:
     """Write container layers, each ``(block_id, K section, V section)`` in
-    ``kvsp-layout-1``, into those pages of ``layer``: one copy each (host
-    to device on a GPU)."""
+    ``kvsp-layout-1``, into those pages of ``layer``.
+
+    On the CPU each section is copied into its page. On a GPU (``staged``,
+    by default when the cache is not on the CPU) the sections are first laid
+    side by side in one host buffer, sent in one host-to-device copy and put
+    in their pages by one indexed copy on the device: a copy per page would
+    wait for each of its small transfers (measured on an H200: about 0.1 of
+    a contiguous copy's rate, against 0.5 and more staged)."""
+    if not pages:
+        return
+    if staged is None:
+        staged = layer.k.device.type != "cpu"
     shape = layer.k.shape[1:]
     with warnings.catch_warnings():  # read-only octets are only read from
         warnings.filterwarnings("ignore", "The given buffer is not writable")
-        for block_id, k, v in pages:
-            for dst, src in ((layer.k, k), (layer.v, v)):
-                values = torch.frombuffer(src, dtype=torch.uint8).view(dst.dtype).view(shape)
-                dst[block_id].copy_(values)
+        if not staged:
+            for block_id, k, v in pages:
+                for dst, src in ((layer.k, k), (layer.v, v)):
+                    values = torch.frombuffer(src, dtype=torch.uint8).view(dst.dtype).view(shape)
+                    dst[block_id].copy_(values)
+            return
+        section = layer.k[0].numel() * layer.k.element_size()
+        host = torch.empty((2, len(pages), section), dtype=torch.uint8)
+        for i, (_, k, v) in enumerate(pages):
+            host[0, i].copy_(torch.frombuffer(k, dtype=torch.uint8))
+            host[1, i].copy_(torch.frombuffer(v, dtype=torch.uint8))
+    # Moved as integers of the element's size: the indexed copy has a kernel
+    # for those on every device, not for every float type (fp8).
+    bits = _SAME_SIZE[layer.k.element_size()]
+    sent = host.to(layer.k.device).view(bits).view(2, len(pages), *shape)
+    index = torch.tensor([p[0] for p in pages], dtype=torch.long, device=layer.k.device)
+    for side, dst in enumerate((layer.k, layer.v)):
+        dst.view(bits).index_copy_(0, index, sent[side])
