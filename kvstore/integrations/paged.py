@@ -218,9 +218,10 @@ def scatter_layer(
     On the CPU each section is copied into its page. On a GPU (``staged``,
     by default when the cache is not on the CPU) the sections are first laid
     side by side in one host buffer, sent in one host-to-device copy and put
-    in their pages by one indexed copy on the device: a copy per page would
-    wait for each of its small transfers (measured on an H200: about 0.1 of
-    a contiguous copy's rate, against 0.5 and more staged)."""
+    in their pages by one indexed copy on the device: a copy per page waits
+    for each of its small transfers (measured on an H200, 128 pages of 32
+    layers: 0.9-1.1 GB/s per page, 6.5-7.1 staged, against 7.6 for one
+    contiguous copy from pageable memory)."""
     if not pages:
         return
     if staged is None:
