@@ -84,7 +84,7 @@ finish() {
     exit "$failed"
 }
 
-note "kvstore device check: $device, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')"
+note "kvstore device check: $device, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')$(git diff --quiet HEAD -- 2>/dev/null || echo ' and changes to it')"
 if [[ $device == cuda* ]] && command -v nvidia-smi >/dev/null; then
     timeout 15 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
         2>&1 | tee -a "$log" >>"$figures"
