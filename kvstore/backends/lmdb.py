@@ -175,6 +175,15 @@ class LmdbTier(Tier):
 
         await self._run(remove)
 
+    async def sized_keys(self) -> AsyncIterator[tuple[str, int | None]]:
+        def scan() -> list[tuple[str, int | None]]:
+            # With buffers, a value is a view of its page: sized, not copied.
+            with self._env.begin(buffers=True) as txn:
+                return [(bytes(k).decode(), len(v)) for k, v in txn.cursor().iternext()]
+
+        for pair in await self._run(scan):
+            yield pair
+
     async def keys(self) -> AsyncIterator[str]:
         def scan() -> list[str]:
             with self._env.begin() as txn:

@@ -151,6 +151,27 @@ class RedisTier(Tier):
             async for stored in self._client.scan_iter(match=self.prefix + "{*", count=1000):
                 yield self._unkey(stored)
 
+    async def sized_keys(self) -> AsyncIterator[tuple[str, int | None]]:
+        batch: list[Any] = []
+        async for key in self.keys():
+            batch.append(key)
+            if len(batch) == 1000:
+                for pair in await self._sizes(batch):
+                    yield pair
+                batch = []
+        if batch:
+            for pair in await self._sizes(batch):
+                yield pair
+
+    async def _sizes(self, keys: list[str]) -> list[tuple[str, int | None]]:
+        """STRLEN of ``keys`` in one pipeline; a key gone meanwhile (0): None."""
+        with _translated(self.url):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.strlen(self._key(key))
+                sizes = await pipe.execute()
+        return [(key, int(size) or None) for key, size in zip(keys, sizes, strict=True)]
+
     async def get_many(self, keys: Sequence[str]) -> list[BytesLike | None]:
         with _translated(self.url):
             values = await self._get_all(self._reader, keys)

@@ -209,6 +209,14 @@ class S3Tier(Tier):
                 for item in page.get("Contents", ()):
                     yield item["Key"][len(self.prefix) :]
 
+    async def sized_keys(self) -> AsyncIterator[tuple[str, int | None]]:
+        with _translated(self._where):
+            client = await self._s3()
+            paginator = client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+                for item in page.get("Contents", ()):
+                    yield item["Key"][len(self.prefix) :], int(item["Size"])
+
     async def close(self) -> None:
         if self._context is not None:
             await self._context.__aexit__(None, None, None)

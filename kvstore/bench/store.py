@@ -21,6 +21,13 @@ put does not do. LMDB runs with ``sync=False`` on both sides: fsync time is
 the disk's, not ours, and made the comparison noise. Reads are consumed as a
 server would send them (the chunk stream, no join). A last pair of rows
 shows the cost of AES-GCM on LMDB.
+
+Restart recovery (issue 36): an LMDB tier holding N sealed blocks of 128
+KiB is opened by a new store, which finds them again. Rows: milliseconds a
+block at each N, against the same tier recovered by reading and checking
+every segment (what a tier that cannot size its keys without reading them
+gets, and every tier got before), and against the figure at the smallest N
+(flat as N grows: goal <= 1.5).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any
 from kvstore.protocol import container as kc
 from kvstore.protocol._bytes import BytesLike
 from kvstore.storage import BlockRef, SegmentSealer, TieredStore
+from kvstore.storage.blocks import Segment
 from kvstore.storage.tier import Tier
 
 from . import Result
@@ -197,6 +205,117 @@ async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
     return rows
 
 
+RECOVERY_BLOCK_LAYERS = 8
+RECOVERY_SECTION = 8 << 10  # 8 layers x 2 x 8 KiB: 128 KiB a block
+
+
+class _Unsized:
+    """A tier that cannot size its keys without reading them: the restart
+    reads and checks every segment (the baseline of the recovery rows)."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+
+    async def sized_keys(self) -> Any:
+        async for key in self.inner.keys():
+            yield key, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def _recovery_ms(path: str, count: int, sealer: SegmentSealer, unsized: bool) -> float:
+    """Milliseconds a block to recover the ``count`` blocks stored at ``path``."""
+    from kvstore.backends.lmdb import LmdbTier
+
+    tier: Any = LmdbTier(path, map_size=count * (160 << 10) + (64 << 20), sync=False)
+    if unsized:
+        tier.sized_keys = _Unsized(tier).sized_keys
+    store = TieredStore([(tier, count * (160 << 10))], sealer=sealer)
+    start = time.perf_counter()
+    found = await store.recover()
+    seconds = time.perf_counter() - start
+    await store.close(spill=False)
+    if found != count:
+        raise RuntimeError(f"recovered {found} of {count} blocks")
+    return 1000 * seconds / count
+
+
+async def _store_for_recovery(path: str, count: int, sealer: SegmentSealer) -> None:
+    """``count`` sealed blocks and their layer tables in LMDB, as a store
+    leaves them (written in large transactions: the setup is not measured)."""
+    from kvstore.backends.lmdb import LmdbTier
+    from kvstore.storage.blocks import BlockInfo, layer_table, repr_digest_of
+
+    layers = [
+        (os.urandom(RECOVERY_SECTION), os.urandom(RECOVERY_SECTION))
+        for _ in range(RECOVERY_BLOCK_LAYERS)
+    ]
+    data = bytes(kc.encode(layers, token_count=16))
+    container = kc.decode(data)
+    tier = LmdbTier(path, map_size=count * (160 << 10) + (64 << 20), sync=False)
+    try:
+        items: list[tuple[str, BytesLike]] = []
+        for n in range(count):
+            ref = BlockRef(COMPAT, SCOPE, hashlib.sha256(b"recover%d" % n).hexdigest())
+            info = BlockInfo(ref, container.codec, container.token_count, {}, [])
+            info.layers = layer_table(container)
+            info.whole_repr_digest = repr_digest_of(data)
+            info.stored_at = time.time()
+            last = RECOVERY_BLOCK_LAYERS - 1
+            items.append((ref.segment_key(0, last), sealer.seal(ref.segment_name(0, last), data)))
+            info.segments.append(Segment(ref, 0, last, 0, len(data)))
+            items.append((ref.meta_key, sealer.seal(ref.meta_name, info.meta())))
+            if len(items) >= 2000:
+                await tier.put_many(items)
+                items = []
+        if items:
+            await tier.put_many(items)
+    finally:
+        await tier.close()
+
+
+async def bench_recovery(counts: tuple[int, ...]) -> list[Result]:
+    sealer = SegmentSealer(bytes(32))
+    rows: list[Result] = []
+    first: float | None = None
+    root = tempfile.mkdtemp(prefix="kvstore-bench-recover-")
+    try:
+        for count in counts:
+            path = os.path.join(root, f"n{count}")
+            await _store_for_recovery(path, count, sealer)
+            ms = await _recovery_ms(path, count, sealer, unsized=False)
+            every = await _recovery_ms(path, count, sealer, unsized=True)
+            shutil.rmtree(path, ignore_errors=True)
+            what = f"restart recovery, LMDB sealed, {count:,} blocks of 128 KiB"
+            rows.append(
+                Result(
+                    what,
+                    "ms a block",
+                    ms,
+                    "every segment read and checked",
+                    every,
+                )
+            )
+            rows.append(Result(f"{what}: blocks/s", "blocks/s", 1000 / ms))
+            if first is None:
+                first = ms
+            else:
+                rows.append(
+                    Result(
+                        f"{what}: ms a block",
+                        "ms a block",
+                        ms,
+                        f"the same at {counts[0]:,} blocks",
+                        first,
+                        1.5,
+                    )
+                )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
 async def bench_redis(
     blocks: list[tuple[BlockRef, bytes]], repeat: int, url: str, cluster: bool = False
 ) -> list[Result]:
@@ -310,6 +429,7 @@ async def _run(
     redis_url: str | None,
     s3_endpoint: str | None,
     cluster_url: str | None = None,
+    recovery: tuple[int, ...] = (1000,),
 ) -> list[Result]:
     blocks = _blocks(count, int(block_mib * (1 << 20)))
     results = await bench_host(blocks, repeat)
@@ -320,6 +440,7 @@ async def _run(
         results += await bench_redis(blocks, repeat, cluster_url, cluster=True)
     if s3_endpoint:
         results += await bench_s3(blocks, repeat, s3_endpoint)
+    results += await bench_recovery(recovery)
     return results
 
 
@@ -352,6 +473,7 @@ def run(
                 redis_url,
                 s3_endpoint,
                 cluster.url if cluster else None,
+                (1000,) if quick else (1000, 16_000, 64_000),
             )
         )
     finally:

@@ -105,6 +105,9 @@ class BlockInfo:
     #: When it was stored (this process's wall clock, Unix seconds; kept in
     #: the layer table so that retention survives a restart). 0: unknown.
     stored_at: float = 0.0
+    #: Segments and copies (tier index, first layer) adopted at a restart
+    #: without being read: the first read of one checks it in full.
+    unchecked: set[tuple[int, int]] = field(default_factory=set)
     #: Where it is in its life (see :mod:`.state`); None until the table has it.
     state: BlockState | None = None
     #: Serializes the moves and the removal of this block's data.
@@ -201,6 +204,8 @@ class BlockInfo:
             raise CorruptData(f"segment of {self.ref.block_key} does not decode: {exc}") from exc
         if (container.first_layer, container.last_layer) != (segment.first, segment.last):
             raise CorruptData(f"segment of {self.ref.block_key} holds other layers")
+        if (container.codec, container.token_count) != (self.codec, self.token_count):
+            raise CorruptData(f"segment of {self.ref.block_key}: another codec or token count")
         for layer in container:
             if layer.digest() != self.layers[layer.index][2]:
                 raise CorruptData(f"layer {layer.index} of {self.ref.block_key} fails its digest")

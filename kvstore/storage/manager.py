@@ -496,19 +496,24 @@ class TieredStore:
         if not slot.tier.persistent:
             return stored
         checked = segment
+        # Adopted at a restart without being read: checked in full once.
+        whole = self.verify_reads or (segment.slot, segment.first) in info.unchecked
 
         def check_and_open() -> BytesLike:
             # The AES-GCM tag or the checksum written with the segment (never a
             # value taken from what was read): see .crypto.
             plain = self.sealer.open(info.ref.segment_name(checked.first, checked.last), stored)
-            if self.verify_reads:
+            if whole:
                 info.verify_segment(checked, plain)
             return plain
 
         try:
             if len(memoryview(stored)) >= OFFLOAD_OCTETS:
-                return await asyncio.to_thread(check_and_open)
-            return check_and_open()
+                plain = await asyncio.to_thread(check_and_open)
+            else:
+                plain = check_and_open()
+            info.unchecked.discard((checked.slot, checked.first))
+            return plain
         except CorruptData as exc:  # logged once: the block leaves (withdrawn first, LE4)
             self.stats.integrity_failures += 1
             log.warning("integrity: %s in %s fails: %s", checked.key, slot.kind, exc.detail)

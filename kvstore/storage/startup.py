@@ -6,22 +6,30 @@ trusting only what was written when a block was stored (integrity at rest):
 1. every block's layer table (``meta``: layer lengths and digests, codec,
    tokens, the whole block's Repr-Digest, all taken at PUT) is read first,
    opened against its own AES-GCM tag or checksum;
-2. then every segment, opened against its own tag or checksum, and each of
-   its layers checked against the digest its layer table holds.
+2. then every segment is listed with its size (:meth:`.Tier.sized_keys`:
+   LMDB's pages, S3's listing, Redis's STRLEN) and adopted *unchecked*,
+   without reading it: the scan costs one read of each layer table, not of
+   the data. The first read of an unchecked segment (a GET, a demotion, a
+   promotion) checks it in full, its tag or checksum and each layer against
+   the digest its layer table holds, before any of it is used; one that
+   fails is corrupt: counted, logged, and its block leaves (LE4), a miss.
+   A tier that cannot size a key without reading it has that segment read
+   and checked here, as before.
 
 A segment whose block has no readable layer table is not adopted and left in
 place (a wrong key in the configuration must not destroy the data it cannot
-read). A segment that fails once its layer table opened (so the key is right)
-is corrupt: counted, logged, and deleted. Runs before the store serves, so
-nothing of it was advertised yet.
+read). A segment that fails here once its layer table opened (so the key is
+right) is corrupt: counted, logged, and deleted. Runs before the store
+serves, so nothing of it was advertised yet.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
 from ..protocol import container as kc
@@ -37,17 +45,50 @@ log = logging.getLogger("kvstore.storage")
 
 #: Keys read back with one batch call (a Redis pipeline, concurrent S3 GETs).
 RECOVER_BATCH = 8
+#: Layer tables (small) read back with one batch call.
+META_BATCH = 256
+#: Listed segments adopted between two yields to the event loop.
+ADOPT_BATCH = 1024
 
 
 async def recover(store: TieredStore) -> int:
+    # The scan makes a few small objects per block and frees none: the
+    # cyclic collector's passes over a growing heap would make it slower
+    # per block as the tier grows. Off while it runs (nothing here makes a
+    # cycle); back on after.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return await _recover(store)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+async def _recover(store: TieredStore) -> int:
     persistent = [(i, s) for i, s in enumerate(store.slots) if s.tier.persistent]
+    listed = {index: await _listing(slot) for index, slot in persistent}
     for index, slot in persistent:
-        async for keys, values in _stored(store, slot, metas=True):
-            for key, stored in zip(keys, values, strict=True):
-                _recover_meta(store, index, slot, key, stored)
+        metas = listed[index][0]
+        for start in range(0, len(metas), META_BATCH):
+            batch = metas[start : start + META_BATCH]
+            keys = [key for key, _ in batch]
+            values = cast(list[Any], await store.io.call(slot, slot.tier.get_many(keys)))
+            for (key, ref), stored in zip(batch, values, strict=True):
+                _recover_meta(store, index, slot, key, ref, stored)
     unchecked = 0
     for index, slot in persistent:
-        async for keys, values in _stored(store, slot, metas=False):
+        unsized: list[str] = []
+        for n, (key, ref, span, size) in enumerate(listed[index][1]):
+            if size is None:
+                unsized.append(key)
+            else:
+                unchecked += not await _adopt_segment(store, index, ref, span, size)
+            if n % ADOPT_BATCH == ADOPT_BATCH - 1:
+                await asyncio.sleep(0)  # a large tier does not hold the loop
+        for start in range(0, len(unsized), RECOVER_BATCH):
+            keys = unsized[start : start + RECOVER_BATCH]
+            values = cast(list[Any], await store.io.call(slot, slot.tier.get_many(keys)))
             for key, stored in zip(keys, values, strict=True):
                 unchecked += not await _recover_segment(store, index, slot, key, stored)
     if unchecked:
@@ -73,21 +114,25 @@ async def recover(store: TieredStore) -> int:
     return len(store)
 
 
-async def _stored(
-    store: TieredStore, slot: TierSlot, metas: bool
-) -> AsyncIterator[tuple[list[str], list[Any]]]:
-    """The tier's layer tables (``metas``) or its segments, in batches."""
-    batch: list[str] = []
-    async for key in slot.tier.keys():
+Listing = tuple[list[tuple[str, BlockRef]], list[tuple[str, BlockRef, tuple[int, int], int | None]]]
+
+
+async def _listing(slot: TierSlot) -> Listing:
+    """The tier's layer tables and its segments (with their sizes where the
+    tier tells them), each key parsed once; what is not ours is left out (a
+    shared bucket or Redis database)."""
+    metas: list[tuple[str, BlockRef]] = []
+    segments: list[tuple[str, BlockRef, tuple[int, int], int | None]] = []
+    async for key, size in slot.tier.sized_keys():
         parsed = parse_segment_key(key)
-        if parsed is None or (parsed[1] is None) != metas:
-            continue  # not ours (a shared bucket or Redis database), or the other pass
-        batch.append(key)
-        if len(batch) == RECOVER_BATCH:
-            yield batch, cast(list[Any], await store.io.call(slot, slot.tier.get_many(batch)))
-            batch = []
-    if batch:
-        yield batch, cast(list[Any], await store.io.call(slot, slot.tier.get_many(batch)))
+        if parsed is None:
+            continue
+        ref, span = parsed
+        if span is None:
+            metas.append((key, ref))
+        else:
+            segments.append((key, ref, span, size))
+    return metas, segments
 
 
 def _failed(store: TieredStore, key: str, slot: TierSlot, why: object) -> None:
@@ -95,10 +140,11 @@ def _failed(store: TieredStore, key: str, slot: TierSlot, why: object) -> None:
     log.warning("integrity: %s in %s fails: %s", key, slot.kind, why)
 
 
-def _recover_meta(store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any) -> None:
+def _recover_meta(
+    store: TieredStore, index: int, slot: TierSlot, key: str, ref: BlockRef, stored: Any
+) -> None:
     if stored is None:
         return
-    ref, _ = cast(tuple[BlockRef, None], parse_segment_key(key))
     try:
         plain = store.sealer.open(ref.meta_name, stored)
         info = store.table.entry(ref)
@@ -116,10 +162,23 @@ def _recover_meta(store: TieredStore, index: int, slot: TierSlot, key: str, stor
     info.meta_slots.add(index)
 
 
+async def _adopt_segment(
+    store: TieredStore, index: int, ref: BlockRef, span: tuple[int, int], size: int
+) -> bool:
+    """Adopt one listed segment unchecked (its first read checks it); False
+    when its block has no layer table to be checked against."""
+    info = store.table.entry(ref)
+    if info is None or not info.layers:
+        return False
+    await _place(store, info, Segment(ref, span[0], span[1], index, size), unchecked=True)
+    return True
+
+
 async def _recover_segment(
     store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any
 ) -> bool:
-    """Adopt one stored segment; False when it has no layer table to be checked against."""
+    """Adopt one stored segment read back, checked now; False when it has
+    no layer table to be checked against."""
     if stored is None:
         return True
     ref, span = cast(tuple[BlockRef, tuple[int, int]], parse_segment_key(key))
@@ -135,8 +194,17 @@ async def _recover_segment(
         await store.io.delete_quietly(slot, key)
         return True
     first, last = span
-    segment = Segment(ref, first, last, index, len(memoryview(stored)))
-    if any((x.first, x.last) == span for x in [*info.segments, *info.copies]):
+    await _place(store, info, Segment(ref, first, last, index, len(memoryview(stored))))
+    return True
+
+
+async def _place(
+    store: TieredStore, info: BlockInfo, segment: Segment, unchecked: bool = False
+) -> None:
+    """Count a segment found in a tier as the block's segment or copy
+    (``unchecked``: its first read checks it)."""
+    first, last = segment.first, segment.last
+    if any((x.first, x.last) == (first, last) for x in [*info.segments, *info.copies]):
         # The same layers in a slower persistent tier: tiers are inclusive,
         # so it is a copy kept below the faster one (tiers are read fastest
         # first). Checked like a segment, then kept as a copy.
@@ -144,10 +212,12 @@ async def _recover_segment(
     elif any(x.first <= last and first <= x.last for x in info.segments):
         # Overlapping other layers (e.g. a demotion interrupted between its
         # write and delete, under another split): not kept.
-        await store.io.delete_quietly(slot, key)
+        await store.io.delete_quietly(store.slots[segment.slot], segment.key)
+        return
     else:
         store.table.found(info, segment)
-    return True
+    if unchecked:
+        info.unchecked.add((segment.slot, first))
 
 
 def _check(

@@ -77,6 +77,14 @@ class Tier(ABC):
     def keys(self) -> AsyncIterator[str]:
         """Every key stored (used to find segments again after a restart)."""
 
+    async def sized_keys(self) -> AsyncIterator[tuple[str, int | None]]:
+        """Every key stored with the octets of its value, as the listing
+        tells them without reading the value (LMDB's pages, S3's listing,
+        Redis's STRLEN); None where the tier cannot (a restart then reads
+        that value to size it). Restart recovery sizes segments with it."""
+        async for key in self.keys():
+            yield key, None
+
     async def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release connections and handles."""
 

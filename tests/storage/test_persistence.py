@@ -20,6 +20,7 @@ from kvstore.protocol.problems import (
 )
 from kvstore.protocol.records import ReplicaRecord
 from kvstore.storage import SegmentSealer, TieredStore
+from kvstore.storage.blocks import BlockInfo
 from kvstore.storage.errors import CorruptData, TierUnavailable
 from kvstore.storage.tier import Tier
 
@@ -590,10 +591,12 @@ async def test_restart_checks_segments_against_what_their_put_stored(lmdb_path: 
     # Issue 33: recovery used to take a layer's digest from what it read. A
     # segment rewritten with a valid checksum (a copy of other data, a stale
     # version) still fails: its layers are checked against the digests the
-    # block's PUT took, kept in its layer table. It is dropped, not adopted.
+    # block's PUT took, kept in its layer table. The restart adopts it
+    # unchecked (it reads no segment); its first read checks it whole and
+    # it leaves, never served.
     store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
     await store.put(ref(1), block())
-    await store.put(ref(2), block())
+    await store.put(ref(2), two := block())
     await store.close()
     tier = LmdbTier(lmdb_path)
     other = SegmentSealer().seal(ref(1).segment_name(0, 7), block())
@@ -601,10 +604,60 @@ async def test_restart_checks_segments_against_what_their_put_stored(lmdb_path: 
     await tier.close()
 
     again = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
-    assert await again.recover() == 1
-    assert ref(1) not in again and ref(2) in again
+    assert await again.recover() == 2
+    assert again.stats.integrity_failures == 0
+    with pytest.raises(CorruptData, match="fails its digest"):
+        await again.get(ref(1))
+    assert ref(1) not in again and await again.get(ref(2)) == two
     assert again.stats.integrity_failures == 1
     assert await again.slots[0].tier.get(ref(1).segment_key(0, 7)) is None  # dropped
+    with pytest.raises(NotFound):
+        await again.get(ref(1))
+    await again.close()
+
+
+async def test_a_restart_reads_no_segment_and_a_first_read_checks_each_once(
+    lmdb_path: str,
+) -> None:
+    store = TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)])
+    data = {n: block() for n in range(3)}
+    for n, octets in data.items():
+        await store.put(ref(n), octets)
+    await store.close()  # spilled: all three in LMDB
+    again = TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], promote=False)
+    reads: list[str] = []
+    lmdb = again.slots[1].tier
+    get, get_many = lmdb.get, lmdb.get_many
+
+    async def counted_get(key: str) -> Any:
+        reads.append(key)
+        return await get(key)
+
+    async def counted_get_many(keys: Any) -> Any:
+        reads.extend(keys)
+        return await get_many(keys)
+
+    lmdb.get, lmdb.get_many = counted_get, counted_get_many  # type: ignore[method-assign]
+    assert await again.recover() == 3
+    assert all(key.endswith("/meta") for key in reads)  # layer tables only
+    assert {info.ref: info.unchecked for info in again.blocks()} == {
+        ref(n): {(1, 0)} for n in range(3)
+    }
+    verified: list[object] = []
+    check = BlockInfo.verify_segment
+
+    def counted(info: BlockInfo, *args: Any) -> None:
+        verified.append(info.ref)
+        check(info, *args)
+
+    BlockInfo.verify_segment = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(2):
+            assert {n: await again.get(ref(n)) for n in data} == data
+    finally:
+        BlockInfo.verify_segment = check  # type: ignore[method-assign]
+    assert sorted(verified, key=str) == sorted((ref(n) for n in data), key=str)  # once each
+    assert all(not info.unchecked for info in again.blocks())
     await again.close()
 
 
@@ -624,7 +677,8 @@ async def test_restart_serves_the_repr_digest_its_put_took(lmdb_path: str) -> No
 
 async def test_a_segment_stored_without_its_checksum_is_not_adopted(lmdb_path: str) -> None:
     # The plain container an older kvstore stored has no checksum written
-    # with it: nothing to check it against, so it is not served (dropped).
+    # with it: nothing to check it against, so it is not served (dropped
+    # at its first read).
     store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
     data = block()
     await store.put(ref(1), data)
@@ -633,8 +687,10 @@ async def test_a_segment_stored_without_its_checksum_is_not_adopted(lmdb_path: s
     await tier.put(ref(1).segment_key(0, 7), data)
     await tier.close()
     again = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)])
-    assert await again.recover() == 0
-    assert again.stats.integrity_failures == 1
+    assert await again.recover() == 1
+    with pytest.raises(CorruptData):
+        await again.get(ref(1))
+    assert ref(1) not in again and again.stats.integrity_failures == 1
     await again.close()
 
 

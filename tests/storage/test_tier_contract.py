@@ -65,6 +65,19 @@ async def test_keys_lists_what_is_stored(tier: Tier) -> None:
     assert [k async for k in tier.keys()] == [K2]
 
 
+async def test_sized_keys_tell_each_value_s_octets(tier: Tier) -> None:
+    # What a restart sizes segments with, without reading them: a persistent
+    # tier tells every size; a tier that cannot says None (then it is read).
+    await tier.put(K1, b"1" * 300)
+    await tier.put(K2, b"2" * 7)
+    sized = dict([pair async for pair in tier.sized_keys()])
+    assert sorted(sized) == sorted([K1, K2])
+    if tier.persistent:
+        assert sized == {K1: 300, K2: 7}
+    else:
+        assert all(size in (None, {K1: 300, K2: 7}[key]) for key, size in sized.items())
+
+
 async def test_batch_operations(tier: Tier) -> None:
     await tier.put_many([(K1, b"1"), (K2, b"2")])
     got = await tier.get_many([K1, K2, K1.replace("a", "e")])
