@@ -120,10 +120,6 @@ class Placement:
     #: other's room (possible with blocks split over tiers) end here.
     ROOM_WAIT_S = 5.0
     ROOM_POLL_S = 0.05
-    #: Longest a PUT waits for the background drain of a full tier before it
-    #: is written to the next tier below instead (watermarks on): an
-    #: engine's write-behind never waits on a demotion's tier I/O.
-    PUT_ROOM_WAIT_S = 0.02
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
@@ -283,16 +279,17 @@ class Placement:
         the room, wait for them (a little); promotions do not.
 
         ``hurry`` (a PUT): in a tier that drains in the background
-        (watermarks on, a tier below), move no victim; take free room, or
-        what the drain frees within :attr:`PUT_ROOM_WAIT_S`, else False, and
-        the PUT goes to the next tier below instead of waiting for a
-        demotion's tier I/O. The PUTs' tails are then those of the tier that
-        takes them, not of a queue of demotions."""
+        (watermarks on, a tier below), move no victim and wait for none: take
+        free room, else False (the drain is started), and the PUT goes to the
+        next tier below at once. The PUTs' tails are then those of the tier
+        that takes them, not of a queue of demotions. (Waiting up to 20 ms
+        for the drain's room measured worse: PUT p99 at 16 clients 2.0-2.6x
+        host-only's, against 1.7-2.0x at once.)"""
         slot = self.slots[index]
         if need > slot.capacity:
             return False
         if hurry and self.drains_in_background(index):
-            return await self._room_from_drain(index, need)
+            return self._room_from_drain(index, need)
         give_up_at = None  # ROOM_WAIT_S in all, however many wake-ups
         while not self.table.reserve(index, need):
             victim, busy = self._victim(index, exclude)
@@ -385,22 +382,15 @@ class Placement:
         if not self.drains.start(lambda: self._drain(index), f"kvstore-demote-{slot.kind}"):
             self._draining.discard(index)
 
-    async def _room_from_drain(self, index: int, need: int) -> bool:
-        """A PUT's room in a tier that drains: free now, or freed by the
-        drain within :attr:`PUT_ROOM_WAIT_S`; never a victim moved by it."""
+    def _room_from_drain(self, index: int, need: int) -> bool:
+        """A PUT's room in a tier that drains: free now, or none (the drain
+        started for the next PUTs); never a victim moved by the PUT."""
         if self.table.reserve(index, need):
             self.after_write(index)
             return True
         self.after_write(index, need)
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.PUT_ROOM_WAIT_S
-        while not self.table.reserve(index, need):
-            left = give_up_at - loop.time()
-            if left <= 0 or index not in self._draining:
-                self.stats.puts_fell_through += 1
-                return False
-            await self.table.room_freed(index, left)
-        return True
+        self.stats.puts_fell_through += 1
+        return False
 
     async def _drain(self, index: int) -> None:
         slot = self.slots[index]
@@ -419,7 +409,7 @@ class Placement:
                     info.claim.give()
         finally:
             self._draining.discard(index)
-            self.table.wake(index)  # a PUT waiting for this drain goes below now
+            self.table.wake(index)  # whoever waits for room there looks again
 
     # --- moves -----------------------------------------------------------
 

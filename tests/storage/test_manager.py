@@ -123,6 +123,7 @@ async def test_lru_demotes_least_recently_used(lmdb_path: str) -> None:
         [(HostTier(), 2 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)],
         promote=False,
         on_evict=recorder,
+        demote_above=None,
     )
     for n in (1, 2):
         await store.put(ref(n), block())

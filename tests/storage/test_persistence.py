@@ -186,6 +186,7 @@ async def test_redis_killed_mid_run_degrades_and_recovers(own_redis: RedisServer
         promote=False,
         retry_after_s=0.0,
         on_evict=recorder,
+        demote_above=None,
     )
     recorder.store = store
     one, two = block(), block()
@@ -352,7 +353,9 @@ async def test_s3_tier_can_make_its_bucket(s3_endpoint: str) -> None:
 async def test_spill_uses_free_room_only_and_the_most_recent_first(lmdb_path: str) -> None:
     # Nothing already durable is evicted for memory-only blocks; when room is
     # short, the most recently used memory-only blocks are the ones kept.
-    store = TieredStore([(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * stored_size())])
+    store = TieredStore(
+        [(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * stored_size())], demote_above=None
+    )
     for n in range(8):  # 0-3 pushed down to LMDB by 4-7
         await store.put(ref(n), block())
     durable = {n for n in range(8) if store.residency(ref(n))[0].tier == "local-storage"}
