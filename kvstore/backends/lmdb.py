@@ -185,11 +185,7 @@ class LmdbTier(Tier):
             yield pair
 
     async def keys(self) -> AsyncIterator[str]:
-        def scan() -> list[str]:
-            with self._env.begin() as txn:
-                return [bytes(k).decode() for k in txn.cursor().iternext(values=False)]
-
-        for key in await self._run(scan):
+        async for key, _ in self.sized_keys():
             yield key
 
     async def close(self) -> None:

@@ -152,7 +152,7 @@ class RedisTier(Tier):
                 yield self._unkey(stored)
 
     async def sized_keys(self) -> AsyncIterator[tuple[str, int | None]]:
-        batch: list[Any] = []
+        batch: list[str] = []
         async for key in self.keys():
             batch.append(key)
             if len(batch) == 1000:

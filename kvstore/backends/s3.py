@@ -202,12 +202,8 @@ class S3Tier(Tier):
             await client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
 
     async def keys(self) -> AsyncIterator[str]:
-        with _translated(self._where):
-            client = await self._s3()
-            paginator = client.get_paginator("list_objects_v2")
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
-                for item in page.get("Contents", ()):
-                    yield item["Key"][len(self.prefix) :]
+        async for key, _ in self.sized_keys():
+            yield key
 
     async def sized_keys(self) -> AsyncIterator[tuple[str, int | None]]:
         with _translated(self._where):

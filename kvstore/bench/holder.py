@@ -155,14 +155,20 @@ class Servers:
             f"max_block_octets = 16777216\n\n[storage]\npromote = false\n\n"
             f"[[storage.tiers]]\n{tier_cfg}"
         )
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        log = self.root / f"holder-{port}.log"
+        with log.open("wb") as out:  # the process keeps its own descriptor
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvstore", "serve", "--config", str(config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.processes.append(process)
-        for worker in range(workers):
-            _wait(port + worker, process)
+        try:
+            for worker in range(workers):
+                _wait(port + worker, process)
+        except RuntimeError as exc:  # what it said, not only that it did not start
+            said = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{exc}; its output:\n{said}") from None
         return f"{scheme}://127.0.0.1:{port}/kvsp/"
 
     def load(

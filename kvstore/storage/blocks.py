@@ -197,7 +197,8 @@ class BlockInfo:
             self.whole_repr_digest = repr_digest
 
     def verify_segment(self, segment: Segment, plain: BytesLike) -> None:
-        """Check a segment's layers against the layer digests taken at put (B3)."""
+        """Check a segment's layers (lengths and digests) against the layer
+        table taken at put (B3); :class:`CorruptData` if any differs."""
         try:
             container = kc.decode(plain)
         except Exception as exc:
@@ -207,7 +208,8 @@ class BlockInfo:
         if (container.codec, container.token_count) != (self.codec, self.token_count):
             raise CorruptData(f"segment of {self.ref.block_key}: another codec or token count")
         for layer in container:
-            if layer.digest() != self.layers[layer.index][2]:
+            # Lengths too: a digest of K then V does not tell where K ends.
+            if self.layers.get(layer.index) != (len(layer.k), len(layer.v), layer.digest()):
                 raise CorruptData(f"layer {layer.index} of {self.ref.block_key} fails its digest")
 
     def header(self, first: int, last: int) -> kc.ContainerHeader:

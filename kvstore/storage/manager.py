@@ -512,7 +512,8 @@ class TieredStore:
                 plain = await asyncio.to_thread(check_and_open)
             else:
                 plain = check_and_open()
-            info.unchecked.discard((checked.slot, checked.first))
+            if whole:
+                info.unchecked.discard((checked.slot, checked.first))
             return plain
         except CorruptData as exc:  # logged once: the block leaves (withdrawn first, LE4)
             self.stats.integrity_failures += 1

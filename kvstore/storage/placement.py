@@ -38,6 +38,7 @@ from ..protocol.problems import InsufficientStorage, NotFound
 from .blocks import BlockInfo, Segment
 from .errors import CorruptData, TierFull, TierUnavailable
 from .moves import Moves
+from .reservation import Reservation
 from .state import BlockState
 from .types import BlockRef
 
@@ -57,57 +58,6 @@ class Demotion(enum.Enum):
     STAYED = "stayed"
     #: No tier below could take it.
     NO_ROOM = "no room"
-
-
-class Reservation:
-    """Room reserved in one tier for one write: the write protocol, once.
-
-    Taken (by :meth:`Placement.make_room` or :meth:`.BlockTable.reserve`)
-    before the write, then ``async with`` it: :meth:`write` stores the
-    items, :meth:`keep` says the segment written is attached (with no await
-    in between). Leaving the block without :meth:`keep` gives the room back;
-    leaving it on an exception (a cancel) after the write began also deletes
-    what that write may still land, before the caller lets go of the block
-    (its claim, or its WRITING state), so that no newer write of those keys
-    comes between."""
-
-    def __init__(self, placement: Placement, index: int, octets: int) -> None:
-        self.placement, self.index, self.octets = placement, index, octets
-        self.kept = False
-        #: Why the tier refused the write (TierUnavailable, TierFull).
-        self.refused: str | None = None
-        self._writing: list[str] = []
-
-    async def write(self, items: list[tuple[str, BytesLike]]) -> bool:
-        """Store ``items`` in the tier (one batch call for several: one LMDB
-        transaction, one Redis pipeline). False when the tier refused them."""
-        slot = self.placement.slots[self.index]
-        self._writing = [key for key, _ in items]
-        try:
-            if len(items) == 1:
-                await self.placement.io.call(slot, slot.tier.put(*items[0]), self._writing)
-            else:
-                await self.placement.io.call(slot, slot.tier.put_many(items), self._writing)
-        except (TierUnavailable, TierFull) as exc:
-            self._writing = []  # refused: nothing of it lands (TierIO's late calls)
-            self.refused = f"{slot.kind}: {exc.detail}"
-            return False
-        return True
-
-    def keep(self) -> None:
-        """The written segment is the table's now (attached, replaced or kept
-        as a copy): the room is counted there."""
-        self.kept = True
-
-    async def __aenter__(self) -> Reservation:
-        return self
-
-    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if self.kept:
-            return
-        self.placement.table.unreserve(self.index, self.octets)
-        if kind is not None and self._writing:
-            await self.placement._undo(self.index, *self._writing)
 
 
 class Placement:
@@ -184,6 +134,10 @@ class Placement:
         if cancelled:
             raise asyncio.CancelledError
 
+    def _reserved(self, index: int, octets: int) -> Reservation:
+        """The write protocol for room already taken in tier ``index``."""
+        return Reservation(self.table, self.io, index, octets, self._undo)
+
     async def _undo(self, index: int, *keys: str) -> None:
         """A write was cancelled under way: it may have landed, or still land
         (a thread, a request sent). Delete what it wrote, once it has, before
@@ -254,7 +208,7 @@ class Placement:
                 errors.append(f"{slot.kind}: full")
                 continue
             segment = Segment(info.ref, first, last, index, size)
-            async with Reservation(self, index, size) as room:
+            async with self._reserved(index, size) as room:
                 if await room.write([(segment.key, stored)]):
                     room.keep()
                     return segment
@@ -409,7 +363,6 @@ class Placement:
                     info.claim.give()
         finally:
             self._draining.discard(index)
-            self.table.wake(index)  # whoever waits for room there looks again
 
     # --- moves -----------------------------------------------------------
 
@@ -464,7 +417,7 @@ class Placement:
                 items.append(
                     (info.ref.meta_key, self.io.sealer.seal(info.ref.meta_name, info.meta()))
                 )
-            async with Reservation(self, index, size) as room:
+            async with self._reserved(index, size) as room:
                 # Written below before it is removed above: nothing is lost.
                 if not await room.write(items):
                     continue
@@ -525,7 +478,7 @@ class Placement:
             # Inclusive: a persistent copy stays (and keeps its room there)
             # until that tier evicts it; the block stays durable.
             persistent = self.slots[segment.slot].tier.persistent
-            async with Reservation(self, 0, size) as room:
+            async with self._reserved(0, size) as room:
                 if not await room.write([(moved.key, stored)]):
                     return
                 if self.holds(info, segment):

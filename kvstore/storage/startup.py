@@ -32,9 +32,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from ..protocol import container as kc
 from .blocks import BlockInfo, Segment, TierSlot
-from .errors import TierFull, TierUnavailable
+from .errors import CorruptData, TierFull, TierUnavailable
 from .types import BlockRef, parse_segment_key
 
 if TYPE_CHECKING:
@@ -78,19 +77,20 @@ async def _recover(store: TieredStore) -> int:
                 _recover_meta(store, index, slot, key, ref, stored)
     unchecked = 0
     for index, slot in persistent:
-        unsized: list[str] = []
+        unsized: list[tuple[str, BlockRef, tuple[int, int], int | None]] = []
         for n, (key, ref, span, size) in enumerate(listed[index][1]):
             if size is None:
-                unsized.append(key)
+                unsized.append((key, ref, span, size))
             else:
                 unchecked += not await _adopt_segment(store, index, ref, span, size)
             if n % ADOPT_BATCH == ADOPT_BATCH - 1:
                 await asyncio.sleep(0)  # a large tier does not hold the loop
         for start in range(0, len(unsized), RECOVER_BATCH):
-            keys = unsized[start : start + RECOVER_BATCH]
+            reads = unsized[start : start + RECOVER_BATCH]
+            keys = [key for key, *_ in reads]
             values = cast(list[Any], await store.io.call(slot, slot.tier.get_many(keys)))
-            for key, stored in zip(keys, values, strict=True):
-                unchecked += not await _recover_segment(store, index, slot, key, stored)
+            for (key, ref, span, _), stored in zip(reads, values, strict=True):
+                unchecked += not await _recover_segment(store, index, key, ref, span, stored)
     if unchecked:
         log.warning(
             "%d segments not adopted: their blocks have no readable layer table (left in place)",
@@ -175,26 +175,32 @@ async def _adopt_segment(
 
 
 async def _recover_segment(
-    store: TieredStore, index: int, slot: TierSlot, key: str, stored: Any
+    store: TieredStore,
+    index: int,
+    key: str,
+    ref: BlockRef,
+    span: tuple[int, int],
+    stored: Any,
 ) -> bool:
-    """Adopt one stored segment read back, checked now; False when it has
-    no layer table to be checked against."""
+    """Adopt one stored segment read back, checked now (its tag or checksum,
+    then :meth:`.BlockInfo.verify_segment`, as a first read does); False
+    when it has no layer table to be checked against."""
     if stored is None:
         return True
-    ref, span = cast(tuple[BlockRef, tuple[int, int]], parse_segment_key(key))
     info = store.table.entry(ref)
     if info is None or not info.layers:
         return False
+    slot = store.slots[index]
+    segment = Segment(ref, span[0], span[1], index, len(memoryview(stored)))
     try:
-        _check(store, info, ref.segment_name(*span), stored, span)
-    except Exception as exc:
+        info.verify_segment(segment, store.sealer.open(ref.segment_name(*span), stored))
+    except CorruptData as exc:
         # Its layer table opened, so the configuration's key is right: this
         # segment was altered (bit rot, a bad disk, a careless copy). Dropped.
-        _failed(store, key, slot, exc)
+        _failed(store, key, slot, exc.detail)
         await store.io.delete_quietly(slot, key)
         return True
-    first, last = span
-    await _place(store, info, Segment(ref, first, last, index, len(memoryview(stored))))
+    await _place(store, info, segment)
     return True
 
 
@@ -218,22 +224,6 @@ async def _place(
         store.table.found(info, segment)
     if unchecked:
         info.unchecked.add((segment.slot, first))
-
-
-def _check(
-    store: TieredStore, info: BlockInfo, name: bytes, stored: Any, span: tuple[int, int]
-) -> None:
-    """Raise unless the segment's tag or checksum, and every layer's lengths
-    and digest, match what was stored with the block."""
-    container = kc.decode(store.sealer.open(name, stored))
-    if (container.first_layer, container.last_layer) != span:
-        raise ValueError("the segment holds other layers than its key says")
-    if (container.codec, container.token_count) != (info.codec, info.token_count):
-        raise ValueError("the segment's codec or token count is not its block's")
-    for layer in container:
-        known = info.layers.get(layer.index)
-        if known is None or known != (len(layer.k), len(layer.v), layer.digest()):
-            raise ValueError(f"layer {layer.index} fails its digest")
 
 
 async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int) -> None:

@@ -175,10 +175,6 @@ class BlockTable:
             with contextlib.suppress(ValueError):
                 slot.waiters.remove(waiter)
 
-    def wake(self, index: int) -> None:
-        """Wake whoever waits for room in tier ``index`` (to look again)."""
-        self._freed(self.slots[index])
-
     def _freed(self, slot: TierSlot) -> None:
         for waiter in slot.waiters:
             if not waiter.done():

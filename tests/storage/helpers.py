@@ -127,6 +127,13 @@ class GatedTier(HostTier):
         await super().put(key, value)
 
 
+async def until(check: Any) -> None:
+    """Wait (at most 5 s) until ``check()`` holds."""
+    async with asyncio.timeout(5):
+        while not check():
+            await asyncio.sleep(0.005)
+
+
 async def cancelled(task: Any) -> None:
     """Cancel ``task`` (a client going away) and see it end cancelled."""
     import pytest

@@ -25,16 +25,10 @@ from kvstore.protocol.problems import (
 from kvstore.storage import BlockRef, TieredStore
 
 from ..conftest import RedisServer
-from .helpers import GatedTier, block, cancelled, ref, size_of
+from .helpers import GatedTier, block, cancelled, ref, size_of, until
 from .test_concurrency import accounting
 
 SIZE = size_of()
-
-
-async def until(check: Any) -> None:
-    async with asyncio.timeout(5):
-        while not check():
-            await asyncio.sleep(0.005)
 
 
 class Withdrawals:

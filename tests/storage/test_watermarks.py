@@ -12,15 +12,9 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.storage import TieredStore
 
-from .helpers import GatedTier, block, ref, size_of
+from .helpers import GatedTier, block, ref, size_of, until
 
 SIZE = size_of()
-
-
-async def until(check: object) -> None:
-    async with asyncio.timeout(5):
-        while not check():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
 
 
 def where(store: TieredStore, n: int) -> list[str]:
