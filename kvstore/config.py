@@ -122,6 +122,8 @@ their defaults::
     demote_to = 0.0                   # low watermark: a drain stops there (0: 0.9 x above)
     lease_max_ttl_ms = 60000
     lease_max_octets_per_client = 8589934592
+    verify_reads = false              # check every layer of every persistent read
+    retry_after_s = 5.0               # a tier that failed is skipped this long
     retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
     owner_ttl_s = 30.0                # a crashed holder's Redis/S3 prefix frees after this
 
@@ -143,6 +145,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.backends.schema import SCHEMAS, OptionError, check_options, parse_size
+from kvstore.storage.settings import StoreSettings
 
 from .cores import available_cores
 from .settings import (
@@ -209,20 +212,12 @@ class TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class StorageConfig:
+class StorageConfig(StoreSettings):
+    """The ``[storage]`` section: the store's settings (:class:`StoreSettings`,
+    which the store takes whole) and what is not the store's own."""
+
     encryption_key_file: str = ""
     compress: bool = False
-    fast_layers: int = 0
-    promote: bool = True
-    write_through: bool = False
-    #: The high watermark: demote in the background once a tier is this
-    #: full (0: only on demand, a PUT moving a victim down itself).
-    demote_above: float = 0.9
-    #: The low watermark: a drain stops there (0: 0.9 of ``demote_above``).
-    demote_to: float = 0.0
-    lease_max_ttl_ms: int = 60_000
-    lease_max_octets_per_client: int = 8 << 30
-    retention_s: float = 0.0
     #: One owner per storage: a Redis or S3 owner record lapses this long
     #: after its holder stops renewing it (a crash); renewed every third.
     owner_ttl_s: float = 30.0
@@ -499,13 +494,7 @@ def _check_storage(cfg: StorageConfig, workers: int = 1) -> list[str]:
             out.append(f"storage.tiers[{index}].deadline_s: a positive number of seconds")
     if not cfg.owner_ttl_s > 0:
         out.append("storage.owner_ttl_s: a positive number of seconds")
-    if not 0 <= cfg.demote_above < 1:
-        out.append("storage.demote_above: a fraction of a tier's capacity, 0 <= x < 1 (0: off)")
-    elif cfg.demote_to and not (cfg.demote_above and 0 < cfg.demote_to < cfg.demote_above):
-        out.append(
-            "storage.demote_to: a fraction of a tier's capacity below storage.demote_above "
-            "(0: 0.9 of it)"
-        )
+    out += [f"storage.{problem}" for problem in cfg.problems()]
     if cfg.write_through and not any(t.backend in PERSISTENT_BACKENDS for t in cfg.tiers[1:]):
         out.append(
             "storage.write_through: needs a persistent tier (lmdb, redis, s3) below the first one"

@@ -36,7 +36,7 @@ from .protocol.wire import NO_STORE
 from .seams import Lookups, PublisherStatsSource, Snapshots
 from .seat import Seat, SeatService
 from .security import Policy
-from .storage import LeaseLimits, SegmentSealer, TieredStore
+from .storage import SegmentSealer, TieredStore
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -85,20 +85,8 @@ def build_store(config: Config) -> TieredStore:
         if deadline is not None:
             made.deadline_s = float(deadline)
         tiers.append((made, tier.capacity))
-    return TieredStore(
-        tiers,
-        sealer=SegmentSealer(key, compress=cfg.compress),
-        lease_limits=LeaseLimits(
-            max_octets_per_client=cfg.lease_max_octets_per_client,
-            max_ttl_ms=cfg.lease_max_ttl_ms,
-        ),
-        promote=cfg.promote,
-        write_through=cfg.write_through,
-        demote_above=cfg.demote_above or None,
-        demote_to=cfg.demote_to or None,
-        fast_layers=cfg.fast_layers or None,
-        retention_s=cfg.retention_s or None,
-    )
+    # The section is the store's settings (StoreSettings), taken whole.
+    return TieredStore(tiers, cfg, sealer=SegmentSealer(key, compress=cfg.compress))
 
 
 def index_client(config: Config, section: str) -> IndexClient | None:

@@ -43,8 +43,8 @@ from typing import Any
 
 from kvstore.protocol import container as kc
 from kvstore.protocol._bytes import BytesLike
-from kvstore.storage import BlockRef, SegmentSealer, TieredStore
-from kvstore.storage.blocks import Segment
+from kvstore.storage import BlockRef, SegmentSealer, StoreSettings, TieredStore
+from kvstore.storage.records import Segment
 from kvstore.storage.tier import Tier
 
 from . import Result
@@ -84,7 +84,7 @@ async def _measure_store(
     puts, gets = [], []
     for _ in range(repeat):
         tier = make_tier()
-        store = TieredStore([(tier, 1 << 40)], sealer=sealer, promote=False)
+        store = TieredStore([(tier, 1 << 40)], StoreSettings(promote=False), sealer=sealer)
         start = time.perf_counter()
         for ref, data in blocks:
             await store.put(ref, data)
@@ -238,7 +238,7 @@ async def _store_for_recovery(path: str, count: int, sealer: SegmentSealer) -> N
     """``count`` sealed blocks and their layer tables in LMDB, as a store
     leaves them (written in large transactions: the setup is not measured)."""
     from kvstore.backends.lmdb import LmdbTier
-    from kvstore.storage.blocks import BlockInfo, layer_table, repr_digest_of
+    from kvstore.storage.records import BlockInfo, layer_table, repr_digest_of
 
     layers = [
         (os.urandom(RECOVERY_SECTION), os.urandom(RECOVERY_SECTION))
@@ -251,13 +251,17 @@ async def _store_for_recovery(path: str, count: int, sealer: SegmentSealer) -> N
         items: list[tuple[str, BytesLike]] = []
         for n in range(count):
             ref = BlockRef(COMPAT, SCOPE, hashlib.sha256(b"recover%d" % n).hexdigest())
-            info = BlockInfo(ref, container.codec, container.token_count, {}, [])
-            info.layers = layer_table(container)
-            info.whole_repr_digest = repr_digest_of(data)
-            info.stored_at = time.time()
             last = RECOVERY_BLOCK_LAYERS - 1
+            info = BlockInfo(
+                ref,
+                container.codec,
+                container.token_count,
+                layer_table(container),
+                [Segment(ref, 0, last, 0, len(data))],
+                whole_repr_digest=repr_digest_of(data),
+                stored_at=time.time(),
+            )
             items.append((ref.segment_key(0, last), sealer.seal(ref.segment_name(0, last), data)))
-            info.segments.append(Segment(ref, 0, last, 0, len(data)))
             items.append((ref.meta_key, sealer.seal(ref.meta_name, info.meta())))
             if len(items) >= 2000:
                 await tier.put_many(items)

@@ -1,10 +1,12 @@
 """The tiered block store: Tier interface, eviction manager, leases, sealing."""
 
-from .blocks import BlockInfo, BlockRead
 from .crypto import SegmentSealer
 from .events import StoreListener, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits
 from .manager import TieredStore
+from .reads import BlockRead
+from .records import BlockInfo
+from .settings import StoreSettings
 from .tier import TIER_ORDER, Tier
 from .types import BlockRef
 
@@ -17,6 +19,7 @@ __all__ = [
     "LeaseLimits",
     "SegmentSealer",
     "StoreListener",
+    "StoreSettings",
     "StoreSnapshot",
     "Tier",
     "TierSnapshot",

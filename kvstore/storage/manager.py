@@ -5,17 +5,21 @@ storage package, once (STYLE 5, 8): placement, capacity, ordering, demotion
 and promotion, leases, sealing of persistent tiers, integrity checks, tier
 health, eviction notifications. A **segment** is a layer range of one block
 stored as a KV Block Container; a block's segments and their tiers are its
-``residency``. The store is a facade over the parts that own each idea:
+``residency``. The store is a facade over the parts that own each idea
+(:mod:`.core` draws the package's floors), and the only module that builds
+them:
 
-* :class:`.BlockTable` (``table``): which blocks exist, in which state
-  (:mod:`.state`: writing, resident, leaving, gone), and each tier's room;
+* :class:`.StoreCore` (``core``): the shared parts, among them the
+  :class:`.BlockTable` (``table``: which blocks exist, in which state, and
+  each tier's room), the :class:`.TierIO` (``io``: every tier call, with its
+  deadline and the tier's health; a degraded tier is skipped until its retry
+  time, reads there are misses, P4) and the :class:`.LeaseTable`
+  (``leases``: LE1-LE4);
+* :class:`.SegmentLoader` (``loader``): a segment's octets, opened and checked;
 * :class:`.Placement` (``placement``): where segments go and how they move
   (place, make room, demote, promote, evict), with no store-wide lock held
   across tier I/O;
-* :class:`.TierIO` (``io``): every tier call, with its deadline and the
-  tier's health (a tier that raises :class:`TierUnavailable` is degraded and
-  skipped until its retry time; reads there are misses, P4);
-* :class:`.LeaseTable` (``leases``): LE1-LE4.
+* :class:`.BlockRead`: a read in progress.
 
 What the store itself does: PUT (BL7: one 201 and one 412 for two PUTs of a
 key, whatever their timing), reads (BL1-BL4), leases, and the lifecycle
@@ -35,22 +39,19 @@ from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor
 from ..protocol.problems import LayersUnavailable, MalformedContainer, NotFound, PreconditionFailed
 from ..protocol.records import ReplicaRecord, Residency
-from .blocks import (
-    BlockInfo,
-    BlockRead,
-    Segment,
-    StoreStats,
-    TierSlot,
-    layer_table,
-    repr_digest_of,
-)
+from .core import StoreCore
 from .crypto import SegmentSealer
-from .errors import CorruptData
 from .events import EvictHook, OnEvict, StoreEvents, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits, LeaseTable
+from .loader import SegmentLoader
 from .owner import Ownership, owner_name
 from .placement import Placement
 from .policy import LRU, EvictionPolicy
+from .reads import BlockRead
+from .records import BlockInfo, StoreStats, TierSlot, layer_table, repr_digest_of
+from .retention import expire, lease_terms, retention_ttl
+from .settings import StoreSettings
+from .spill import spill
 from .startup import measure_read_rates, recover
 from .state import SERVING, SETTLING
 from .table import BlockTable
@@ -59,6 +60,9 @@ from .tierio import OFFLOAD_OCTETS, TierIO
 from .types import BlockRef
 
 log = logging.getLogger("kvstore.storage")
+
+#: A store's settings when none are given.
+DEFAULTS = StoreSettings()
 
 T = TypeVar("T")
 
@@ -85,80 +89,75 @@ class TieredStore:
     def __init__(
         self,
         tiers: Sequence[tuple[Tier, int]],
+        settings: StoreSettings = DEFAULTS,
         *,
         sealer: SegmentSealer | None = None,
         lease_limits: LeaseLimits | None = None,
         policy: Callable[[], EvictionPolicy] = LRU,
-        promote: bool = True,
-        fast_layers: int | None = None,
-        verify_reads: bool | None = None,
-        retry_after_s: float = 5.0,
         on_evict: EvictHook | None = None,
         clock: Callable[[], float] = time.monotonic,
-        retention_s: float | None = None,
         wall_clock: Callable[[], float] = time.time,
-        write_through: bool = False,
-        demote_above: float | None = 0.9,
-        demote_to: float | None = None,
     ) -> None:
         """
         ``tiers``: (tier, capacity in octets), fastest first (device -> remote-storage).
-        ``on_evict``: a listener of evictions only (see :attr:`events`).
+        ``settings``: how the store behaves, taken whole (:class:`.StoreSettings`:
+        the layer split, promotion, write-through, the watermarks of
+        background demotion, lease limits, retention, a failed tier's retry
+        time), the configuration's ``[storage]`` keys.
         ``sealer``: encryption/compression for persistent tiers (SEC4).
-        ``fast_layers``: keep layers [0, n) of a new block in the first tier and
-        the rest in the second (the draft's device 0-15 / host 16-31 split).
-        ``verify_reads``: True re-checks layer digests on every read of a
-        persistent tier. By default (None) reads are checked by what is cheap:
-        the AES-GCM tag when encryption is on, else an XXH3-64 stored with
-        the segment when it was written (a CRC-32 in segments written before
-        it; detects corruption, not a forger; turn encryption on against one).
-        ``retention_s``: blocks stored longer ago than this are removed by
-        :meth:`expire` (SEC4: the retention limit of the originating service).
-        ``write_through``: a PUT is acknowledged once every layer is also in
-        the first persistent tier below the one serving it (a copy there),
-        so that an acknowledged block survives a crash.
-        ``demote_above`` (the high watermark): once a tier above the last is
-        fuller than this fraction of its capacity, its least recently used
-        segments move down in the background, down to ``demote_to`` (the low
-        watermark; default 0.9 of ``demote_above``), so that PUTs find room
-        without demoting a victim first; a PUT that finds such a tier full
-        anyway is written to the tier below it (see
-        :meth:`.Placement.make_room`). None: no background demotion; a PUT
-        that needs room moves a victim down itself, however long that takes.
+        ``lease_limits``: the lease quotas whole (LE3), when more than the
+        settings' two are to be set (the leases per client).
+        ``on_evict``: a listener of evictions only (see :attr:`events`).
+        ``clock``: a monotonic clock (leases, tier retry times);
+        ``wall_clock``: Unix time (when a block was stored, for retention).
         """
         if not tiers:
             raise ValueError("a store needs at least one tier")
-        if demote_above is not None and not 0 < demote_above < 1:
-            raise ValueError("demote_above is a fraction of a tier's capacity, in (0, 1)")
-        if demote_to is not None and (demote_above is None or not 0 < demote_to < demote_above):
-            raise ValueError("demote_to is a fraction of a tier's capacity below demote_above")
-        self.demote_above = demote_above
-        #: The low watermark: a background drain stops there.
-        self.demote_to = demote_to or 0.9 * (demote_above or 1.0)
-        self.slots = [TierSlot(tier, capacity, policy()) for tier, capacity in tiers]
-        #: The tiers with an arena to receive blocks into (the host tier's).
-        self._arenas = [tier for tier, _ in tiers if isinstance(tier, ArenaTier)]
-        for tier, capacity in tiers:
-            tier.provision(capacity)
-        self.leases = LeaseTable(lease_limits or LeaseLimits(), clock)
-        self.promote = promote
-        self.fast_layers = fast_layers
-        self.verify_reads = verify_reads
+        if problems := settings.problems():
+            raise ValueError(problems[0])
+        self.core = StoreCore(
+            tiers,
+            settings,
+            sealer=sealer or SegmentSealer(),
+            lease_limits=lease_limits or settings.lease_limits,
+            policy=policy,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
+        self.loader = SegmentLoader(self.core)
+        self.placement = Placement(self.core, self.loader)
+        core = self.core
+        # The shared parts, by name (the holder, metrics and tests read them).
+        self.slots: list[TierSlot] = core.slots
+        self.table: BlockTable = core.table
+        self.io: TierIO = core.io
+        self.leases: LeaseTable = core.leases
         #: Who hears of blocks stored and leaving (the holder's publisher, P1-P3).
-        self.events = StoreEvents()
+        self.events: StoreEvents = core.events
+        self.stats: StoreStats = core.stats
+        self.clock, self.wall_clock = clock, wall_clock
         if on_evict is not None:
             self.events.subscribe(OnEvict(on_evict))
-        self.clock = clock
-        self.retention_s, self.wall_clock = retention_s, wall_clock
-        self.write_through = write_through and any(s.tier.persistent for s in self.slots)
-        self.stats = StoreStats()
-        self.io = TierIO(self.slots, sealer or SegmentSealer(), self.stats, retry_after_s, clock)
-        self.table = BlockTable(self.slots)
-        self.placement = Placement(self)
+        #: The tiers with an arena to receive blocks into (the host tier's).
+        self._arenas = [tier for tier, _ in tiers if isinstance(tier, ArenaTier)]
         self._spilled = False
         #: The claims of the persistent tiers while open (see :meth:`open`).
         self._ownership: Ownership | None = None
         self._closed = False
+
+    @property
+    def settings(self) -> StoreSettings:
+        return self.core.settings
+
+    @property
+    def write_through(self) -> bool:
+        """A PUT is acknowledged once in a persistent tier (a store with one)."""
+        return self.core.write_through
+
+    @property
+    def retention_s(self) -> float | None:
+        """The retention limit in seconds (SEC4); None when blocks are kept."""
+        return self.core.settings.retention_s or None
 
     @property
     def sealer(self) -> SegmentSealer:
@@ -202,8 +201,7 @@ class TieredStore:
 
     def pinned(self, ref: BlockRef) -> bool:
         """Leased, or being read: never picked to make room (LE2)."""
-        info = self.table.entry(ref)
-        return (info is not None and info.readers > 0) or self.leases.is_leased(ref)
+        return self.core.pinned(ref)
 
     def accounting(self) -> tuple[list[int], list[int]]:
         """(each tier's used octets, the sum of its segments, copies and
@@ -243,7 +241,7 @@ class TieredStore:
 
     async def measure_read_rates(self, probe_octets: int = 2 << 20, rounds: int = 3) -> None:
         """Measure ``read_mbit_per_s`` of tiers that have none configured (PL1 inputs)."""
-        await measure_read_rates(self, probe_octets, rounds)
+        await measure_read_rates(self.core, probe_octets, rounds)
 
     def tier_snapshots(self) -> tuple[TierSnapshot, ...]:
         """Each tier now (readiness, status reports): no walk of the blocks."""
@@ -337,8 +335,9 @@ class TieredStore:
                     raise PreconditionFailed(f"block {ref.block_key} is already held")
                 assert existing.state in SETTLING
                 await self.table.settled(existing)
-            info = BlockInfo(ref, container.codec, container.token_count, {}, [])
-            info.stored_at = self.wall_clock()
+            info = BlockInfo(
+                ref, container.codec, container.token_count, {}, [], stored_at=self.wall_clock()
+            )
             self.table.begin(info)
             try:
                 for first, last, slot in self._split(container):
@@ -347,10 +346,9 @@ class TieredStore:
                     else:
                         part = container.slice(first, last).tobytes()
                     segment = await self.placement.place(info, first, last, part, slot)
-                    if self.write_through and not self.slots[segment.slot].tier.persistent:
+                    if self.core.write_through and not self.slots[segment.slot].tier.persistent:
                         await self.placement.place_copy(info, segment, part)
-                info.layers = await hashing
-                info.whole_repr_digest = await whole
+                self.table.hashed(info, await hashing, await whole)
                 await self.placement.sync_meta(info, strict=True)
             except BaseException:
                 await self.placement.discard(info)
@@ -368,28 +366,19 @@ class TieredStore:
 
     def _split(self, container: kc.Container) -> list[tuple[int, int, int]]:
         first, last = container.first_layer, container.last_layer
-        n = self.fast_layers
-        if n is None or len(self.slots) < 2 or first >= n or last < n:
+        n = self.core.settings.fast_layers
+        if not n or len(self.slots) < 2 or first >= n or last < n:
             return [(first, last, 0)]
         return [(first, n - 1, 0), (n, last, 1)]
-
-    def _expired(self, info: BlockInfo) -> bool:
-        """Past the retention limit: not served any more, even before a sweep."""
-        limit = self.retention_s
-        return bool(limit) and info.stored_at < self.wall_clock() - (limit or 0.0)
 
     async def expire(self, batch: int = 32) -> int:
         """Remove every block stored more than ``retention_s`` ago (SEC4);
         see :func:`.retention.expire`. Returns how many went."""
-        from .retention import expire
-
-        return await expire(self, batch)
+        return await expire(self.core, self.placement, batch)
 
     async def spill(self, timeout_s: float = 10.0) -> int:
         """At a graceful shutdown, move what only memory tiers hold into the
         persistent tiers' free room; see :func:`.spill.spill`."""
-        from .spill import spill
-
         # Once per process: the holder's stop spills before it withdraws what
         # did not go down, and the store's own stop finds nothing left to do.
         if self._spilled:
@@ -398,7 +387,7 @@ class TieredStore:
         # Promotions are optional work: none may run after the spill, where
         # making room for one would evict what the spill kept.
         await self.placement.stop()
-        return await spill(self, timeout_s)
+        return await spill(self.core, self.placement, timeout_s)
 
     async def delete(self, ref: BlockRef, *, force: bool = False) -> None:
         """Remove a block (an operator action), withdrawn first (P3); a
@@ -446,7 +435,7 @@ class TieredStore:
         """Start a read of layers ``first..last`` (default: all held), BL1-BL2.
         ``count=False``: a probe (HEAD), neither a hit nor a use of the block."""
         info = self.table.serving(ref)
-        if info is None or self._expired(info):
+        if info is None or self.core.expired(info):
             if count:
                 self.stats.misses += 1
             raise NotFound(f"block {ref.block_key} is not held")
@@ -461,65 +450,11 @@ class TieredStore:
             self.stats.hits += 1
             for segment in info.segments:
                 self.slots[segment.slot].policy.touch(segment.id)
-        return BlockRead(self, info, a, b)
+        return BlockRead(self.core, self.loader, self.placement, info, a, b)
 
     async def get(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> bytes:
         """Read layers ``first..last`` of a block into one container buffer."""
         return await self.read(ref, first, last).read_all()
-
-    async def _load(self, info: BlockInfo, segment: Segment) -> BytesLike:
-        """A segment's plaintext container, opened and checked.
-
-        A segment that a concurrent promotion or demotion moved is followed
-        to its new tier; one that is gone while still attached was lost by
-        its tier, and the block leaves the holder (LE4).
-        """
-        while True:
-            slot = self.slots[segment.slot]
-            stored = await self.io.call(slot, slot.tier.get(segment.key))
-            if self.table.entry(info.ref) is not info:
-                # Gone (and maybe put again: the same keys hold another
-                # incarnation's octets, never to be sent under this header).
-                raise NotFound(f"block {info.ref.block_key} is no longer held")
-            if stored is not None:
-                break
-            if segment not in info.segments:
-                moved = next((x for x in info.segments if x.first == segment.first), None)
-                if moved is None:
-                    raise NotFound(f"block {info.ref.block_key} is no longer held")
-                segment = moved
-                continue
-            # The tier lost data it had acknowledged (restart, external eviction).
-            lost = f"{slot.kind} lost layers {segment.first}-{segment.last}"
-            await self.placement.lost(info, lost)
-            raise NotFound(f"block {info.ref.block_key} is no longer held")
-        if not slot.tier.persistent:
-            return stored
-        checked = segment
-        # Adopted at a restart without being read: checked in full once.
-        whole = self.verify_reads or (segment.slot, segment.first) in info.unchecked
-
-        def check_and_open() -> BytesLike:
-            # The AES-GCM tag or the checksum written with the segment (never a
-            # value taken from what was read): see .crypto.
-            plain = self.sealer.open(info.ref.segment_name(checked.first, checked.last), stored)
-            if whole:
-                info.verify_segment(checked, plain)
-            return plain
-
-        try:
-            if len(memoryview(stored)) >= OFFLOAD_OCTETS:
-                plain = await asyncio.to_thread(check_and_open)
-            else:
-                plain = check_and_open()
-            if whole:
-                info.unchecked.discard((checked.slot, checked.first))
-            return plain
-        except CorruptData as exc:  # logged once: the block leaves (withdrawn first, LE4)
-            self.stats.integrity_failures += 1
-            log.warning("integrity: %s in %s fails: %s", checked.key, slot.kind, exc.detail)
-            await self.placement.lost(info, f"corrupt segment in {slot.kind}")
-            raise
 
     # --- leases --------------------------------------------------------
 
@@ -539,22 +474,18 @@ class TieredStore:
             for info in map(table.serving, table.refs_for_key(key))
             if info is not None
             and (allowed is None or allowed(info.ref))
-            and not self._expired(info)
+            and not self.core.expired(info)
         ]
         if not held:
             raise NotFound("none of the block keys is held")
         self.leases.check_ttl(ttl_ms)
-        from .retention import lease_terms
-
-        held, granted_ms = lease_terms(self, held, ttl_ms)
+        held, granted_ms = lease_terms(self.core, held, ttl_ms)
         return self.leases.grant(client, held, granted_ms)
 
     def renew_lease(self, client: str, lease_id: str, ttl_ms: int) -> Lease:
         self.leases.check_ttl(ttl_ms)
         lease = self.leases.lookup(client, lease_id)
-        from .retention import retention_ttl
-
-        return self.leases.renew(client, lease_id, retention_ttl(self, ttl_ms, lease.sizes))
+        return self.leases.renew(client, lease_id, retention_ttl(self.core, ttl_ms, lease.sizes))
 
     def release_lease(self, client: str, lease_id: str) -> None:
         self.leases.release(client, lease_id)
@@ -564,15 +495,14 @@ class TieredStore:
     async def recover(self) -> int:
         """Find the segments persistent tiers still hold (after a restart);
         returns the number of blocks found. See :mod:`.startup`."""
-        found = await recover(self)
+        found = await recover(self.core)
         now = self.wall_clock()
         for info in self.table:
             if info.stored_at <= 0 or info.stored_at > now:
                 # No time kept (an older version, a lost table), or one
                 # from a clock ahead of ours: counted from now, and the
                 # table rewritten so that the next restart knows it.
-                info.stored_at = min(now, info.stored_at) if info.stored_at > 0 else now
-                info.meta_slots.clear()
+                self.table.restamp(info, now)
                 await self.placement.sync_meta(info)
         return found
 

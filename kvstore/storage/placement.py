@@ -31,19 +31,18 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from ..protocol._bytes import BytesLike
 from ..protocol.problems import InsufficientStorage, NotFound
-from .blocks import BlockInfo, Segment
-from .errors import CorruptData, TierFull, TierUnavailable
+from .core import StoreCore
+from .errors import TierFull, TierUnavailable
+from .loader import SegmentLoader, SegmentLost
 from .moves import Moves
+from .records import BlockInfo, Segment
 from .reservation import Reservation
 from .state import BlockState
 from .types import BlockRef
-
-if TYPE_CHECKING:
-    from .manager import TieredStore
 
 log = logging.getLogger("kvstore.storage")
 
@@ -71,12 +70,12 @@ class Placement:
     ROOM_WAIT_S = 5.0
     ROOM_POLL_S = 0.05
 
-    def __init__(self, store: TieredStore) -> None:
-        self.store = store
-        self.table = store.table
-        self.io = store.io
-        self.slots = store.slots
-        self.stats = store.stats
+    def __init__(self, core: StoreCore, loader: SegmentLoader) -> None:
+        self.core, self.loader = core, loader
+        self.table = core.table
+        self.io = core.io
+        self.slots = core.slots
+        self.stats = core.stats
         self.moves = Moves(self.MAX_PROMOTIONS)
         #: Eviction hooks under way: a read they make does not promote
         #: (more promotions would set off more evictions, and more hooks).
@@ -297,7 +296,7 @@ class Placement:
                 # (One this task claimed higher up the chain is not waited for.)
                 busy = busy or not info.claim.owned
                 continue
-            if self.store.pinned(ref):
+            if self.core.pinned(ref):
                 continue  # LE2: leased and in-flight blocks never move
             part = next(
                 (x for x in [*info.segments, *info.copies] if x.first == first and x.slot == index),
@@ -317,7 +316,7 @@ class Placement:
 
     def drains_in_background(self, index: int) -> bool:
         """Tier ``index`` keeps headroom on its own: watermarks on, a tier below."""
-        return self.store.demote_above is not None and index < len(self.slots) - 1
+        return self.core.settings.high_watermark is not None and index < len(self.slots) - 1
 
     def after_write(self, index: int, need: int = 0) -> None:
         """Once tier ``index`` (above the last) is fuller than the store's
@@ -329,7 +328,7 @@ class Placement:
         if not self.drains_in_background(index) or index in self._draining:
             return
         slot = self.slots[index]
-        above = cast(float, self.store.demote_above)
+        above = cast(float, self.core.settings.high_watermark)
         if slot.used <= above * slot.capacity and slot.used + need <= slot.capacity:
             return
         self._draining.add(index)
@@ -349,7 +348,7 @@ class Placement:
     async def _drain(self, index: int) -> None:
         slot = self.slots[index]
         try:
-            while slot.used > self.store.demote_to * slot.capacity:
+            while slot.used > self.core.settings.low_watermark * slot.capacity:
                 victim, _ = self._victim(index, None)
                 if victim is None:
                     return  # all pinned or moving: the PUTs make room as before
@@ -395,8 +394,11 @@ class Placement:
         if all(self.io.degraded(i) for i in below):
             return Demotion.NO_ROOM  # nowhere to go: not even worth reading it
         try:
-            plain = await self.store._load(info, segment)
-        except (TierUnavailable, CorruptData, NotFound):
+            plain = await self.loader.load(info, segment)
+        except SegmentLost as lost:
+            await self.lost(info, lost.reason)  # LE4: it leaves, withdrawn first
+            return Demotion.LEFT
+        except (TierUnavailable, NotFound):
             return Demotion.NO_ROOM if self.holds(info, segment) else Demotion.LEFT
         for index in below:
             dst = self.slots[index]
@@ -422,10 +424,10 @@ class Placement:
                 if not await room.write(items):
                     continue
                 if len(items) > 1:
-                    info.meta_slots.add(index)
+                    self.table.meta_stored(info, index)
                 undone = (
                     info.readers
-                    or (not pinned_ok and self.store.pinned(info.ref))
+                    or (not pinned_ok and self.core.pinned(info.ref))
                     or not self.holds(info, segment)
                 )
                 if not undone:
@@ -441,7 +443,7 @@ class Placement:
                 await self._finish(self._clean(info, (index, moved.key)))
                 return Demotion.STAYED
             # Gone: its removal may have run before the table went in.
-            info.meta_slots.discard(index)
+            self.table.meta_dropped(info, index)
             await self._finish(self._clean(None, *((index, key) for key, _ in items)))
             return Demotion.LEFT
         return Demotion.NO_ROOM
@@ -484,7 +486,7 @@ class Placement:
                 if self.holds(info, segment):
                     room.keep()
                     # A read of the old place that is still under way finds
-                    # its segment moved and follows it (TieredStore._load).
+                    # its segment moved and follows it (SegmentLoader.load).
                     keep = self.table.keep_as_copy if persistent else self.table.replace
                     keep(info, segment, moved)
             if not room.kept:  # gone while it was copied
@@ -505,7 +507,7 @@ class Placement:
         lease or a read now pins it (LE2). True if it went."""
         await info.claim.take()
         try:
-            if not self.table.current(info) or (unless_pinned and self.store.pinned(info.ref)):
+            if not self.table.current(info) or (unless_pinned and self.core.pinned(info.ref)):
                 return False
             self.table.leave(info)
             # The withdrawal and the removal run in one task of their own: a
@@ -519,10 +521,10 @@ class Placement:
     async def _leave(self, info: BlockInfo, reason: str) -> None:
         self.hooks_running += 1
         try:
-            await self.store.events.evicting(info.ref, reason)  # P3: withdrawn before it goes
+            await self.core.events.evicting(info.ref, reason)  # P3: withdrawn before it goes
         finally:
             self.hooks_running -= 1
-        self.store.leases.forget_block(info.ref)
+        self.core.leases.forget_block(info.ref)
         self._count(reason)
         log.info("evicted %s (%s)", info.ref.block_key, reason)
         await self._remove(info, self.table.deleted)
@@ -551,14 +553,15 @@ class Placement:
         keys: dict[int, list[str]] = {}
         for part in [*info.segments, *info.copies]:
             keys.setdefault(part.slot, []).append(part.key)
-        for index in info.meta_slots:
+        # The layer table also wherever a segment is persistent: a PUT's write
+        # of it cut short may still land, and the delete waits for it (TierIO).
+        for index in sorted(info.meta_slots | {i for i in keys if self.slots[i].tier.persistent}):
             keys.setdefault(index, []).append(info.ref.meta_key)
         # One batch call per tier (a Redis pipeline), the tiers at once.
         await asyncio.gather(
             *(self.io.delete_quietly(self.slots[index], *batch) for index, batch in keys.items())
         )
-        info.meta_slots.clear()
-        settle(info)
+        settle(info)  # and the layer tables are gone with the rest
 
     async def sync_meta(self, info: BlockInfo, strict: bool = False) -> None:
         """Keep the block's layer table in each persistent tier that holds one of
@@ -579,7 +582,7 @@ class Placement:
                 await self.io.call(
                     slot, slot.tier.put(info.ref.meta_key, stored), [info.ref.meta_key]
                 )
-                info.meta_slots.add(index)
+                self.table.meta_stored(info, index)
             except (TierUnavailable, TierFull) as exc:
                 if strict:
                     what = f"the layer table of {info.ref.block_key} not stored in {slot.kind}"
@@ -593,5 +596,5 @@ class Placement:
                     exc.detail,
                 )
         for index in sorted(info.meta_slots - want):
-            info.meta_slots.discard(index)
+            self.table.meta_dropped(info, index)
             await self.io.delete_quietly(self.slots[index], info.ref.meta_key)

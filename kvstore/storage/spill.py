@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
-from .blocks import BlockInfo
-from .placement import Demotion
+from .core import StoreCore
+from .placement import Demotion, Placement
+from .records import BlockInfo
 from .types import BlockRef
-
-if TYPE_CHECKING:
-    from .manager import TieredStore
 
 log = logging.getLogger("kvstore.storage")
 
 
-async def spill(store: TieredStore, timeout_s: float = 10.0) -> int:
+async def spill(core: StoreCore, placement: Placement, timeout_s: float = 10.0) -> int:
     """At a graceful shutdown: move what only memory tiers hold down to
     the first persistent tier below (LMDB, Redis, S3), so that it
     outlives the process, as far as room and ``timeout_s`` allow.
     Returns the number of segments moved."""
-    if not any(s.tier.persistent for s in store.slots):
+    if not any(s.tier.persistent for s in core.slots):
         return 0
     moved = 0
     try:
@@ -31,16 +28,16 @@ async def spill(store: TieredStore, timeout_s: float = 10.0) -> int:
             # The most recently used first; into free room only: nothing
             # a persistent tier holds is evicted for them.
             order: list[tuple[BlockRef, int]] = []
-            for slot in store.slots:
+            for slot in core.slots:
                 if not slot.tier.persistent:
                     order += reversed(list(slot.policy.candidates()))  # type: ignore[arg-type]
             for ref, first in order:
-                info = store.table.serving(ref)
+                info = core.table.serving(ref)
                 if info is None:
                     continue
                 await info.claim.take()
                 try:
-                    moved += await _down(store, info, first)
+                    moved += await _down(core, placement, info, first)
                 finally:
                     info.claim.give()
     except TimeoutError:
@@ -48,15 +45,15 @@ async def spill(store: TieredStore, timeout_s: float = 10.0) -> int:
     return moved
 
 
-async def _down(store: TieredStore, info: BlockInfo, first: int) -> int:
+async def _down(core: StoreCore, placement: Placement, info: BlockInfo, first: int) -> int:
     """Demote the segment of ``info`` at layer ``first`` until a persistent
     tier has it (the caller holds the block's claim); the steps taken."""
     steps = 0
-    if not store.table.current(info):
+    if not core.table.current(info):
         return 0  # gone while we waited for it
     current = next((x for x in info.segments if x.first == first), None)
-    while current is not None and not store.slots[current.slot].tier.persistent:
-        moved = await store.placement.demote(info, current, make_room=False, pinned_ok=True)
+    while current is not None and not core.slots[current.slot].tier.persistent:
+        moved = await placement.demote(info, current, make_room=False, pinned_ok=True)
         if moved is not Demotion.LEFT:
             break
         current = next((x for x in info.segments if x.first == first), None)

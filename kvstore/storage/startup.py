@@ -30,14 +30,12 @@ import gc
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-from .blocks import BlockInfo, Segment, TierSlot
+from .core import StoreCore
 from .errors import CorruptData, TierFull, TierUnavailable
+from .records import BlockInfo, Segment, TierSlot
 from .types import BlockRef, parse_segment_key
-
-if TYPE_CHECKING:
-    from .manager import TieredStore
 
 log = logging.getLogger("kvstore.storage")
 
@@ -50,7 +48,9 @@ META_BATCH = 256
 ADOPT_BATCH = 1024
 
 
-async def recover(store: TieredStore) -> int:
+async def recover(store: StoreCore) -> int:
+    """Rebuild the block table from the persistent tiers (see the module's
+    docstring); returns the number of blocks found."""
     # The scan makes a few small objects per block and frees none: the
     # cyclic collector's passes over a growing heap would make it slower
     # per block as the tier grows. Off while it runs (nothing here makes a
@@ -64,7 +64,7 @@ async def recover(store: TieredStore) -> int:
             gc.enable()
 
 
-async def _recover(store: TieredStore) -> int:
+async def _recover(store: StoreCore) -> int:
     persistent = [(i, s) for i, s in enumerate(store.slots) if s.tier.persistent]
     listed = {index: await _listing(slot) for index, slot in persistent}
     for index, slot in persistent:
@@ -96,7 +96,7 @@ async def _recover(store: TieredStore) -> int:
             "%d segments not adopted: their blocks have no readable layer table (left in place)",
             unchecked,
         )
-    for info in store.blocks():
+    for info in store.table:
         known = sorted(info.layers)
         # A block is kept only if its record can list every layer (R2) and
         # something of it survived; what is dropped here stays on disk.
@@ -110,8 +110,8 @@ async def _recover(store: TieredStore) -> int:
                 )
             store.table.unregister(info)
         elif not info.complete:
-            info.whole_repr_digest = None  # taken over layers no longer held
-    return len(store)
+            store.table.partial(info)  # its digest was taken over layers no longer held
+    return len(store.table)
 
 
 Listing = tuple[list[tuple[str, BlockRef]], list[tuple[str, BlockRef, tuple[int, int], int | None]]]
@@ -135,35 +135,25 @@ async def _listing(slot: TierSlot) -> Listing:
     return metas, segments
 
 
-def _failed(store: TieredStore, key: str, slot: TierSlot, why: object) -> None:
+def _failed(store: StoreCore, key: str, slot: TierSlot, why: object) -> None:
     store.stats.integrity_failures += 1
     log.warning("integrity: %s in %s fails: %s", key, slot.kind, why)
 
 
 def _recover_meta(
-    store: TieredStore, index: int, slot: TierSlot, key: str, ref: BlockRef, stored: Any
+    store: StoreCore, index: int, slot: TierSlot, key: str, ref: BlockRef, stored: Any
 ) -> None:
     if stored is None:
         return
     try:
-        plain = store.sealer.open(ref.meta_name, stored)
-        info = store.table.entry(ref)
-        if info is None:
-            # Codec and tokens come from the table; a bad one adds no entry.
-            info = BlockInfo(ref, 0, 0, {}, [])
-            info.load_meta(plain)
-            store.table.adopt(info)
-        else:
-            info.load_meta(plain)  # the same table in another tier
+        store.table.load_meta(ref, index, store.sealer.open(ref.meta_name, stored))
     except Exception as exc:
         # Left in place: it may be a wrong key, not a bad disk.
         _failed(store, key, slot, exc)
-        return
-    info.meta_slots.add(index)
 
 
 async def _adopt_segment(
-    store: TieredStore, index: int, ref: BlockRef, span: tuple[int, int], size: int
+    store: StoreCore, index: int, ref: BlockRef, span: tuple[int, int], size: int
 ) -> bool:
     """Adopt one listed segment unchecked (its first read checks it); False
     when its block has no layer table to be checked against."""
@@ -175,7 +165,7 @@ async def _adopt_segment(
 
 
 async def _recover_segment(
-    store: TieredStore,
+    store: StoreCore,
     index: int,
     key: str,
     ref: BlockRef,
@@ -205,7 +195,7 @@ async def _recover_segment(
 
 
 async def _place(
-    store: TieredStore, info: BlockInfo, segment: Segment, unchecked: bool = False
+    store: StoreCore, info: BlockInfo, segment: Segment, unchecked: bool = False
 ) -> None:
     """Count a segment found in a tier as the block's segment or copy
     (``unchecked``: its first read checks it)."""
@@ -214,19 +204,17 @@ async def _place(
         # The same layers in a slower persistent tier: tiers are inclusive,
         # so it is a copy kept below the faster one (tiers are read fastest
         # first). Checked like a segment, then kept as a copy.
-        store.table.found(info, segment, copy=True)
+        store.table.found(info, segment, copy=True, unchecked=unchecked)
     elif any(x.first <= last and first <= x.last for x in info.segments):
         # Overlapping other layers (e.g. a demotion interrupted between its
         # write and delete, under another split): not kept.
         await store.io.delete_quietly(store.slots[segment.slot], segment.key)
         return
     else:
-        store.table.found(info, segment)
-    if unchecked:
-        info.unchecked.add((segment.slot, first))
+        store.table.found(info, segment, unchecked=unchecked)
 
 
-async def measure_read_rates(store: TieredStore, probe_octets: int, rounds: int) -> None:
+async def measure_read_rates(store: StoreCore, probe_octets: int, rounds: int) -> None:
     """Measure ``read_mbit_per_s`` of every tier that has none configured (PL1
     inputs): write a probe, read it ``rounds`` times, keep the best, delete it."""
     key = "0" * 64 + "/probe"

@@ -1,7 +1,8 @@
 """The block table: which blocks the store has, in which state, and what each
-tier's room is spent on. The one owner of those maps (STYLE 15): placement,
-retention, spill and recovery change them only through these methods, each of
-which keeps the invariants below without awaiting anything.
+tier's room is spent on. The one owner of those maps and of every
+:class:`.BlockInfo` it holds (STYLE 15): the PUT, reads, placement,
+retention, the spill and recovery change them only through these methods,
+each of which keeps the invariants below without awaiting anything.
 
 Invariants, at every moment between two awaits:
 
@@ -20,7 +21,8 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-from .blocks import BlockInfo, Segment, TierSlot
+from ..protocol._bytes import BytesLike
+from .records import RANGE_DIGESTS_KEPT, BlockInfo, Segment, TierSlot
 from .state import HELD, SERVING, BlockState, Event, advance
 from .types import BlockRef
 
@@ -137,10 +139,84 @@ class BlockTable:
             self.detach(info, segment)
         for copy in info.copies[:]:
             self.detach_copy(info, copy)
+        info.meta_slots.clear()
         if self._entries.get(info.ref) is info:
             del self._entries[info.ref]
         self._settle(info)
         return parts
+
+    # --- what is known of a block -----------------------------------------
+
+    def hashed(
+        self, info: BlockInfo, layers: dict[int, tuple[int, int, bytes]], whole: str
+    ) -> None:
+        """A PUT's digests are in: its layer table (B3) and the whole
+        container's Repr-Digest (BL4), both taken from the octets sent."""
+        info.layers = layers
+        info.whole_repr_digest = whole
+
+    @contextlib.contextmanager
+    def reading(self, info: BlockInfo) -> Iterator[None]:
+        """A read of the block is under way: it pins the block (LE2)."""
+        info.readers += 1
+        try:
+            yield
+        finally:
+            info.readers -= 1
+
+    def keep_repr_digest(self, info: BlockInfo, first: int, last: int, value: str) -> None:
+        """Keep the Repr-Digest of layers ``first..last`` as served (BL4), so
+        that the next read of them hashes nothing."""
+        if (first, last) == (info.first_layer, info.last_layer):
+            info.whole_repr_digest = value
+            return
+        # Engines ask for the same few ranges (their layer split) again and
+        # again; keep a handful per block so those GETs hash nothing either.
+        if len(info.range_digests) >= RANGE_DIGESTS_KEPT:
+            info.range_digests.pop(next(iter(info.range_digests)))
+        info.range_digests[(first, last)] = value
+
+    def meta_stored(self, info: BlockInfo, index: int) -> None:
+        """Tier ``index`` holds the block's layer table now."""
+        info.meta_slots.add(index)
+
+    def meta_dropped(self, info: BlockInfo, index: int) -> None:
+        """Tier ``index`` does not hold the block's layer table (any more)."""
+        info.meta_slots.discard(index)
+
+    def restamp(self, info: BlockInfo, stored_at: float) -> None:
+        """Recovery found no usable stored time: counted from ``stored_at``,
+        and every layer table is to be written again with it."""
+        info.stored_at = stored_at
+        info.meta_slots.clear()
+
+    def load_meta(self, ref: BlockRef, index: int, plain: BytesLike) -> BlockInfo:
+        """Recovery: adopt a layer table read from tier ``index``, into the
+        block's entry (a new RESIDENT one for a block not seen yet).
+        ValueError if it is malformed or disagrees with what is known."""
+        info = self._entries.get(ref)
+        if info is None:
+            # Codec and tokens come from the table; a bad one adds no entry.
+            info = BlockInfo(ref, 0, 0, {}, [])
+            info.load_meta(plain)
+            self.adopt(info)
+        else:
+            info.load_meta(plain)  # the same table in another tier
+        info.meta_slots.add(index)
+        return info
+
+    def partial(self, info: BlockInfo) -> None:
+        """Recovery kept only some of the block's layers: the whole block's
+        Repr-Digest is not that of what it now serves."""
+        info.whole_repr_digest = None
+
+    def unchecked(self, info: BlockInfo, segment: Segment) -> bool:
+        """The segment was adopted at a restart unread: its first read checks it whole."""
+        return (segment.slot, segment.first) in info.unchecked
+
+    def checked(self, info: BlockInfo, segment: Segment) -> None:
+        """The segment was read and checked whole against the layer table."""
+        info.unchecked.discard((segment.slot, segment.first))
 
     # --- room ------------------------------------------------------------
 
@@ -198,11 +274,16 @@ class BlockTable:
         slot.policy.add(copy.id)
         info.copies.append(copy)
 
-    def found(self, info: BlockInfo, segment: Segment, copy: bool = False) -> None:
-        """Recovery: a segment (or copy) already in a tier, counted from now."""
+    def found(
+        self, info: BlockInfo, segment: Segment, copy: bool = False, unchecked: bool = False
+    ) -> None:
+        """Recovery: a segment (or copy) already in a tier, counted from now;
+        ``unchecked``: adopted unread, its first read checks it whole."""
         self.slots[segment.slot].used += segment.stored_octets
         self.slots[segment.slot].reserved += segment.stored_octets
         (self.attach_copy if copy else self.attach)(info, segment)
+        if unchecked:
+            info.unchecked.add((segment.slot, segment.first))
 
     def detach(self, info: BlockInfo, segment: Segment) -> None:
         info.segments.remove(segment)

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..protocol._bytes import BytesLike
-from .blocks import StoreStats, TierSlot
 from .crypto import SegmentSealer
 from .errors import TierUnavailable
+from .records import StoreStats, TierSlot
 from .types import BlockRef
 
 log = logging.getLogger("kvstore.storage")

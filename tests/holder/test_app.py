@@ -260,13 +260,13 @@ async def test_head_is_a_probe_that_reads_no_segment(
     data = block()
     assert (await put(alice, data)).status_code == 201
     loads: list[object] = []
-    original = store._load
+    original = store.loader.load
 
     async def counted(*args: Any) -> Any:
         loads.append(args)
         return await original(*args)
 
-    monkeypatch.setattr(store, "_load", counted)
+    monkeypatch.setattr(store.loader, "load", counted)
     hits = store.stats.hits
     head = await alice.head(path())
     assert head.status_code == 200 and head.content == b""

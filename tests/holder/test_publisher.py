@@ -11,7 +11,7 @@ from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.client import IndexClient
 from kvstore.holder.publisher import IndexPublisher, next_backoff
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 
 from ..storage.helpers import block, ref, size_of
 from .stand_in_index import StandInIndex
@@ -151,7 +151,8 @@ async def test_shutdown_withdraws_only_what_does_not_survive(
     # process, so its record goes first; one in LMDB stays published (a
     # restart serves it and republishes it).
     store = TieredStore(
-        [(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())], demote_above=None
+        [(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())],
+        StoreSettings(demote_above=0),
     )
     publisher = wire(store, client)
     for n in (1, 2):  # the second pushes the first down to LMDB

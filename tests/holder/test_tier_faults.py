@@ -13,7 +13,7 @@ from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.backends.redis import RedisTier
 from kvstore.holder import HolderSettings, create_app
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 
 from ..conftest import RedisServer
 from ..storage.helpers import COMPAT, SCOPE, block, ref, size_of, stored_size
@@ -36,9 +36,7 @@ async def test_redis_down_and_back_under_http(
             (redis, 2 * stored_size()),
             (LmdbTier(str(tmp_path / "lmdb")), 20 * size_of()),
         ],
-        promote=False,
-        retry_after_s=0.2,
-        demote_above=None,
+        StoreSettings(promote=False, retry_after_s=0.2, demote_above=0),
     )
     app = create_app(HolderSettings(HOLDER), store, POLICY)
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))

@@ -14,7 +14,7 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.wire import repr_digest
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 
 from .helpers import GatedTier, block, ref, size_of
 
@@ -27,7 +27,8 @@ async def stored_below(
     host = GatedTier()
     # Promotions alone: no background drain moving what they bring up.
     store = TieredStore(
-        [(host, 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)], demote_above=None
+        [(host, 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 64 * SIZE)],
+        StoreSettings(demote_above=0),
     )
     data = {n: block() for n in range(blocks)}
     for n, octets in data.items():
@@ -72,13 +73,13 @@ async def test_promotions_are_bounded_and_dropped_not_waited_for(tmp_path: Path)
 async def test_the_whole_digest_is_taken_at_put_and_reads_nothing(tmp_path: Path) -> None:
     store, _, data = await stored_below(tmp_path, 3)
     loads: list[object] = []
-    original = store._load
+    original = store.loader.load
 
     async def counted(*args: Any) -> Any:
         loads.append(args)
         return await original(*args)
 
-    store._load = counted  # type: ignore[method-assign]
+    store.loader.load = counted  # type: ignore[method-assign]
     for n in range(3):
         read = store.read(ref(n))
         assert read.known_repr_digest() == repr_digest(data[n])  # what a GET sends
@@ -94,7 +95,9 @@ async def test_a_full_tier_drains_in_the_background(tmp_path: Path) -> None:
     # demote_above: past half full, host moves its least recently used blocks
     # down by itself; the PUTs meanwhile find room and wait for none of it.
     below = GatedTier("local-storage", persistent=True)
-    store = TieredStore([(HostTier(), 10 * SIZE), (below, 64 * SIZE)], demote_above=0.5)
+    store = TieredStore(
+        [(HostTier(), 10 * SIZE), (below, 64 * SIZE)], StoreSettings(demote_above=0.5)
+    )
     below.gate.clear()  # the demotions hang below ...
     for n in range(6):
         await store.put(ref(n), block())  # past half full: a drain starts
@@ -116,4 +119,4 @@ async def test_a_full_tier_drains_in_the_background(tmp_path: Path) -> None:
 
 def test_demote_above_is_a_fraction() -> None:
     with pytest.raises(ValueError, match="demote_above"):
-        TieredStore([(HostTier(), SIZE)], demote_above=1.5)
+        TieredStore([(HostTier(), SIZE)], StoreSettings(demote_above=1.5))

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.backends.host import HostTier
 from kvstore.protocol.problems import InsufficientStorage, NotFound
-from kvstore.storage import BlockRef, TieredStore
+from kvstore.storage import BlockRef, StoreSettings, TieredStore
 from kvstore.storage.errors import TierFull
 
 from .helpers import GatedTier, block, cancelled, ref, size_of
@@ -100,7 +100,7 @@ class Lagging(HostTier):
 
 async def test_a_late_delete_never_lands_on_a_newer_copy() -> None:
     tier = Lagging()
-    store = TieredStore([(tier, 1 << 20)], retry_after_s=0)
+    store = TieredStore([(tier, 1 << 20)], StoreSettings(retry_after_s=0))
     await store.put(ref(1), block())
     disk = tier.stall = asyncio.Event()  # the disk stalls
     await store.delete(ref(1))  # its deletes miss the deadline: given up, still pending
@@ -119,7 +119,7 @@ async def test_a_cancelled_move_leaves_no_orphan_behind() -> None:
     # Its old place is deleted, and its layer table moved, whatever happens
     # to the caller: an orphan would bring a deleted block back at restart.
     top, below = persistent("remote-memory"), persistent("remote-storage")
-    store = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)], demote_above=None)
+    store = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)], StoreSettings(demote_above=0))
     await store.put(ref(1), block())
     await store.put(ref(2), block())
     top.delete_gate.clear()
@@ -134,7 +134,7 @@ async def test_a_cancelled_move_leaves_no_orphan_behind() -> None:
     segments = [v for k, v in top._data.items() if not k.endswith("/meta")]  # tables: uncounted
     assert store.slots[0].used == sum(len(v) for v in segments)
     await store.delete(ref(1))
-    again = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)], demote_above=None)
+    again = TieredStore([(top, 2 * SIZE + 64), (below, 64 * SIZE)], StoreSettings(demote_above=0))
     await again.recover()
     assert ref(1) not in again  # deleted stays deleted
     await store.close()
@@ -146,7 +146,7 @@ async def test_a_cancelled_move_holds_its_block_until_its_old_place_is_gone() ->
     # read's) writes the same place meanwhile, and the late delete takes it:
     # "host lost layers", a block lost (seen once in CI's model test).
     top, below = GatedTier("host"), persistent()
-    store = TieredStore([(top, 2 * SIZE), (below, 64 * SIZE)], demote_above=None)
+    store = TieredStore([(top, 2 * SIZE), (below, 64 * SIZE)], StoreSettings(demote_above=0))
     first = block()
     await store.put(ref(1), first)
     await store.put(ref(2), block())
@@ -209,7 +209,9 @@ async def test_settle_waits_for_a_failed_puts_clean_up() -> None:
 async def test_a_reader_never_mixes_two_incarnations_of_a_block() -> None:
     # Memory tiers keep no checksum: a read half way through a block that is
     # lost to a fault and put again must not send the new octets under the old header.
-    store = TieredStore([(HostTier(), 1 << 20), (HostTier(), 1 << 20)], fast_layers=4)
+    store = TieredStore(
+        [(HostTier(), 1 << 20), (HostTier(), 1 << 20)], StoreSettings(fast_layers=4)
+    )
     old = block()
     await store.put(ref(1), old)
     reading = store.read(ref(1)).__aiter__()

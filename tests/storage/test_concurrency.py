@@ -15,7 +15,7 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import NotFound
-from kvstore.storage import LeaseLimits, TieredStore
+from kvstore.storage import LeaseLimits, StoreSettings, TieredStore
 
 from .helpers import Recorder, block, ref, size_of
 
@@ -46,7 +46,9 @@ async def test_read_outlived_by_delete_and_reput_is_refused_not_truncated() -> N
 
 
 async def test_cancelled_delete_leaves_no_block_without_data(lmdb_path: str) -> None:
-    store = TieredStore([(HostTier(), 1 << 20), (LmdbTier(lmdb_path), 1 << 24)], fast_layers=4)
+    store = TieredStore(
+        [(HostTier(), 1 << 20), (LmdbTier(lmdb_path), 1 << 24)], StoreSettings(fast_layers=4)
+    )
     data = block()
     await store.put(ref(1), data)
     task = asyncio.create_task(store.delete(ref(1)))
@@ -67,7 +69,7 @@ async def test_promotion_racing_a_second_reader_keeps_the_block(lmdb_path: str) 
     seg = size_of(4)
     store = TieredStore(
         [(HostTier(), 2 * seg + 100), (LmdbTier(lmdb_path), 1 << 24)],
-        fast_layers=4,
+        StoreSettings(fast_layers=4),
         on_evict=recorder,
     )
     await store.put(ref(1), block())
@@ -91,7 +93,7 @@ async def test_promotion_racing_a_second_reader_keeps_the_block(lmdb_path: str) 
 
 async def test_stale_reader_cannot_drop_a_newer_copy(lmdb_path: str) -> None:
     lmdb = LmdbTier(lmdb_path)
-    store = TieredStore([(HostTier(), 1 << 20), (lmdb, 1 << 24)], fast_layers=4)
+    store = TieredStore([(HostTier(), 1 << 20), (lmdb, 1 << 24)], StoreSettings(fast_layers=4))
     data = block()
     await store.put(ref(1), data)
     stale = store.read(ref(1)).__aiter__()
@@ -146,7 +148,9 @@ async def test_eviction_hook_may_read_the_store() -> None:
 
     seg = size_of(4)
     store = TieredStore(
-        [(HostTier(), 2 * seg + 100), (HostTier(), 1 << 20)], fast_layers=4, on_evict=hook
+        [(HostTier(), 2 * seg + 100), (HostTier(), 1 << 20)],
+        StoreSettings(fast_layers=4),
+        on_evict=hook,
     )
     await store.put(ref(1), block())
     await store.put(ref(2), block())
@@ -158,7 +162,8 @@ async def test_eviction_hook_may_read_the_store() -> None:
 
 async def test_many_concurrent_reads_and_puts_keep_exact_accounting(lmdb_path: str) -> None:
     store = TieredStore(
-        [(HostTier(), 3 * size_of()), (LmdbTier(lmdb_path), 6 * size_of())], fast_layers=4
+        [(HostTier(), 3 * size_of()), (LmdbTier(lmdb_path), 6 * size_of())],
+        StoreSettings(fast_layers=4),
     )
     blocks = {n: block() for n in range(12)}
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvstore.backends.host import HostTier
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 from kvstore.storage.errors import TierUnavailable
 
 from .helpers import block, ref, size_of
@@ -53,7 +53,8 @@ class Hanging(HostTier):
 async def test_a_hung_tier_costs_at_most_its_deadline_then_is_skipped() -> None:
     below = Hanging()
     store = TieredStore(
-        [(HostTier(), 2 * SIZE), (below, 64 * SIZE)], retry_after_s=60, demote_above=None
+        [(HostTier(), 2 * SIZE), (below, 64 * SIZE)],
+        StoreSettings(retry_after_s=60, demote_above=0),
     )
     data = {n: block() for n in range(4)}
     for n in (0, 1, 2):
@@ -114,7 +115,8 @@ async def test_one_request_waits_out_a_hung_tier_once() -> None:
     # deleted from (and written to) within the same PUT: four deadlines.
     below = Hanging()
     store = TieredStore(
-        [(HostTier(), 2 * SIZE), (below, 3 * SIZE)], retry_after_s=60, demote_above=None
+        [(HostTier(), 2 * SIZE), (below, 3 * SIZE)],
+        StoreSettings(retry_after_s=60, demote_above=0),
     )
     for n in range(5):
         await store.put(ref(n), block())  # host: 3, 4; below (full): 0, 1, 2

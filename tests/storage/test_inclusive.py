@@ -14,7 +14,7 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 
 from .helpers import Recorder, block, ref, size_of, stored_size
 from .test_concurrency import accounting
@@ -65,7 +65,7 @@ async def test_a_block_read_after_reaching_lmdb_survives_a_crash(tmp_path: Path)
 
 async def test_demoting_a_promoted_block_writes_nothing(tmp_path: Path) -> None:
     lmdb = LmdbTier(str(tmp_path / "lmdb"))
-    store = TieredStore([(HostTier(), 2 * SIZE), (lmdb, 64 * SIZE)], demote_above=None)
+    store = TieredStore([(HostTier(), 2 * SIZE), (lmdb, 64 * SIZE)], StoreSettings(demote_above=0))
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3):
         await store.put(ref(n), data[n])
@@ -85,8 +85,8 @@ async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path
     recorder = Recorder()
     store = TieredStore(
         [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 3 * PSIZE)],
+        StoreSettings(demote_above=0),
         on_evict=recorder,
-        demote_above=None,
     )
     recorder.store = store
     data = {n: block() for n in (1, 2, 3, 4)}
@@ -103,7 +103,9 @@ async def test_a_full_tier_gives_up_copies_before_blocks_it_alone_holds(tmp_path
 
 async def test_write_through_acknowledges_what_lmdb_holds(tmp_path: Path) -> None:
     lmdb = LmdbTier(str(tmp_path / "lmdb"))
-    store = TieredStore([(HostTier(), 4 * SIZE), (lmdb, 64 * SIZE)], write_through=True)
+    store = TieredStore(
+        [(HostTier(), 4 * SIZE), (lmdb, 64 * SIZE)], StoreSettings(write_through=True)
+    )
     data = block()
     await store.put(ref(1), data)
     assert store.residency(ref(1))[0].tier == "host"  # served from memory ...
@@ -118,7 +120,8 @@ async def test_write_through_acknowledges_what_lmdb_holds(tmp_path: Path) -> Non
 async def test_write_through_refuses_what_no_persistent_tier_takes(tmp_path: Path) -> None:
     # Acknowledged means durable: a PUT that only memory could take fails.
     store = TieredStore(
-        [(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), SIZE // 2)], write_through=True
+        [(HostTier(), 4 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), SIZE // 2)],
+        StoreSettings(write_through=True),
     )
     with pytest.raises(InsufficientStorage, match="write_through"):
         await store.put(ref(1), block())
@@ -136,8 +139,8 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
 
     store = TieredStore(
         [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)],
+        StoreSettings(demote_above=0),
         on_evict=hook,
-        demote_above=None,
     )
     data = {n: block() for n in (1, 2, 3, 4)}
     for n in (1, 2, 3, 4):
@@ -147,7 +150,8 @@ async def test_no_promotion_runs_after_the_spill(tmp_path: Path) -> None:
     await store.close()
     assert evicted == []
     again = TieredStore(
-        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)], demote_above=None
+        [(HostTier(), 2 * SIZE), (LmdbTier(str(tmp_path / "lmdb")), 2 * PSIZE)],
+        StoreSettings(demote_above=0),
     )
     await again.recover()
     assert ref(1) in again and ref(2) in again
@@ -162,8 +166,7 @@ async def test_a_copy_in_a_down_tier_does_not_take_over(tmp_path: Path) -> None:
     below = FlakyTier(LmdbTier(str(tmp_path / "a")))
     store = TieredStore(
         [(HostTier(), 2 * SIZE), (below, 64 * SIZE), (LmdbTier(str(tmp_path / "b")), 64 * SIZE)],
-        write_through=True,
-        retry_after_s=60,
+        StoreSettings(write_through=True, retry_after_s=60),
     )
     data = block()
     await store.put(ref(1), data)  # host, and a copy in the first LMDB
@@ -180,7 +183,7 @@ async def test_a_copy_in_a_down_tier_does_not_take_over(tmp_path: Path) -> None:
 async def test_recovery_keeps_a_copy_of_every_span(tmp_path: Path) -> None:
     # With a layer split, the second span's copy in a slower tier was deleted.
     first, second = LmdbTier(str(tmp_path / "a")), LmdbTier(str(tmp_path / "b"))
-    store = TieredStore([(first, 64 * SIZE), (second, 64 * SIZE)], fast_layers=4)
+    store = TieredStore([(first, 64 * SIZE), (second, 64 * SIZE)], StoreSettings(fast_layers=4))
     await store.put(ref(1), block())
     # Both tiers hold both spans (a demotion and its write-through, say).
     for key in (ref(1).segment_key(0, 3), ref(1).segment_key(4, 7), ref(1).meta_key):
@@ -191,7 +194,7 @@ async def test_recovery_keeps_a_copy_of_every_span(tmp_path: Path) -> None:
     await first.close()
     await second.close()
     first, second = LmdbTier(str(tmp_path / "a")), LmdbTier(str(tmp_path / "b"))
-    again = TieredStore([(first, 64 * SIZE), (second, 64 * SIZE)], fast_layers=4)
+    again = TieredStore([(first, 64 * SIZE), (second, 64 * SIZE)], StoreSettings(fast_layers=4))
     await again.recover()
     info = again.info(ref(1))
     assert sorted((c.first, c.slot) for c in info.copies) == [(0, 1), (4, 1)]

@@ -7,7 +7,7 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage, LeaseQuota, NotFound, PreconditionFailed
-from kvstore.storage import LeaseLimits, TieredStore
+from kvstore.storage import LeaseLimits, StoreSettings, TieredStore
 
 from .helpers import Recorder, block, ref, size_of
 
@@ -56,7 +56,9 @@ async def test_leased_block_is_not_demoted(lmdb_path: str) -> None:
     # LE2: a leased block stays where it is; the new block goes below instead.
     clock = Clock()
     s = TieredStore(
-        [(HostTier(), SIZE), (LmdbTier(lmdb_path), 4 * SIZE)], clock=clock, promote=False
+        [(HostTier(), SIZE), (LmdbTier(lmdb_path), 4 * SIZE)],
+        StoreSettings(promote=False),
+        clock=clock,
     )
     await s.put(ref(1), block())
     s.lease("c", [ref(1).block_key], 5000)

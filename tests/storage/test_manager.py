@@ -18,7 +18,7 @@ from kvstore.protocol.problems import (
 )
 from kvstore.protocol.records import ReplicaRecord
 from kvstore.protocol.wire import parse_repr_digest
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 from kvstore.storage.policy import FIFO
 
 from ..conftest import TEST_DEVICE
@@ -104,7 +104,8 @@ async def test_repr_digest_of_whole_and_partial_reads() -> None:
 async def test_split_keeps_first_layers_in_the_faster_tier(lmdb_path: str) -> None:
     # The draft's device 0-15 / host 16-31 split, here host 0-3 / LMDB 4-7.
     store = TieredStore(
-        [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], fast_layers=4, promote=False
+        [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)],
+        StoreSettings(fast_layers=4, promote=False),
     )
     data = block()
     await store.put(ref(1), data)
@@ -121,9 +122,8 @@ async def test_lru_demotes_least_recently_used(lmdb_path: str) -> None:
     recorder = Recorder()
     store = TieredStore(
         [(HostTier(), 2 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)],
-        promote=False,
+        StoreSettings(promote=False, demote_above=0),
         on_evict=recorder,
-        demote_above=None,
     )
     for n in (1, 2):
         await store.put(ref(n), block())
@@ -138,7 +138,9 @@ async def test_lru_demotes_least_recently_used(lmdb_path: str) -> None:
 
 async def test_fifo_policy_ignores_reads(lmdb_path: str) -> None:
     store = TieredStore(
-        [(HostTier(), 2 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], promote=False, policy=FIFO
+        [(HostTier(), 2 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)],
+        StoreSettings(promote=False),
+        policy=FIFO,
     )
     for n in (1, 2):
         await store.put(ref(n), block())
@@ -167,8 +169,7 @@ async def test_demotion_chain_skips_to_the_end(lmdb_path: str, redis_server: obj
     redis = RedisTier(url=redis_server.url, prefix="chain:")  # type: ignore[attr-defined]
     store = TieredStore(
         [(HostTier(), SIZE), (LmdbTier(lmdb_path), 2 * stored_size()), (redis, 10 * SIZE)],
-        promote=False,
-        demote_above=None,
+        StoreSettings(promote=False, demote_above=0),
     )
     for n in range(1, 5):
         await store.put(ref(n), block())
@@ -236,7 +237,8 @@ async def test_device_tier_in_the_store() -> None:
 
     device = DeviceTier(TEST_DEVICE)
     store = TieredStore(
-        [(device, 10 * SIZE), (HostTier(), 10 * SIZE)], fast_layers=4, promote=False
+        [(device, 10 * SIZE), (HostTier(), 10 * SIZE)],
+        StoreSettings(fast_layers=4, promote=False),
     )
     data = block()
     await store.put(ref(1), data)
@@ -254,7 +256,9 @@ async def test_device_tier_in_the_store() -> None:
 async def test_read_rates_are_measured_when_not_configured(lmdb_path: str) -> None:
     # PL1 inputs: each tier reports the rate it can be read at.
     host, lmdb = HostTier(read_mbit_per_s=400000.0), LmdbTier(lmdb_path)
-    store = TieredStore([(host, 10 * SIZE), (lmdb, 10 * SIZE)], fast_layers=4, promote=False)
+    store = TieredStore(
+        [(host, 10 * SIZE), (lmdb, 10 * SIZE)], StoreSettings(fast_layers=4, promote=False)
+    )
     await store.measure_read_rates(probe_octets=256 * 1024, rounds=2)
     assert host.read_mbit_per_s == 400000.0  # configured: kept
     assert lmdb.read_mbit_per_s is not None and lmdb.read_mbit_per_s > 0

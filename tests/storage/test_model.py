@@ -14,6 +14,7 @@ octets equal the sum of its segments. MODEL_SEEDS=N runs N seeds (6 by default).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 from kvstore.backends.host import HostTier
 from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage, NotFound, PreconditionFailed
-from kvstore.storage import BlockRef, TieredStore
+from kvstore.storage import BlockRef, StoreSettings, TieredStore
 from kvstore.storage.state import BlockState
 from kvstore.storage.tier import Tier
 
@@ -109,11 +110,11 @@ async def against_the_model(tmp_path: Path, seed: int, cancel: bool) -> None:
     ]
     store = TieredStore(
         tiers,
+        StoreSettings(
+            retention_s=300, fast_layers=4 if seed % 3 == 0 else 0, write_through=seed % 2 == 1
+        ),
         on_evict=hook,
-        retention_s=300,
         wall_clock=lambda: now[0],
-        fast_layers=4 if seed % 3 == 0 else None,
-        write_through=seed % 2 == 1,
     )
 
     async def one() -> None:
@@ -164,7 +165,8 @@ async def against_the_model(tmp_path: Path, seed: int, cancel: bool) -> None:
     await store.settle()
     await store.expire()  # what a sweep skipped while it was leased or read
     assert problems == []
-    store.promote = False  # at quiescence: nothing moves any more
+    # At quiescence: nothing moves any more.
+    store.core.settings = dataclasses.replace(store.settings, promote=False)
     held = {by_ref[info.ref] for info in store.blocks()}
     assert held == set(acked), "the store and the model disagree on what is held"
     for n in sorted(acked):

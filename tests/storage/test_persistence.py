@@ -19,9 +19,9 @@ from kvstore.protocol.problems import (
     NotFound,
 )
 from kvstore.protocol.records import ReplicaRecord
-from kvstore.storage import SegmentSealer, TieredStore
-from kvstore.storage.blocks import BlockInfo
+from kvstore.storage import SegmentSealer, StoreSettings, TieredStore
 from kvstore.storage.errors import CorruptData, TierUnavailable
+from kvstore.storage.records import BlockInfo
 from kvstore.storage.tier import Tier
 
 from ..conftest import S3_CREDENTIALS, RedisServer, free_port
@@ -144,7 +144,7 @@ async def test_restart_with_a_split_block(lmdb_path: str, tmp_path: object) -> N
     path2 = lmdb_path + "-2"
     store = TieredStore(
         [(LmdbTier(lmdb_path), 10 * SIZE), (LmdbTier(path2), 10 * SIZE)],
-        fast_layers=3,
+        StoreSettings(fast_layers=3),
         sealer=SegmentSealer(KEY),
     )
     data = block()
@@ -183,10 +183,8 @@ async def test_redis_killed_mid_run_degrades_and_recovers(own_redis: RedisServer
     redis = RedisTier(url=own_redis.url, prefix="kill:", timeout_s=2.0)
     store = TieredStore(
         [(HostTier(), SIZE), (redis, 10 * SIZE)],
-        promote=False,
-        retry_after_s=0.0,
+        StoreSettings(promote=False, retry_after_s=0.0, demote_above=0),
         on_evict=recorder,
-        demote_above=None,
     )
     recorder.store = store
     one, two = block(), block()
@@ -217,7 +215,8 @@ async def test_degraded_tier_is_skipped_for_writes_until_retry() -> None:
     lower = FlakyTier(HostTier())
     lower.persistent = False
     store = TieredStore(
-        [(HostTier(), SIZE), (lower, 10 * SIZE)], retry_after_s=3600, demote_above=None
+        [(HostTier(), SIZE), (lower, 10 * SIZE)],
+        StoreSettings(retry_after_s=3600, demote_above=0),
     )
     await store.put(ref(1), block())
     lower.down = True
@@ -239,7 +238,7 @@ async def test_s3_unreachable_is_tier_unavailable() -> None:
     )
     with pytest.raises(TierUnavailable):
         await tier.put("k" * 64 + "/x", b"data")
-    store = TieredStore([(HostTier(), SIZE), (tier, 10 * SIZE)], demote_above=None)
+    store = TieredStore([(HostTier(), SIZE), (tier, 10 * SIZE)], StoreSettings(demote_above=0))
     await store.put(ref(1), block())
     await store.put(ref(2), block())  # demotion fails, 1 is evicted, no crash
     assert ref(2) in store
@@ -258,7 +257,7 @@ async def test_lmdb_full_is_reported(lmdb_path: str) -> None:
 
 async def test_verify_reads_checks_layer_digests(lmdb_path: str) -> None:
     # verify_reads=True re-checks every layer digest, beyond the CRC/AES tag.
-    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], verify_reads=True)
+    store = TieredStore([(LmdbTier(lmdb_path), 10 * SIZE)], StoreSettings(verify_reads=True))
     data = block()
     await store.put(ref(1), data)
     assert await store.get(ref(1)) == data
@@ -276,7 +275,7 @@ async def test_partial_block_after_restart_keeps_every_layer_digest(lmdb_path: s
     # back from LMDB, and the record still lists all eight layer digests (R2).
     store = TieredStore(
         [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)],
-        fast_layers=4,
+        StoreSettings(fast_layers=4),
         sealer=SegmentSealer(KEY),
     )
     data = block()
@@ -354,7 +353,8 @@ async def test_spill_uses_free_room_only_and_the_most_recent_first(lmdb_path: st
     # Nothing already durable is evicted for memory-only blocks; when room is
     # short, the most recently used memory-only blocks are the ones kept.
     store = TieredStore(
-        [(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * stored_size())], demote_above=None
+        [(HostTier(), 4 * size_of()), (LmdbTier(lmdb_path), 5 * stored_size())],
+        StoreSettings(demote_above=0),
     )
     for n in range(8):  # 0-3 pushed down to LMDB by 4-7
         await store.put(ref(n), block())
@@ -379,10 +379,9 @@ async def test_retention_removes_old_blocks_from_every_tier_even_after_a_restart
     def make() -> TieredStore:
         return TieredStore(
             [(HostTier(), size_of()), (LmdbTier(lmdb_path), 10 * size_of())],
-            retention_s=60,
+            StoreSettings(retention_s=60, demote_above=0),
             wall_clock=lambda: now[0],
             on_evict=recorder,
-            demote_above=None,
         )
 
     store = make()
@@ -414,7 +413,9 @@ async def test_the_retention_sweeper_runs_on_its_own() -> None:
     from kvstore.storage.retention import RetentionSweeper
 
     now = [0.0]
-    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=10, wall_clock=lambda: now[0])
+    store = TieredStore(
+        [(HostTier(), 4 * size_of())], StoreSettings(retention_s=10), wall_clock=lambda: now[0]
+    )
     await store.put(ref(1), block())
     now[0] = 11.0
     sweeper = RetentionSweeper(store, interval_s=0.01)
@@ -477,7 +478,9 @@ async def test_retention_is_not_fooled_by_the_sweep_or_a_clock_ahead(lmdb_path: 
 
     def make() -> TieredStore:
         return TieredStore(
-            [(LmdbTier(lmdb_path), 10 * size_of())], retention_s=60, wall_clock=lambda: now[0]
+            [(LmdbTier(lmdb_path), 10 * size_of())],
+            StoreSettings(retention_s=60),
+            wall_clock=lambda: now[0],
         )
 
     store = make()
@@ -506,7 +509,9 @@ async def test_a_lease_never_keeps_a_block_past_the_retention_limit() -> None:
     # the TTL ends when the oldest must go (renewals too); a block already
     # past the limit is not leased.
     now = [1_000.0]
-    store = TieredStore([(HostTier(), 4 * size_of())], retention_s=60, wall_clock=lambda: now[0])
+    store = TieredStore(
+        [(HostTier(), 4 * size_of())], StoreSettings(retention_s=60), wall_clock=lambda: now[0]
+    )
     await store.put(ref(1), block())
     now[0] += 20
     await store.put(ref(2), block())
@@ -540,7 +545,7 @@ async def test_a_retention_sweep_lets_other_requests_in_between_batches() -> Non
 
     store = TieredStore(
         [(HostTier(), 12 * size_of())],
-        retention_s=10,
+        StoreSettings(retention_s=10),
         wall_clock=lambda: now[0],
         on_evict=slow_withdrawal,
     )
@@ -627,7 +632,9 @@ async def test_a_restart_reads_no_segment_and_a_first_read_checks_each_once(
     for n, octets in data.items():
         await store.put(ref(n), octets)
     await store.close()  # spilled: all three in LMDB
-    again = TieredStore([(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], promote=False)
+    again = TieredStore(
+        [(HostTier(), 10 * SIZE), (LmdbTier(lmdb_path), 10 * SIZE)], StoreSettings(promote=False)
+    )
     reads: list[str] = []
     lmdb = again.slots[1].tier
     get, get_many = lmdb.get, lmdb.get_many

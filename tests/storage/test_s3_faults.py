@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvstore.backends.host import HostTier
 from kvstore.backends.s3 import S3Tier
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 from kvstore.storage.errors import TierUnavailable
 
 from ..conftest import S3_CREDENTIALS, free_port
@@ -81,9 +81,7 @@ async def test_s3_errors_and_timeouts_degrade_and_recover(
     s3 = S3Tier(s3_bucket, endpoint_url=proxy.url, timeout_s=1.0, **S3_CREDENTIALS)
     store = TieredStore(
         [(HostTier(), 2 * size_of()), (s3, 20 * size_of())],
-        promote=False,
-        retry_after_s=0.5,
-        demote_above=None,
+        StoreSettings(promote=False, retry_after_s=0.5, demote_above=0),
     )
     bodies = {n: block() for n in range(8)}
     for n in range(4):  # 0-1 pushed down to S3, 2-3 in host memory
@@ -133,9 +131,7 @@ async def test_a_holder_over_a_failing_s3_answers_503_only_for_what_s3_alone_hel
     s3 = S3Tier(s3_bucket, endpoint_url=proxy.url, timeout_s=1.0, **S3_CREDENTIALS)
     store = TieredStore(
         [(HostTier(), 2 * size_of()), (s3, 20 * size_of())],
-        promote=False,
-        retry_after_s=0.5,
-        demote_above=None,
+        StoreSettings(promote=False, retry_after_s=0.5, demote_above=0),
     )
     uri = "https://h.test/kvsp/"
     app = create_app(HolderSettings(uri, allow_anonymous=True), store, open_policy)

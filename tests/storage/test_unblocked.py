@@ -22,7 +22,7 @@ from kvstore.protocol.problems import (
     NotFound,
     PreconditionFailed,
 )
-from kvstore.storage import BlockRef, TieredStore
+from kvstore.storage import BlockRef, StoreSettings, TieredStore
 
 from ..conftest import RedisServer
 from .helpers import GatedTier, block, cancelled, ref, size_of, until
@@ -86,7 +86,10 @@ async def test_a_delete_and_a_retention_sweep_hang_alone() -> None:
     now = [1000.0]
     hook = Withdrawals()
     store = TieredStore(
-        [(HostTier(), 8 * SIZE)], on_evict=hook, retention_s=60, wall_clock=lambda: now[0]
+        [(HostTier(), 8 * SIZE)],
+        StoreSettings(retention_s=60),
+        on_evict=hook,
+        wall_clock=lambda: now[0],
     )
     hook.store = store
     for n in (1, 2):
@@ -138,7 +141,8 @@ async def test_redis_stopped_below_holds_up_nothing_in_host(own_redis: RedisServ
     redis = create_tier("redis", url=own_redis.url, prefix="stop:")
     redis.deadline_s = 3
     store = TieredStore(
-        [(HostTier(), 2 * SIZE), (redis, 64 * SIZE)], retry_after_s=60, demote_above=None
+        [(HostTier(), 2 * SIZE), (redis, 64 * SIZE)],
+        StoreSettings(retry_after_s=60, demote_above=0),
     )
     data = {n: block() for n in (1, 2, 3, 4)}
     await store.put(ref(1), data[1])
@@ -182,7 +186,7 @@ async def test_two_puts_of_one_key_are_one_201_and_one_412() -> None:
 
 async def test_a_put_waiting_on_a_failed_one_stores_its_own() -> None:
     below = GatedTier("local-storage", persistent=True)
-    store = TieredStore([(below, 64 * SIZE)], retry_after_s=0)
+    store = TieredStore([(below, 64 * SIZE)], StoreSettings(retry_after_s=0))
     below.gate.clear()
     below.failures = 1  # the first is refused; the second's write goes in
     first = asyncio.create_task(store.put(ref(1), block()))
@@ -201,7 +205,7 @@ async def test_a_put_waiting_on_a_failed_one_stores_its_own() -> None:
 
 async def test_a_cancelled_put_leaves_nothing_reserved() -> None:
     below = GatedTier("local-storage", persistent=True)
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)], demote_above=None)
+    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)], StoreSettings(demote_above=0))
     for n in (1, 2):
         await store.put(ref(n), block())
     below.gate.clear()
@@ -228,7 +232,7 @@ async def test_a_removal_deletes_each_tiers_keys_in_one_batch(lmdb_path: str) ->
         await real(keys)
 
     lmdb.delete_many = delete_many  # type: ignore[method-assign]
-    store = TieredStore([(HostTier(), 64 * SIZE), (lmdb, 64 * SIZE)], fast_layers=4)
+    store = TieredStore([(HostTier(), 64 * SIZE), (lmdb, 64 * SIZE)], StoreSettings(fast_layers=4))
     await store.put(ref(1), block())  # layers 0-3 in host; 4-7 and the table in LMDB
     await store.delete(ref(1))
     r = ref(1)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from kvstore.backends.host import HostTier
-from kvstore.storage import TieredStore
+from kvstore.storage import StoreSettings, TieredStore
 
 from .helpers import GatedTier, block, ref, size_of, until
 
@@ -24,7 +24,10 @@ def where(store: TieredStore, n: int) -> list[str]:
 async def test_watermarks_are_on_by_default_and_drain_to_the_low_one() -> None:
     below = GatedTier("local-storage", persistent=True)
     store = TieredStore([(HostTier(), 10 * SIZE), (below, 64 * SIZE)])
-    assert (store.demote_above, store.demote_to) == (0.9, pytest.approx(0.81))
+    assert (store.settings.high_watermark, store.settings.low_watermark) == (
+        0.9,
+        pytest.approx(0.81),
+    )
     for n in range(9):  # 9 of 10: not above 0.9, nothing moves
         await store.put(ref(n), block())
     await store.settle()
@@ -41,7 +44,7 @@ async def test_watermarks_are_on_by_default_and_drain_to_the_low_one() -> None:
 
 async def test_a_put_goes_below_instead_of_waiting_for_a_slow_drain() -> None:
     below = GatedTier("local-storage", persistent=True)
-    store = TieredStore([(HostTier(), 4 * SIZE), (below, 64 * SIZE)], promote=False)
+    store = TieredStore([(HostTier(), 4 * SIZE), (below, 64 * SIZE)], StoreSettings(promote=False))
     # The drain's write of block 0 (the LRU) hangs below; others go in.
     below.gated = lambda key: key.startswith(ref(0).block_key)
     below.gate.clear()
@@ -81,7 +84,7 @@ async def test_a_put_goes_below_when_the_drain_can_move_nothing() -> None:
 
 async def test_off_a_put_moves_a_victim_down_itself() -> None:
     below = GatedTier("local-storage", persistent=True)
-    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)], demote_above=None)
+    store = TieredStore([(HostTier(), 2 * SIZE), (below, 64 * SIZE)], StoreSettings(demote_above=0))
     for n in range(3):
         await store.put(ref(n), block())
     assert where(store, 0) == ["local-storage"] and where(store, 2) == ["host"]
@@ -101,4 +104,4 @@ async def test_the_last_tier_has_no_drain_a_put_evicts_there() -> None:
 @pytest.mark.parametrize(("above", "to"), [(0.9, 0.95), (0.9, 0.9), (None, 0.5), (0.9, -0.1)])
 def test_the_low_watermark_is_below_the_high_one(above: float | None, to: float) -> None:
     with pytest.raises(ValueError, match="demote_to"):
-        TieredStore([(HostTier(), SIZE)], demote_above=above, demote_to=to)
+        TieredStore([(HostTier(), SIZE)], StoreSettings(demote_above=above or 0, demote_to=to))

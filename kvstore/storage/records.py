@@ -1,8 +1,10 @@
-"""What the manager knows of tiers, segments and blocks, and a read in progress.
+"""The store's records: what it knows of tiers, segments and blocks.
 
-No data lives here: a :class:`BlockInfo` holds lengths and layer digests; the
-octets are in the tiers. :class:`BlockRead` streams a block's layers from its
-segments, in ascending order, one segment at a time (B4).
+The bottom of the storage package: plain data and what follows from it
+alone, no tier I/O, nothing of the store above. No data lives here: a
+:class:`BlockInfo` holds lengths and layer digests; the octets are in the
+tiers. The block table (:mod:`.table`) owns every :class:`BlockInfo` once
+it has it; the other parts ask it to change one.
 """
 
 from __future__ import annotations
@@ -11,28 +13,27 @@ import asyncio
 import base64
 import hashlib
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
-from ..protocol.problems import NotFound
-from .errors import CorruptData, TierUnavailable
+from .errors import CorruptData
 from .policy import LRU, EvictionPolicy
 from .state import BlockState, Claim
 from .tier import Tier
 from .types import BlockRef
 
-if TYPE_CHECKING:
-    from .manager import TieredStore
-
 RANGE_DIGESTS_KEPT = 8
+
+
+def repr_digest_value(digest: bytes) -> str:
+    """``Repr-Digest`` field value of a SHA-256 digest (BL4, RFC 9530)."""
+    return "sha-256=:" + base64.b64encode(digest).decode() + ":"
 
 
 def repr_digest_of(data: BytesLike) -> str:
     """``Repr-Digest`` field value of these octets (BL4, RFC 9530)."""
-    return "sha-256=:" + base64.b64encode(hashlib.sha256(data).digest()).decode() + ":"
+    return repr_digest_value(hashlib.sha256(data).digest())
 
 
 def layer_table(container: kc.Container) -> dict[int, tuple[int, int, bytes]]:
@@ -240,132 +241,3 @@ class StoreStats:
     expired: int = 0
     integrity_failures: int = 0
     tier_errors: int = 0
-
-
-class BlockRead:
-    """A read in progress: the container header is known before any data is fetched.
-
-    Iterate it (``async for chunk in read``) to receive the header octets, then
-    each layer's K and V sections in ascending order, one segment in memory at
-    a time (B4). ``len(read)`` is the exact size of what will be sent.
-    """
-
-    def __init__(self, store: TieredStore, info: BlockInfo, first: int, last: int) -> None:
-        self._store = store
-        self._info = info
-        self.first = first
-        self.last = last
-        self.header = info.header(first, last)
-        self.whole = first == info.first_layer and last == info.last_layer
-
-    def __len__(self) -> int:
-        return self.header.total_octets
-
-    def check_reachable(self) -> None:
-        """Raise :class:`TierUnavailable` if a segment this read needs is in a
-        tier that failed within its retry window. A probe's guess, from
-        metadata only: a GET tries the tier and may still succeed (or find
-        the data lost, a 404)."""
-        store, now = self._store, self._store.clock()
-        for segment in self._info.segments:
-            slot = store.slots[segment.slot]
-            if (
-                segment.last >= self.first
-                and segment.first <= self.last
-                and (slot.degraded_until > now)
-            ):
-                raise TierUnavailable(
-                    f"layers {segment.first}-{segment.last} are in tier {slot.kind}, unavailable",
-                    tier=slot.kind,
-                )
-
-    @property
-    def in_memory(self) -> bool:
-        """Every segment this read needs is in a memory tier (host, device):
-        streaming it cannot fail half way for a tier's sake."""
-        slots = self._store.slots
-        return all(
-            not slots[x.slot].tier.persistent
-            for x in self._info.segments
-            if x.last >= self.first and x.first <= self.last
-        )
-
-    def known_repr_digest(self) -> str | None:
-        """``Repr-Digest`` if already computed (no segment is read for it)."""
-        if self.whole:
-            return self._info.whole_repr_digest
-        return self._info.range_digests.get((self.first, self.last))
-
-    async def repr_digest(self) -> str:
-        """``Repr-Digest`` of exactly what this read sends (BL4).
-
-        For a whole-block read it is computed once and kept (at PUT time), so
-        a hot GET hashes nothing; a layer-range read hashes its data (one
-        extra pass: a server uses :meth:`buffered` instead).
-        """
-        known = self.known_repr_digest()
-        if known is not None:
-            return known
-        hasher = hashlib.sha256()
-        async for chunk in self._chunks(promote=False):
-            hasher.update(chunk)
-        return self._keep_digest(hasher)
-
-    async def buffered(self) -> tuple[str, list[BytesLike]]:
-        """The ``Repr-Digest`` and the chunks of this read, from one pass over
-        its segments (a cold GET: the header needs the digest before the body,
-        and reading the tiers twice would cost twice). The chunks are views of
-        the loaded segments, in order; at most the read's size in memory."""
-        hasher = hashlib.sha256()
-        chunks: list[BytesLike] = []
-        async for chunk in self:
-            hasher.update(chunk)
-            chunks.append(chunk)
-        return self._keep_digest(hasher), chunks
-
-    def _keep_digest(self, hasher: Any) -> str:
-        info, span = self._info, (self.first, self.last)
-        value = "sha-256=:" + base64.b64encode(hasher.digest()).decode() + ":"
-        if self.whole:
-            info.whole_repr_digest = value
-        else:
-            # Engines ask for the same few ranges (their layer split) again and
-            # again; keep a handful per block so those GETs hash nothing either.
-            if len(info.range_digests) >= RANGE_DIGESTS_KEPT:
-                info.range_digests.pop(next(iter(info.range_digests)))
-            info.range_digests[span] = value
-        return value
-
-    def __aiter__(self) -> AsyncIterator[BytesLike]:
-        return self._chunks(promote=self._store.promote)
-
-    async def _chunks(self, promote: bool) -> AsyncIterator[BytesLike]:
-        store, info = self._store, self._info
-        info.readers += 1
-        promoted: list[tuple[Segment, BytesLike]] = []
-        try:
-            segments = [x for x in info.segments if x.last >= self.first and x.first <= self.last]
-            # The block may have been dropped (and even put again) since
-            # read() was called: never send a header without its layers.
-            covered = sum(min(self.last, x.last) - max(self.first, x.first) + 1 for x in segments)
-            if not store.table.current(info) or covered != self.last - self.first + 1:
-                raise NotFound(f"block {info.ref.block_key} is no longer held")
-            yield self.header.pack()
-            for segment in segments:
-                plain = await store._load(info, segment)
-                if segment.slot > 0 and promote:
-                    promoted.append((segment, plain))
-                # The layers a segment contributes are contiguous in it: one
-                # view per segment, however many layers (few, large writes).
-                start, stop = max(self.first, segment.first), min(self.last, segment.last)
-                yield kc.decode(plain).span(start, stop)
-        finally:
-            info.readers -= 1
-        if promoted:
-            # In the background: this read (a GET's response) is over once
-            # its bytes are out, whatever the promotion then costs.
-            store.placement.promote_later(info, promoted)
-
-    async def read_all(self) -> bytes:
-        """The whole answer in one buffer (library use; servers should stream)."""
-        return b"".join([bytes(chunk) async for chunk in self])
