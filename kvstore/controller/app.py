@@ -42,6 +42,7 @@ from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap, StateChange
 from ..protocol.keys import PackedKeys
+from ..protocol.lifecycle import InstanceState
 from ..protocol.problems import (
     BadGateway,
     BadRequest,
@@ -148,7 +149,7 @@ class Controller:
             raise BadRequest("the record's instance is not the path's instance")
         answer = await self.state.put_status(status)  # S2: stale epochs raise 409
         # S3: the answer carries the state the PC holds for the instance.
-        return json_response(StateChange(answer).to_json())
+        return json_response(StateChange(answer.value).to_json())
 
     async def put_checkpoint(self, request: Request) -> Response:
         instance = _instance_of(self.policy.grant(self.who(request)))
@@ -211,7 +212,7 @@ class Controller:
         # tells the instance (PUT state) and then holds the new state.
         self.policy.require_role(self.who(request), "admin")
         change = StateChange.from_json(await read_json(request, self.settings.max_json_octets))
-        if change.state not in ("active", "draining"):
+        if change.state not in (InstanceState.ACTIVE, InstanceState.DRAINING):
             raise BadRequest("state: an instance is set active or draining (it reports the rest)")
         instance = await self.state.instance_named(request.path_params["instance_id"])
         if self.instances is None:

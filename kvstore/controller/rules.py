@@ -5,12 +5,16 @@ through these functions, so the rules hold the same everywhere:
 
 * a status record with a lower epoch than the highest seen for its instance
   is discarded with ``kvsp-stale-epoch`` (S2);
-* an instance whose record expired (``ttl_ms`` after it arrived) is failed
-  (S1); no request or directive goes to a non-active instance (S4);
+* an instance's state changes only through the table of
+  :mod:`kvstore.protocol.lifecycle`; here is when its events happen: the
+  first record of a process (a new instance, or a higher epoch) starts it
+  (S2, S6), a later record saying ``sleeping`` ends a drain (S5), the PC's
+  ``PUT state`` sets it (S3, S6), and a record expired ``ttl_ms`` after it
+  arrived reads as failed (S1); no request or directive goes to a
+  non-active instance (S4);
 * ``requested_state: "sleeping"`` is answered ``draining`` when the
   instance has been idle (running and queued below thresholds) for the
-  configured time, else ``active`` (S3); a sleeping instance stays asleep
-  until the PC changes its state (S6);
+  configured time, else ``active`` (S3);
 * a checkpoint keeps the highest ``output_offset`` of the session's current
   epoch; a lower epoch is ``kvsp-stale-epoch``; only the session's current
   owner may checkpoint it (CK2, CK7, SEC5).
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
+from ..protocol.lifecycle import STARTED, InstanceEvent, InstanceState, advance, set_by_pc
 from ..protocol.problems import (
     BadRequest,
     Conflict,
@@ -53,22 +58,25 @@ class InstanceEntry:
     highest_epoch: int
     #: The lifecycle state the PC holds for the instance (it wins over the
     #: reported one while a transition is in progress).
-    state: str
+    state: InstanceState
     idle_since: float | None = None
     #: It restarted (a higher epoch, S2) since the PC last moved the sessions
     #: its earlier process owned: those are lost there and to be resumed (CK5).
     restarted: bool = False
 
-    def state_at(self, now: float) -> str:
+    def state_at(self, now: float) -> InstanceState:
         """``failed`` once the record expired (S1), else the held state."""
-        return "failed" if self.expires_at <= now else self.state
+        if self.expires_at <= now:
+            # Not stored: a report of the same process brings back the held state.
+            return advance(self.state, InstanceEvent.EXPIRED)
+        return self.state
 
     def to_json(self) -> dict[str, Any]:
         return {
             "status": self.status.to_json(),
             "expires_at": self.expires_at,
             "highest_epoch": self.highest_epoch,
-            "state": self.state,
+            "state": self.state.value,
             "idle_since": self.idle_since,
             "restarted": self.restarted,
         }
@@ -81,7 +89,7 @@ class InstanceEntry:
             status=status or InstanceStatus.from_json(value["status"]),
             expires_at=float(value["expires_at"]),
             highest_epoch=int(value["highest_epoch"]),
-            state=str(value["state"]),
+            state=InstanceState(value["state"]),
             idle_since=None if value["idle_since"] is None else float(value["idle_since"]),
             restarted=bool(value.get("restarted", False)),
         )
@@ -131,24 +139,25 @@ def after_status(
             f"epoch {status.epoch} is older than {entry.highest_epoch} for this instance"
         )
     restarted = entry is None or status.epoch > entry.highest_epoch
-    state = status.state if restarted or entry is None else entry.state
-    if restarted and entry is not None and entry.state in ("draining", "sleeping"):
-        # S6: a restart does not wake an instance the PC put to sleep (a
-        # draining one comes back with no sessions: it is asleep).
-        state = "sleeping"
-    if entry is not None and not restarted and entry.state == "sleeping":
-        state = "sleeping"  # S6: only the PC wakes it
-    if entry is not None and not restarted and entry.state == "draining":
-        # S5: a draining instance reports sleeping once it has no sessions.
-        state = "sleeping" if status.state == "sleeping" else "draining"
+    reported = InstanceState(status.state)
+    if entry is None or restarted:
+        # S2: a process the PC has not heard from; the table keeps one the
+        # PC put to sleep asleep (S6).
+        state = advance(None if entry is None else entry.state, STARTED[reported])
+    elif reported is InstanceState.SLEEPING:
+        state = advance(entry.state, InstanceEvent.DRAINED)  # S5
+    else:
+        state = entry.state  # the PC's state wins over the instance's word
     idle = status.running <= policy.max_running and status.queued <= policy.max_queued
     idle_since = None
     if idle:
         previous = entry.idle_since if entry is not None and not restarted else None
         idle_since = previous if previous is not None else now
-    if status.requested_state == "sleeping" and state == "active":
-        long_enough = idle_since is not None and now - idle_since >= policy.idle_for_s
-        state = "draining" if long_enough else "active"
+    # S3: a sleep request of an active instance idle long enough is accepted
+    # (answered draining); any other is answered with the state held.
+    long_enough = idle_since is not None and now - idle_since >= policy.idle_for_s
+    if status.requested_state == "sleeping" and state is InstanceState.ACTIVE and long_enough:
+        state = advance(state, InstanceEvent.SLEEP_ACCEPTED)
     return InstanceEntry(
         status=status,
         expires_at=now + status.ttl_ms / 1000,
@@ -158,6 +167,14 @@ def after_status(
         # CK5: a restart loses the sessions of the earlier process.
         restarted=entry is not None and (restarted or entry.restarted),
     )
+
+
+def after_set(entry: InstanceEntry | None, state: InstanceState) -> InstanceEntry:
+    """The PC's own decision, what it sends with ``PUT state`` (S3; S6: the
+    only way a sleeping instance wakes)."""
+    if entry is None:
+        raise UnknownResource("unknown instance")
+    return dataclasses.replace(entry, state=advance(entry.state, set_by_pc(state)))
 
 
 def after_assign(

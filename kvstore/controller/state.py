@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..protocol.control import InstanceStatus, SessionCheckpoint, ShardMap
+from ..protocol.lifecycle import InstanceState
 from ..protocol.problems import (
     InsufficientStorage,
     InvalidState,
@@ -34,6 +35,7 @@ from .rules import (
     after_map_created,
     after_reshard_ended,
     after_reshard_started,
+    after_set,
     after_status,
     check_end,
 )
@@ -111,34 +113,29 @@ class ControllerState:
 
     # --- status and lifecycle -----------------------------------------------
 
-    async def put_status(self, status: InstanceStatus) -> str:
+    async def put_status(self, status: InstanceStatus) -> InstanceState:
         """Record a status report; returns the state to answer with (S2, S3)."""
         entry = await self._change_instance(
             status.instance, lambda e, now: after_status(e, status, now, self.sleep_policy)
         )
         return entry.state
 
-    async def state_of(self, instance: str) -> str:
+    async def state_of(self, instance: str) -> InstanceState:
         """The instance's lifecycle state; ``failed`` once its record expired (S1)."""
         entry, now = await self._instance(instance)
         if entry is None:
             raise UnknownResource("unknown instance")
         return entry.state_at(now)
 
-    async def set_state(self, instance: str, state: str) -> None:
+    async def set_state(self, instance: str, state: InstanceState | str) -> None:
         """The PC's own decision (what it sends with ``PUT state``, S3/S6)."""
-
-        def change(entry: InstanceEntry | None, now: float) -> InstanceEntry:
-            if entry is None:
-                raise UnknownResource("unknown instance")
-            return replace(entry, state=state)
-
-        await self._change_instance(instance, change)
+        target = InstanceState(state)
+        await self._change_instance(instance, lambda e, _: after_set(e, target))
 
     async def active(self) -> list[InstanceStatus]:
         """Instances that may receive requests and directives (S4)."""
         entries, now = await self._instances()
-        return [e.status for e in entries if e.state_at(now) == "active"]
+        return [e.status for e in entries if e.state_at(now) is InstanceState.ACTIVE]
 
     async def overview(self) -> list[dict[str, Any]]:
         """Every instance the PC knows, with the state it holds and its last
@@ -147,7 +144,7 @@ class ControllerState:
         return [
             {
                 "instance": e.status.instance,
-                "state": e.state_at(now),
+                "state": e.state_at(now).value,
                 "epoch": e.highest_epoch,
                 "expires_in_s": round(e.expires_at - now, 3),
                 **{
@@ -168,7 +165,7 @@ class ControllerState:
 
     async def failed(self) -> list[str]:
         entries, now = await self._instances()
-        return [e.status.instance for e in entries if e.state_at(now) == "failed"]
+        return [e.status.instance for e in entries if e.state_at(now) is InstanceState.FAILED]
 
     async def restarted(self) -> list[tuple[str, int]]:
         """Live instances that restarted since their sessions were last moved,
@@ -177,7 +174,7 @@ class ControllerState:
         return [
             (e.status.instance, e.highest_epoch)
             for e in entries
-            if e.restarted and e.state_at(now) != "failed"
+            if e.restarted and e.state_at(now) is not InstanceState.FAILED
         ]
 
     async def sessions_moved(self, instance: str, epoch: int) -> None:
@@ -202,7 +199,7 @@ class ControllerState:
 
     async def require_active(self, instance: str) -> None:
         state = await self.state_of(instance)
-        if state != "active":
+        if state is not InstanceState.ACTIVE:
             raise InvalidState(f"instance is {state}, not active (S4)")
 
     async def statuses(self, instances: Iterable[str]) -> Mapping[str, InstanceStatus]:
@@ -212,7 +209,7 @@ class ControllerState:
         return {
             e.status.instance: e.status
             for e in entries
-            if e.status.instance in wanted and e.state_at(now) == "active"
+            if e.status.instance in wanted and e.state_at(now) is InstanceState.ACTIVE
         }
 
     # --- sessions and checkpoints -------------------------------------------

@@ -27,6 +27,7 @@ from ..lifespan import Listening, Service, Step, running
 from ..metrics import Metrics
 from ..protocol._json import check_int
 from ..protocol.control import ResumeRequest, StateChange, parse_reshard
+from ..protocol.lifecycle import InstanceState
 from ..protocol.problems import (
     BadRequest,
     InvalidState,
@@ -129,7 +130,7 @@ class Instance:
             {
                 "session": session.id,
                 "epoch": session.epoch,
-                "state": session.state,
+                "state": session.state.value,
                 "released": session.released,
                 "output_tokens": len(session.generated),
                 "checkpointed": session.checkpointed,
@@ -159,7 +160,7 @@ class Instance:
             await read_json(request, self.settings.max_json_octets),
             max_blocks=self.settings.max_directive_blocks,
         )
-        if self.lifecycle.state != "active":
+        if self.lifecycle.state is not InstanceState.ACTIVE:
             raise InvalidState(f"the instance is {self.lifecycle.state} (S4)")
         run = self.prefetcher.submit(directive)  # PF5: 429 beyond the pending quota
         location = f"{self.settings.base_path}prefetch/{directive.directive}"
@@ -180,7 +181,7 @@ class Instance:
         # becomes active only this way.
         self.from_pc(request)
         change = StateChange.from_json(await read_json(request, self.settings.max_json_octets))
-        if change.state == "failed":
+        if change.state == InstanceState.FAILED:
             raise BadRequest("state: failed is not a state the PC sets")
         self.lifecycle.set_by_pc(change.state)
         return json_response(change.to_json())

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..background import Background
 from ..protocol.control import InstanceStatus, Link
+from ..protocol.lifecycle import InstanceEvent, InstanceState
 from ..protocol.problems import KvspError
 from ..seams import Controller
 from ..storage import TieredStore
@@ -69,12 +70,13 @@ class StatusReporter(Background):
         now = self.clock()
         idle = load.running == 0 and load.queued == 0
         self._idle_since = (self._idle_since or now) if idle else None
+        if idle:
+            # S5: nothing left in flight; a draining instance enters sleeping.
+            self.lifecycle.apply(InstanceEvent.DRAINED)
         state = self.lifecycle.state
-        if state == "draining" and load.running == 0 and load.queued == 0:
-            state = self.lifecycle.state = "sleeping"  # S5: nothing left in flight
         requested = None
         if (
-            state == "active"
+            state is InstanceState.ACTIVE
             and self.idle_s is not None
             and self._idle_since is not None
             and now - self._idle_since >= self.idle_s
@@ -87,7 +89,7 @@ class StatusReporter(Background):
         return InstanceStatus(
             instance=self.instance_uri,
             epoch=self.epoch,
-            state=state,
+            state=state.value,
             running=load.running,
             queued=load.queued,
             batch_size=load.batch_size,
@@ -106,12 +108,9 @@ class StatusReporter(Background):
         self.reports += 1
         if self.lifecycle.changes != changes:
             return answer  # the PC set the state meanwhile: that one stands
-        if answer in ("draining", "sleeping") or (
-            answer == "active" and self.lifecycle.state != "sleeping"
-        ):
-            # The PC's state wins (S3: draining accepts a sleep request), but
-            # only the PC's PUT state wakes a sleeping instance (S6).
-            self.lifecycle.state = answer
+        # The PC's state wins (S3: draining accepts a sleep request), but only
+        # the PC's PUT state wakes a sleeping instance (S6).
+        self.lifecycle.answered(answer)
         return answer
 
     async def run(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..protocol.control import GenerationLimits, Sampler, SessionCheckpoint
 from ..protocol.keys import BlockKeyChain
 from ..protocol.problems import LeaseQuota
+from .session_state import ENDED, SessionEvent, SessionState, advance
 
 if TYPE_CHECKING:
     from .engine import Generation
@@ -46,8 +47,9 @@ class Session:
     released: int = 0
     #: The highest output_offset the PC acknowledged (CK3).
     checkpointed: int = 0
-    #: running, done, moved (a newer epoch elsewhere, CK7) or failed.
-    state: str = "running"
+    #: running, done, moved (a newer epoch elsewhere, CK7) or failed; changed
+    #: only by :meth:`apply` (the table of :mod:`.session_state`).
+    state: SessionState = SessionState.RUNNING
     detail: str = ""
     #: Block keys of the sequence's complete blocks, hex, in order.
     keys: list[str] = field(default_factory=list)
@@ -60,6 +62,11 @@ class Session:
     def changed(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def apply(self, event: SessionEvent, detail: str = "") -> None:
+        """The session ends by ``event`` (:func:`.session_state.advance`)."""
+        self.state = advance(self.state, event)
+        self.detail = detail
 
     def checkpoint(self) -> SessionCheckpoint:
         start = self.prompt_blocks * self.block_tokens
@@ -91,14 +98,14 @@ class Session:
         }
 
     def end(self) -> dict[str, Any]:
-        if self.state == "done":
+        if self.state is SessionState.DONE:
             return {
                 "event": "done",
                 "epoch": self.epoch,
                 "output_tokens": len(self.generated),
                 "stats": dict(self.stats),
             }
-        if self.state == "moved":
+        if self.state is SessionState.MOVED:
             return {"event": "moved", "epoch": self.epoch, "detail": self.detail}
         return {"event": "error", "epoch": self.epoch, "detail": self.detail}
 
@@ -111,7 +118,7 @@ class Session:
 
     @property
     def finished(self) -> bool:
-        return self.state != "running"
+        return self.state in ENDED
 
 
 @dataclass(slots=True)

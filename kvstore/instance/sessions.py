@@ -43,12 +43,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from ..protocol.control import (
-    GenerationLimits,
-    ResumeRequest,
-    Sampler,
-)
+from ..protocol.control import GenerationLimits, ResumeRequest, Sampler
 from ..protocol.keys import BlockKeyChain
+from ..protocol.lifecycle import InstanceState
 from ..protocol.problems import (
     BadRequest,
     Forbidden,
@@ -69,6 +66,7 @@ from .reporter import Load
 from .requests import GenerateRequest, check_sampler
 from .runtime import BlockWriter, EngineRunner
 from .session import PLACEHOLDER, Session, SessionCounters, TooManySessions
+from .session_state import SessionEvent
 
 __all__ = ["PLACEHOLDER", "Session", "SessionCounters", "Sessions", "TooManySessions"]
 
@@ -147,7 +145,7 @@ class Sessions:
         return sum(1 for s in self.sessions.values() if not s.finished) + len(self._resuming)
 
     def _check_admission(self, scope_id: str, compat_id: str) -> bytes:
-        if self.lifecycle.state != "active":
+        if self.lifecycle.state is not InstanceState.ACTIVE:
             raise InvalidState(f"the instance is {self.lifecycle.state} (S4, S5)")
         if compat_id != self.compat_id:
             raise Incompatible("the session's compat_id is not this engine's (C3)")
@@ -391,7 +389,7 @@ class Sessions:
         every = self.settings.checkpoint_tokens if deterministic else self.settings.release_tokens
         since = 0
         limits = session.limits
-        while len(session.generated) < limits.max_tokens and session.state == "running":
+        while len(session.generated) < limits.max_tokens and not session.finished:
             step = len(session.generated)
             token, logprob = await self.runner.call(self._sample, session, generation, step)
             session.generated.append(token)
@@ -426,13 +424,13 @@ class Sessions:
                 await asyncio.sleep(self.settings.token_interval_ms / 1000)
             if last:
                 break
-        if session.state != "running":
+        if session.finished:
             return
         await self._finish(session)
 
     async def _finish(self, session: Session) -> None:
         session.released = len(session.generated)
-        session.state = "done"
+        session.apply(SessionEvent.FINISHED)
         self._finish_stats(session)
         self._release(session)
         session.changed()
@@ -536,7 +534,7 @@ class Sessions:
     async def _acknowledged(self, session: Session, patience_s: float = 60.0) -> bool:
         deadline = self.clock() + patience_s
         while session.checkpointed < len(session.generated):
-            if session.state != "running":
+            if session.finished:
                 return False
             if self.clock() > deadline:
                 self._fail(session, KvspError("the PC acknowledged no checkpoint in time (CK3)"))
@@ -548,8 +546,8 @@ class Sessions:
 
     def _fence(self, session: Session, detail: str) -> None:
         if session.finished:
-            return
-        session.state, session.detail = "moved", detail
+            return  # a session ends once: a late fence of an ended one is dropped
+        session.apply(SessionEvent.FENCED, detail)  # CK7
         self._release(session)
         self.counters.moved += 1
         log.warning("session %s stops here: %s", session.id, detail)
@@ -560,11 +558,11 @@ class Sessions:
 
     def _fail(self, session: Session, exc: Exception) -> None:
         if session.finished:
-            return
+            return  # a session ends once (CK7: one fenced meanwhile stays moved)
         detail = exc.detail if isinstance(exc, KvspError) else f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, KvspError):
             log.error("session %s failed", session.id, exc_info=exc)
-        session.state, session.detail = "failed", detail
+        session.apply(SessionEvent.FAILED, detail)
         self._release(session)
         self.counters.failed += 1
         session.changed()

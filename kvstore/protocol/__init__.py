@@ -9,6 +9,7 @@ Modules, in the order a reader meets them in the draft:
 * :mod:`.codecs`     the codec registry, raw and our private zstd codec (B5)
 * :mod:`.records`    replica, lookup, lease and prefetch records (R1, R2, R5)
 * :mod:`.control`    status, checkpoint, shard map and reshard records (R3, R4, RS)
+* :mod:`.lifecycle`  instance states and every transition between them (S1-S6)
 * :mod:`.problems`   the exception hierarchy and problem+json (H3)
 * :mod:`.wire`       ids, paths, layer ranges, Repr-Digest (H5, H6, BL1-BL5)
 * :mod:`.placement`  the placement cost formulas (PL1)

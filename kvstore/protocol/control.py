@@ -18,9 +18,11 @@ from ._json import (
     hex32_list,
     token_list,
 )
+from .lifecycle import InstanceState
 
-# R5: "KVSP Instance States" registry.
-INSTANCE_STATES = frozenset({"active", "draining", "sleeping", "failed"})
+# R5: "KVSP Instance States" registry, as the wire spells its names (the
+# states and their transitions: :mod:`.lifecycle`).
+INSTANCE_STATES = frozenset(state.value for state in InstanceState)
 MAX_LINKS = 1024
 MAX_SHARDS = 4096
 
