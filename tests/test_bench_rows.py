@@ -223,6 +223,19 @@ async def test_store_host_rows_compare_work_that_moves_the_octets() -> None:
     ]
 
 
+async def test_store_lmdb_rows_separate_tier_movement_from_a_puts_obligations() -> None:
+    from kvstore.bench import store as bench_store
+
+    rows = await bench_store.bench_lmdb(bench_store._blocks(2, 64 << 10), 1)
+    _assert_rows_sound(rows)
+    names = {r.name: r.baseline_name for r in rows}
+    # Tier movement (a demotion's write, a read back through the loader)
+    # against the raw client, beside the store's own put and get.
+    assert names["local-storage (LMDB) demotion"] == "raw lmdb put"
+    assert names["local-storage (LMDB) read back"] == "raw lmdb get"
+    assert names["local-storage (LMDB) put"] == "raw lmdb put"
+
+
 def test_load_rows_compare_each_chain_with_host_only_at_the_same_c() -> None:
     from kvstore.bench.load import CHAINS, Run, _rows
 

@@ -22,6 +22,15 @@ the disk's, not ours, and made the comparison noise. Reads are consumed as a
 server would send them (the chunk stream, no join). A last pair of rows
 shows the cost of AES-GCM on LMDB.
 
+Tier movement (issue 36) has rows of its own for LMDB, Redis and S3, apart
+from the store's obligations toward a new block (decoding it, its layer
+digests, B3, and its Repr-Digest, BL4, which a put pays once): a demotion
+of blocks already held, from host memory into the tier (the segment's
+checksum made, its layer table in the same batch call), against the raw
+put; a read back through the segment loader (the tier's get and the
+checksum checked: what a promotion and a cold GET read), against the raw
+get.
+
 Restart recovery (issue 36): an LMDB tier holding N sealed blocks of 128
 KiB is opened by a new store, which finds them again. Rows: milliseconds a
 block at each N, against the same tier recovered by reading and checking
@@ -43,8 +52,9 @@ from typing import Any
 
 from kvstore.protocol import container as kc
 from kvstore.protocol._bytes import BytesLike
-from kvstore.storage import BlockRef, SegmentSealer, StoreSettings, TieredStore
+from kvstore.storage import BlockRef, SegmentSealer, TieredStore
 from kvstore.storage.records import Segment
+from kvstore.storage.settings import StoreSettings
 from kvstore.storage.tier import Tier
 
 from . import Result
@@ -101,14 +111,69 @@ async def _measure_store(
     return min(puts), min(gets)
 
 
+async def _measure_movement(
+    make_tier: Callable[[], Tier], blocks: list[tuple[BlockRef, bytes]], repeat: int
+) -> tuple[float, float]:
+    """(demotion seconds, read-back seconds) for all blocks between a host
+    tier and a fresh ``make_tier()`` below it: tier movement alone, of
+    blocks the store already holds and digested. A demotion writes each
+    segment below (its checksum made, the layer table in the same batch
+    call) and deletes it above; a read back is what a promotion or a cold
+    GET reads, through the segment loader (the tier's get, its checksum
+    checked)."""
+    from kvstore.backends.host import HostTier
+
+    demotions, reads = [], []
+    for _ in range(repeat):
+        store = TieredStore(
+            [(HostTier(), 1 << 40), (make_tier(), 1 << 40)],
+            StoreSettings(promote=False, demote_above=0),
+        )
+        for ref, data in blocks:
+            await store.put(ref, data)
+        infos = [store.info(ref) for ref, _ in blocks]
+        start = time.perf_counter()
+        for info in infos:
+            await info.claim.take()
+            try:
+                await store.placement.demote(info, info.segments[0], make_room=False)
+            finally:
+                info.claim.give()
+        demotions.append(time.perf_counter() - start)
+        assert all(i.segments[0].slot == 1 for i in infos), "a demotion did not happen"
+        start = time.perf_counter()
+        for info in infos:
+            await store.loader.load(info, info.segments[0])
+        reads.append(time.perf_counter() - start)
+        for ref, _ in blocks:
+            await store.delete(ref)
+        await store.close(spill=False)
+    return min(demotions), min(reads)
+
+
 def _rows(
-    tier: str, octets: int, ours: tuple[float, float], raw: tuple[float, float], what: str
+    tier: str,
+    octets: int,
+    ours: tuple[float, float],
+    raw: tuple[float, float],
+    what: str,
+    moves: tuple[float, float] | None = None,
 ) -> list[Result]:
+    """A tier's rows against its raw client: the store's put (its own
+    obligations, B3 and BL4, included) and get; with ``moves`` (see
+    :func:`_measure_movement`), tier movement alone: a demotion's write
+    against the raw put, a read back against the raw get."""
     gb = octets / 1e9
-    return [
+    rows = [
         Result(f"{tier} put", "GB/s", gb / ours[0], f"{what} put", gb / raw[0], goal=0.7),
         Result(f"{tier} get", "GB/s", gb / ours[1], f"{what} get", gb / raw[1], goal=0.7),
     ]
+    if moves is not None:
+        rows += [
+            Result(f"{tier} demotion", "GB/s", gb / moves[0], f"{what} put", gb / raw[0], 0.7),
+            Result(f"{tier} read back", "GB/s", gb / moves[1], f"{what} get", gb / raw[1], 0.7),
+        ]
+    return rows
 
 
 async def bench_host(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[Result]:
@@ -165,6 +230,7 @@ async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
             )
 
         ours = await _measure_store(fresh, blocks, repeat)
+        moves = await _measure_movement(fresh, blocks, repeat)
         sealed = await _measure_store(fresh, blocks, repeat, SegmentSealer(bytes(32)))
         # A fresh map each round, as the store gets: new pages cost page faults.
         envs = iter(
@@ -197,7 +263,7 @@ async def bench_lmdb(blocks: list[tuple[BlockRef, bytes]], repeat: int) -> list[
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = octets / 1e9
-    rows = _rows("local-storage (LMDB)", octets, ours, raw, "raw lmdb")
+    rows = _rows("local-storage (LMDB)", octets, ours, raw, "raw lmdb", moves)
     rows += [
         Result("LMDB put, AES-GCM on", "GB/s", gb / sealed[0], "LMDB put, off", gb / ours[0], 0.7),
         Result("LMDB get, AES-GCM on", "GB/s", gb / sealed[1], "LMDB get, off", gb / ours[1], 0.7),
@@ -328,6 +394,9 @@ async def bench_redis(
     ours = await _measure_store(
         lambda: RedisTier(url=url, prefix=prefix, cluster=cluster), blocks, repeat
     )
+    moves = None
+    if not cluster:  # the movement of one node's rows stands for both
+        moves = await _measure_movement(lambda: RedisTier(url=url, prefix=prefix), blocks, repeat)
     client: Any = connect(url, cluster=cluster)
     names = [f"{prefix}{{{ref.block_key}}}" for ref, _ in blocks]
 
@@ -347,7 +416,7 @@ async def bench_redis(
         return _rows(
             "remote-memory (Redis Cluster, 3 masters)", octets, ours, raw, "raw redis-py cluster"
         )
-    return _rows("remote-memory (Redis)", octets, ours, raw, "raw redis-py")
+    return _rows("remote-memory (Redis)", octets, ours, raw, "raw redis-py", moves)
 
 
 async def bench_s3(
@@ -375,6 +444,7 @@ async def bench_s3(
             )
 
         ours = await _measure_store(fresh, blocks, repeat)
+        moves = await _measure_movement(fresh, blocks, repeat)
 
         async def put() -> None:
             for ref, data in blocks:
@@ -387,7 +457,7 @@ async def bench_s3(
                     await body.read()
 
         raw = (await _best(put, repeat), await _best(get, repeat))
-    return _rows("remote-storage (S3, moto)", octets, ours, raw, "raw aiobotocore")
+    return _rows("remote-storage (S3, moto)", octets, ours, raw, "raw aiobotocore", moves)
 
 
 def _start_moto() -> tuple[Any, str] | None:
