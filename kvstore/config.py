@@ -126,6 +126,7 @@ their defaults::
     retry_after_s = 5.0               # a tier that failed is skipped this long
     retention_s = 0.0                 # blocks older than this leave every tier (0: kept)
     owner_ttl_s = 30.0                # a crashed holder's Redis/S3 prefix frees after this
+    recover_first = false             # true: recover every block before listening
 
     [[storage.tiers]]                 # fastest first
     backend = "host"                  # device | host | lmdb | redis | s3
@@ -221,6 +222,10 @@ class StorageConfig(StoreSettings):
     #: One owner per storage: a Redis or S3 owner record lapses this long
     #: after its holder stops renewing it (a crash); renewed every third.
     owner_ttl_s: float = 30.0
+    #: Recover every stored block before listening (the old way: a large
+    #: tier keeps the holder silent for minutes). Off: serve at once and
+    #: recover in the background, blocks not reached yet found on demand.
+    recover_first: bool = False
     tiers: tuple[TierConfig, ...] = ()
 
 

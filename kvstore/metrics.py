@@ -123,6 +123,21 @@ class _StoreCollector(Collector):
             "kvstore_lease_rejections", "Lease requests refused", value=snap.lease_rejections
         )
         yield GaugeMetricFamily("kvstore_leases", "Unexpired leases", value=snap.leases)
+        if snap.recovery is not None:
+            # A restart serves at once and recovers in the background.
+            progress = snap.recovery
+            yield GaugeMetricFamily(
+                "kvstore_store_recovering",
+                "A restart's recovery is under way",
+                value=int(progress.phase in ("listing", "scanning", "retrying")),
+            )
+            found = GaugeMetricFamily(
+                "kvstore_store_recovery_blocks", "Restart recovery's blocks", labels=["stage"]
+            )
+            found.add_metric(["listed"], progress.listed)
+            found.add_metric(["scanned"], progress.scanned)
+            found.add_metric(["adopted"], progress.adopted)
+            yield found
         if self.publisher is not None:
             stats = self.publisher.stats
             published = CounterMetricFamily("kvstore_publish", "Index updates", labels=["outcome"])

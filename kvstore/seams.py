@@ -22,7 +22,7 @@ from .protocol.records import (
     PrefetchDirective,
     ReplicaRecord,
 )
-from .storage import StoreSnapshot, TierSnapshot
+from .storage import RecoveryProgress, StoreSnapshot, TierSnapshot
 
 
 class Snapshots(Protocol):
@@ -32,6 +32,8 @@ class Snapshots(Protocol):
     def snapshot(self) -> StoreSnapshot: ...
 
     def tier_snapshots(self) -> tuple[TierSnapshot, ...]: ...
+
+    def recovery_progress(self) -> RecoveryProgress: ...
 
 
 class PublisherCounts(Protocol):

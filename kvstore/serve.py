@@ -392,13 +392,18 @@ def build_index(
 def readiness(
     store: Snapshots | None, publisher: PublisherStatsSource | None
 ) -> tuple[bool, dict[str, Any]]:
-    """``/readyz``: every tier reachable, and for a holder the IS it publishes to."""
+    """``/readyz``: every tier reachable, and for a holder the IS it publishes
+    to; with a store, how far its recovery is (not a condition: it serves
+    meanwhile)."""
     checks: dict[str, Any] = {}
     if store is not None:
         checks["tiers"] = {
             f"{i}:{t.kind}": "degraded" if t.degraded else "ok"
             for i, t in enumerate(store.tier_snapshots())
         }
+        # A restart serves while it recovers (ready: blocks not reached yet
+        # are found on demand); how far it is, for an operator to see.
+        checks["recovery"] = store.recovery_progress().to_json()
     if publisher is not None:
         checks["index"] = "ok" if publisher.index_reachable else "unreachable"
     flat = [*checks.get("tiers", {}).values(), checks.get("index", "ok")]
@@ -544,7 +549,14 @@ async def _build(
         # S3 prefix is refused here with one line), and kept while serving.
         from .storage.owner import owner_name
 
-        found = await store.open(owner_name(_serving(config, roles)), config.storage.owner_ttl_s)
+        # The holder serves while it recovers (a large tier would keep it
+        # silent for minutes): blocks the scan has not reached are found on
+        # demand; recover_first waits for the scan instead.
+        found = await store.open(
+            owner_name(_serving(config, roles)),
+            config.storage.owner_ttl_s,
+            background=not config.storage.recover_first,
+        )
         await store.measure_read_rates()
         if config.storage.retention_s > 0:
             from .storage.retention import RetentionSweeper
@@ -554,7 +566,10 @@ async def _build(
         assert store is not None
         publisher = build_publisher(config, store)
         apps.append(build_holder(config, store, publisher, listening, shutdown))
-        log.info("holder %s: %d blocks recovered", config.holder.uri, found)
+        if store.recovering:
+            log.info("holder %s: recovering its stored blocks while serving", config.holder.uri)
+        else:
+            log.info("holder %s: %d blocks recovered", config.holder.uri, found)
     if "instance" in roles:
         # Its blocks are in the store; with the holder role the holder
         # serves and publishes them (an instance is a holder of its tiers).

@@ -119,6 +119,10 @@ class Holder:
         first = last = None
         if "layers" in request.query_params:
             first, last = parse_layers(request.query_params["layers"])
+        if self.store.recovering and not await self.store.find(ref):
+            # A restart still finding its blocks could not tell in time: a
+            # miss (P4), the client goes on to another replica.
+            raise NotFound(f"block {ref.block_key} is not held (yet: recovery is under way)")
         if request.method == "HEAD" and "codec" not in request.query_params:
             # An existence probe (engines send many): headers from what is
             # known, no segment read, not a hit (a HEAD asking for a codec
@@ -259,6 +263,8 @@ class Holder:
             )
 
         assert client is not None
+        if self.store.recovering:
+            await self.store.find_keys(wanted.block_keys)
         lease = self.store.lease(client, wanted.block_keys, wanted.ttl_ms, allowed)
         location = self.settings.base_path + f"leases/{lease.id}"
         return json_response(_lease_json(lease, self.store.clock), 201, {"Location": location})

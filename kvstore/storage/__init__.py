@@ -1,7 +1,7 @@
 """The tiered block store: Tier interface, eviction manager, leases, sealing."""
 
 from .crypto import SegmentSealer
-from .events import StoreListener, StoreSnapshot, TierSnapshot
+from .events import RecoveryProgress, StoreListener, StoreSnapshot, TierSnapshot
 from .leases import Lease, LeaseLimits
 from .manager import TieredStore
 from .reads import BlockRead
@@ -17,6 +17,7 @@ __all__ = [
     "BlockRef",
     "Lease",
     "LeaseLimits",
+    "RecoveryProgress",
     "SegmentSealer",
     "StoreListener",
     "StoreSettings",

@@ -26,3 +26,12 @@ class TierUnavailable(KvspError):
 
 class TierFull(InsufficientStorage):
     title = "Storage tier full"
+
+
+class StillRecovering(KvspError):
+    """The store is still finding the blocks its persistent tiers hold (a
+    restart that serves at once) and could not tell in time whether this
+    one is among them: try again (a 503 with Retry-After)."""
+
+    status = 503
+    title = "Holder still recovering its stored blocks"

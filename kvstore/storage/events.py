@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .types import BlockRef
 
@@ -88,6 +88,34 @@ class StoreEvents:
 
 
 @dataclass(frozen=True, slots=True)
+class RecoveryProgress:
+    """How far a recovery is (``/readyz``, metrics, logs)."""
+
+    phase: str
+    #: Blocks the listing found (a layer table or a segment), once listed.
+    listed: int
+    #: Of those, blocks looked at (adopted or given up).
+    scanned: int
+    #: Blocks adopted (they serve).
+    adopted: int
+    elapsed_s: float
+    #: The last failure of a retried scan.
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "phase": self.phase,
+            "listed": self.listed,
+            "scanned": self.scanned,
+            "adopted": self.adopted,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class TierSnapshot:
     """One tier as ``/metrics`` and ``/readyz`` show it."""
 
@@ -124,3 +152,5 @@ class StoreSnapshot:
     integrity_failures: int
     lease_rejections: int
     leases: int
+    #: How far the restart's recovery is (done once it serves whole).
+    recovery: RecoveryProgress | None = None

@@ -41,7 +41,15 @@ from ..protocol.problems import LayersUnavailable, MalformedContainer, NotFound,
 from ..protocol.records import ReplicaRecord, Residency
 from .core import StoreCore
 from .crypto import SegmentSealer
-from .events import EvictHook, OnEvict, StoreEvents, StoreSnapshot, TierSnapshot
+from .errors import StillRecovering
+from .events import (
+    EvictHook,
+    OnEvict,
+    RecoveryProgress,
+    StoreEvents,
+    StoreSnapshot,
+    TierSnapshot,
+)
 from .leases import Lease, LeaseLimits, LeaseTable
 from .loader import SegmentLoader
 from .owner import Ownership, owner_name
@@ -52,7 +60,7 @@ from .records import BlockInfo, StoreStats, TierSlot, layer_table, repr_digest_o
 from .retention import expire, lease_terms, retention_ttl
 from .settings import StoreSettings
 from .spill import spill
-from .startup import measure_read_rates, recover
+from .startup import Recovery, measure_read_rates
 from .state import SERVING, SETTLING
 from .table import BlockTable
 from .tier import ArenaTier, Tier
@@ -126,6 +134,7 @@ class TieredStore:
         )
         self.loader = SegmentLoader(self.core)
         self.placement = Placement(self.core, self.loader)
+        self.recovery = Recovery(self.core, self.placement)
         core = self.core
         # The shared parts, by name (the holder, metrics and tests read them).
         self.slots: list[TierSlot] = core.slots
@@ -279,6 +288,7 @@ class TieredStore:
             integrity_failures=stats.integrity_failures,
             lease_rejections=self.leases.rejections,
             leases=len(self.leases),
+            recovery=self.recovery.progress(),
         )
 
     # --- writes --------------------------------------------------------
@@ -312,6 +322,11 @@ class TieredStore:
         if len(container) == 0 or container.first_layer != 0:
             # A block is stored whole: its record lists every layer's digest (R2).
             raise MalformedContainer("a block must carry its layers from layer 0 on")
+        if self.recovery.active and not await self.recovery.find(ref):
+            # BL7: whether it is held (a 412) cannot be told yet.
+            raise StillRecovering(
+                f"block {ref.block_key}: the holder is still finding its stored blocks"
+            )
         # B3: the layer digests are computed in a worker thread while the
         # segments are written; hashlib releases the GIL, so the two overlap.
         # BL4: so is the Repr-Digest of the whole block, in a second thread,
@@ -393,6 +408,10 @@ class TieredStore:
         """Remove a block (an operator action), withdrawn first (P3); a
         leased one is refused (LE2) unless ``force`` (then it goes as data
         lost to a fault would, LE4)."""
+        if self.recovery.active and not await self.recovery.find(ref):
+            raise StillRecovering(
+                f"block {ref.block_key}: the holder is still finding its stored blocks"
+            )
         info = self.table.serving(ref)
         if info is None:
             raise NotFound(f"block {ref.block_key} is not held")
@@ -410,7 +429,15 @@ class TieredStore:
     async def purge(self, scope_id: str, *, force: bool = False) -> tuple[int, int]:
         """Remove every block of a scope (a tenant leaving, a poisoned cache),
         each withdrawn first (P3), one at a time; leased ones stay unless
-        ``force``. Returns (removed, leased and kept)."""
+        ``force``. Returns (removed, leased and kept). Refused while
+        recovering (:class:`.StillRecovering`): the scope's blocks not found
+        yet would stay."""
+        if self.recovery.active:
+            progress = self.recovery.progress()
+            raise StillRecovering(
+                f"the holder is still finding its stored blocks ({progress.scanned} of "
+                f"{progress.listed} looked at): a purge now would leave the rest"
+            )
         removed = kept = 0
         for ref in [info.ref for info in self.table if info.ref.scope_id == scope_id]:
             try:
@@ -454,6 +481,8 @@ class TieredStore:
 
     async def get(self, ref: BlockRef, first: int | None = None, last: int | None = None) -> bytes:
         """Read layers ``first..last`` of a block into one container buffer."""
+        if self.recovery.active:
+            await self.recovery.find(ref)  # not told in time: a miss (P4)
         return await self.read(ref, first, last).read_all()
 
     # --- leases --------------------------------------------------------
@@ -494,17 +523,35 @@ class TieredStore:
 
     async def recover(self) -> int:
         """Find the segments persistent tiers still hold (after a restart);
-        returns the number of blocks found. See :mod:`.startup`."""
-        found = await recover(self.core)
-        now = self.wall_clock()
-        for info in self.table:
-            if info.stored_at <= 0 or info.stored_at > now:
-                # No time kept (an older version, a lost table), or one
-                # from a clock ahead of ours: counted from now, and the
-                # table rewritten so that the next restart knows it.
-                self.table.restamp(info, now)
-                await self.placement.sync_meta(info)
-        return found
+        returns the number of blocks held. See :mod:`.startup`."""
+        return await self.recovery.run()
+
+    @property
+    def recovering(self) -> bool:
+        """A recovery is under way (in the background after :meth:`open`
+        with ``background``): blocks not reached yet are found on demand."""
+        return self.recovery.active
+
+    def recovery_progress(self) -> RecoveryProgress:
+        """How far recovery is (``/readyz``, metrics)."""
+        return self.recovery.progress()
+
+    async def recovered(self) -> None:
+        """Wait until a background recovery is done."""
+        await self.recovery.wait()
+
+    async def find(self, ref: BlockRef) -> bool:
+        """While a background recovery runs, recover ``ref`` now if a
+        persistent tier holds it (a request about it answers as if the
+        scan were done); False when that could not be told in time (see
+        :meth:`.Recovery.find`). The store's async calls do this
+        themselves; a caller of :meth:`read` or :meth:`lease` awaits it
+        (or :meth:`find_keys`) first."""
+        return await self.recovery.find(ref)
+
+    async def find_keys(self, block_keys: Iterable[str]) -> None:
+        """:meth:`find` every stored block with one of ``block_keys``."""
+        await self.recovery.find_keys(block_keys)
 
     async def settle(self) -> None:
         """Wait for the background promotions and demotions started so far,
@@ -512,19 +559,30 @@ class TieredStore:
         DELETE's removal goes on by itself)."""
         await self.placement.settle()
 
-    async def open(self, owner: str = "", owner_ttl_s: float = 30.0) -> int:
+    async def open(
+        self, owner: str = "", owner_ttl_s: float = 30.0, *, background: bool = False
+    ) -> int:
         """Make the store this process's and find what it holds: claim each
         persistent tier (one owner per storage, :mod:`.owner`; a second
         process on the same LMDB directory, Redis or S3 prefix gets
         :class:`.StorageInUse`), keep the claims while open, and
         :meth:`recover`. Returns the number of blocks found. ``async with``
-        calls it; without a persistent tier there is nothing to do."""
+        calls it; without a persistent tier there is nothing to do.
+
+        ``background``: return once the tiers are claimed and recover while
+        serving (what ``kvstore serve`` does, so that a large tier does not
+        keep the holder silent): a GET, PUT, DELETE or lease of a block the
+        scan has not reached finds it first (:meth:`find`);
+        :meth:`recovered` waits for the scan. Returns 0 then."""
         if not any(s.tier.persistent for s in self.slots) or self._ownership is not None:
             return len(self)
         ownership = Ownership([s.tier for s in self.slots], owner or owner_name(), owner_ttl_s)
         await ownership.claim()
         self._ownership = ownership
         ownership.start()
+        if background:
+            self.recovery.start()
+            return 0
         return await self.recover()
 
     async def close(self, spill: bool = True) -> None:
@@ -536,6 +594,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
+        await self.recovery.stop()
         if spill:
             await self.spill()
         await self.placement.stop()

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-from ..protocol._bytes import BytesLike
 from .records import RANGE_DIGESTS_KEPT, BlockInfo, Segment, TierSlot
 from .state import HELD, SERVING, BlockState, Event, advance
 from .types import BlockRef
@@ -78,7 +77,9 @@ class BlockTable:
         self._entries[info.ref] = info
 
     def adopt(self, info: BlockInfo) -> None:
-        """A block found in a persistent tier at start (RESIDENT)."""
+        """A block found in a persistent tier at start (RESIDENT), whole;
+        the caller checked there is no entry for its reference."""
+        assert info.ref not in self._entries, "one entry per reference"
         info.state = advance(info.state, Event.RECOVERED)
         self._entries[info.ref] = info
         self._by_key.setdefault(info.ref.block_key, set()).add(info.ref)
@@ -112,14 +113,10 @@ class BlockTable:
         return self._drop(info)
 
     def unregister(self, info: BlockInfo) -> None:
-        """Recovery gives up a block it could not complete (never served)."""
+        """Recovery gives up a block it could not complete (never adopted):
+        the room its segments were counted in is given back."""
+        assert self._entries.get(info.ref) is not info, "an adopted block leaves by eviction"
         self._drop(info)
-        self._entries.pop(info.ref, None)
-        refs = self._by_key.get(info.ref.block_key)
-        if refs is not None:
-            refs.discard(info.ref)
-            if not refs:
-                del self._by_key[info.ref.block_key]
 
     async def settled(self, info: BlockInfo) -> None:
         """Wait until ``info`` is neither WRITING nor LEAVING."""
@@ -189,21 +186,6 @@ class BlockTable:
         and every layer table is to be written again with it."""
         info.stored_at = stored_at
         info.meta_slots.clear()
-
-    def load_meta(self, ref: BlockRef, index: int, plain: BytesLike) -> BlockInfo:
-        """Recovery: adopt a layer table read from tier ``index``, into the
-        block's entry (a new RESIDENT one for a block not seen yet).
-        ValueError if it is malformed or disagrees with what is known."""
-        info = self._entries.get(ref)
-        if info is None:
-            # Codec and tokens come from the table; a bad one adds no entry.
-            info = BlockInfo(ref, 0, 0, {}, [])
-            info.load_meta(plain)
-            self.adopt(info)
-        else:
-            info.load_meta(plain)  # the same table in another tier
-        info.meta_slots.add(index)
-        return info
 
     def partial(self, info: BlockInfo) -> None:
         """Recovery kept only some of the block's layers: the whole block's

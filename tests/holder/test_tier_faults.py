@@ -16,7 +16,7 @@ from kvstore.holder import HolderSettings, create_app
 from kvstore.storage import StoreSettings, TieredStore
 
 from ..conftest import RedisServer
-from ..storage.helpers import COMPAT, SCOPE, block, ref, size_of, stored_size
+from ..storage.helpers import COMPAT, SCOPE, Clock, block, ref, size_of, stored_size
 from .conftest import HOLDER, POLICY, AsPrincipal, pem
 
 HEADERS = {"If-None-Match": "*", "Content-Type": "application/kvsp-block"}
@@ -30,6 +30,7 @@ async def test_redis_down_and_back_under_http(
     own_redis: RedisServer, tmp_path: Path, certs: Path
 ) -> None:
     redis = RedisTier(url=own_redis.url, prefix="fault:", timeout_s=1.0)
+    clock = Clock()  # the tier's retry time passes when the test says
     store = TieredStore(
         [
             (HostTier(), 2 * size_of()),
@@ -37,6 +38,7 @@ async def test_redis_down_and_back_under_http(
             (LmdbTier(str(tmp_path / "lmdb")), 20 * size_of()),
         ],
         StoreSettings(promote=False, retry_after_s=0.2, demote_above=0),
+        clock=clock,
     )
     app = create_app(HolderSettings(HOLDER), store, POLICY)
     transport = httpx.ASGITransport(AsPrincipal(app, pem(certs, "alice")))
@@ -68,9 +70,7 @@ async def test_redis_down_and_back_under_http(
         own_redis.start()  # back, and empty
         if store.snapshot().tiers[1].degraded:  # within its retry time: not asked (a 503)
             assert (await alice.get(url(1))).status_code == 503
-        import asyncio
-
-        await asyncio.sleep(0.3)  # past retry_after_s: asked again
+        clock.advance(0.3)  # past retry_after_s: asked again
         gone = await alice.get(url(1))
         assert gone.status_code == 404  # a miss: the client recomputes or goes elsewhere
         assert (await alice.put(url(7), content=bodies[7], headers=HEADERS)).status_code == 201

@@ -69,6 +69,7 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
         tls = put.split(" -X ")[0]
         code, body = curl(f"{tls} https://127.0.0.1:{port}/readyz")
         assert code == 200 and '"index": "ok"' in body and "local-storage" in body
+        assert '"recovery": {"phase": ' in body  # how far a restart's scan is
         assert curl(f"{tls} https://127.0.0.1:{port}/healthz")[0] == 200
         # kvstore status / top read every role's {base}metrics (OPS1).
         bases = [f"https://127.0.0.1:{port}/{b}/" for b in ("kvsp", "is", "pc")]
@@ -190,9 +191,12 @@ def test_the_port_of_the_environment_is_served_printed_and_logged_at_info(
         assert code == 200 and '"index": "ok"' in body, body
         lines = [line for line in log.read_text().splitlines() if " kvstore." in line]
         assert any(" INFO kvstore.serve serving holder,index,pc on " in line for line in lines)
+        # The holder serves while its store recovers, and says so; the scan
+        # tells when it is done.
         assert any(
-            " INFO kvstore.serve holder " in line and "blocks recovered" in line for line in lines
+            " INFO kvstore.serve holder " in line and "recovering" in line for line in lines
         ), lines
+        assert any(" INFO kvstore.storage recovery: " in line for line in lines), lines
         assert not [line for line in lines if " WARNING " in line or " ERROR " in line], lines
     finally:
         process.send_signal(signal.SIGTERM)

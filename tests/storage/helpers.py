@@ -36,6 +36,20 @@ def stored_size(layers: int = 8, section: int = 256) -> int:
     return size_of(layers, section) + CHECKSUM_OVERHEAD
 
 
+class Clock:
+    """A monotonic clock the test moves (leases, a failed tier's retry
+    time) instead of sleeping the time out."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class Recorder:
     """An on_evict hook that records calls and what the store held at that moment."""
 

@@ -9,17 +9,9 @@ from kvstore.backends.lmdb import LmdbTier
 from kvstore.protocol.problems import InsufficientStorage, LeaseQuota, NotFound, PreconditionFailed
 from kvstore.storage import LeaseLimits, StoreSettings, TieredStore
 
-from .helpers import Recorder, block, ref, size_of
+from .helpers import Clock, Recorder, block, ref, size_of
 
 SIZE = size_of()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def store(capacity_blocks: int = 2, clock: Clock | None = None, **kw: object) -> TieredStore:
