@@ -161,16 +161,18 @@ def test_a_holder_that_is_down_makes_lmcache_miss_not_crash(
     b = engine("B", holder, engines, timeout_s=3)
     assert b.lookup(tokens) == 2 * CHUNK
     holder.kill()
-    started = time.monotonic()
     assert b.lookup(tokens) == 0
+    # Requests that found it dead (refused at once); from then on it is
+    # skipped: the retrieve and the store send nothing, they do not wait.
+    tried = connector(b).store.stats.errors
+    assert tried >= 1
     out = torch.zeros_like(kv)
     mask = b.retrieve(tokens, kvcaches=out, slot_mapping=slots)
     assert int(mask.sum()) == 0 and not out.any()
     b.store(torch.randint(0, 32000, (CHUNK,)), kvcaches=kv, slot_mapping=slots)  # no raise
     wait_for_puts(b, 1)
     assert connector(b).store.stats.put_failures == 1
-    assert time.monotonic() - started < 10  # misses, not waits on every chunk
-    assert connector(b).store.stats.errors >= 1
+    assert connector(b).store.stats.errors == tried
     # Back: the same engine finds its chunks again (no restart of LMCache).
     holder.start()
     time.sleep(1.1)  # past down_backoff_s

@@ -313,19 +313,21 @@ def test_a_holder_killed_mid_batch_gives_misses_and_failed_stores_not_errors(
     many = [key(200 + i) for i in range(64)]
     task = adapter.submit_store_task(many, [chunk(payload(200 + i)) for i in range(64)])
     holder.kill()
-    started = time.monotonic()
     result = wait(
         adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
     )
     assert not result.is_successful()
+    tried = adapter.report_status()["errors"]  # the stores in flight when it died
     out = [chunk() for _ in keys]
     assert load(adapter, keys, out) == [False] * 6  # misses, into untouched buffers
     assert not any(o.tensor.any() for o in out)
     adapter.submit_unlock(keys)  # its leases died with the holder: no error
     assert lookup(adapter, keys) == [False] * 6
-    assert time.monotonic() - started < 15  # misses, not a timeout per chunk
     status = adapter.report_status()
-    assert status["errors"] >= 1 and not status["is_healthy"]
+    # Misses, not retries: at most one request a chunk loaded (each
+    # refused at once by the dead holder), none for the lookups.
+    assert 1 <= tried <= status["errors"] <= tried + len(keys)
+    assert not status["is_healthy"]
     # Back (empty: host memory only): stores and finds again, no restart.
     holder.start()
     time.sleep(1.1)  # past down_backoff_s
@@ -338,9 +340,9 @@ def test_lmcache_prefetch_from_a_dead_holder_is_a_miss(holder: Holder) -> None:
     manager = storage_manager(holder)
     try:
         holder.kill()
-        started = time.monotonic()
         assert prefetch(manager, [key(i) for i in range(4)]) == {}
-        assert time.monotonic() - started < 15
+        # A miss after at most one refused request a key, not retries.
+        assert 1 <= our_adapter(manager).report_status()["errors"] <= 4
     finally:
         manager.close()
 

@@ -12,7 +12,6 @@ own file backend counts them."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -265,16 +264,19 @@ def test_a_holder_that_is_down_makes_pages_miss(
     fill(pool, src)
     assert store.batch_set_v1(keys, src) == [True] * PAGES
     holder.kill()
-    started = time.monotonic()
     assert store.batch_exists(keys) == 0
+    assert store.store is not None
+    # Requests that found it dead (refused at once); from then on it is
+    # skipped: later calls are misses that send nothing, not waits.
+    tried = store.store.stats.errors
+    assert tried >= 1
     dst = pool.alloc(PAGES * PAGE)
     before = read(pool, dst)
     assert store.batch_get_v1(keys, dst) == [False] * PAGES
     assert all(torch.equal(a, b) for a, b in zip(before, read(pool, dst), strict=True))
     assert store.batch_set_v1(keys, src) == [False] * PAGES
     assert not store.set(keys[0], pool.get_data_page(int(src[0])))
-    assert time.monotonic() - started < 10
-    assert store.store is not None and store.store.stats.errors >= 1
+    assert store.store.stats.errors == tried
 
 
 def test_sglang_threads_calling_at_once_are_served(
@@ -621,8 +623,10 @@ def test_v2_with_the_holder_down_misses(holder: Holder, made: list[KvstoreHiCach
     tail = [PoolTransfer(name=MAMBA, keys=keys[-1:], hit_policy=TRAILING)]
     assert store.batch_exists_v2(keys, tail).kv_hit_pages == PAGES
     holder.kill()
-    started = time.monotonic()
     found = store.batch_exists_v2(keys, tail)
+    assert store.store is not None
+    tried = store.store.stats.errors  # then skipped: misses that send nothing
+    assert tried >= 1
     assert (found.kv_hit_pages, found.extra_pool_hit_pages, found.restorable_prefix_pages) == (
         0,
         {},
@@ -638,8 +642,7 @@ def test_v2_with_the_holder_down_misses(holder: Holder, made: list[KvstoreHiCach
         for a, b in zip(x, y, strict=True)
     )
     assert store.batch_set_v2(transfers(src)) == {KV: [False] * PAGES, MAMBA: [False] * PAGES}
-    assert time.monotonic() - started < 10
-    assert store.store is not None and store.store.stats.errors >= 1
+    assert store.store.stats.errors == tried
 
 
 def test_sglangs_hybrid_controller_moves_a_mamba_state_through_v2(
