@@ -401,6 +401,7 @@ async def bench_recovery(counts: tuple[int, ...]) -> list[Result]:
                     ms,
                     "every segment read and checked",
                     every,
+                    direction="lower",
                 )
             )
             rows.append(Result(f"{what}: blocks/s", "blocks/s", 1000 / ms))
@@ -415,6 +416,7 @@ async def bench_recovery(counts: tuple[int, ...]) -> list[Result]:
                         f"the same at {counts[0]:,} blocks",
                         first,
                         1.5,
+                        direction="lower",
                     )
                 )
     finally:

@@ -387,13 +387,18 @@ def encode(
         codec, first_layer, token_count, tuple((len(k), len(v)) for k, v in views)
     )
     out = bytearray(header.total_octets)
-    out[: header.header_octets] = header.pack()
+    # Through a memoryview: a bytearray's slice assigned from a view would
+    # first copy the view into a temporary bytearray (fresh pages, each one
+    # faulted in: an order of magnitude over the copy itself).
+    target = memoryview(out)
+    target[: header.header_octets] = header.pack()
     offset = header.header_octets
     for k, v in views:
-        out[offset : offset + len(k)] = k
+        target[offset : offset + len(k)] = k
         offset += len(k)
-        out[offset : offset + len(v)] = v
+        target[offset : offset + len(v)] = v
         offset += len(v)
+    target.release()
     return out
 
 

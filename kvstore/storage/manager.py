@@ -218,35 +218,11 @@ class TieredStore:
         return self.table.accounting()
 
     def residency(self, ref: BlockRef) -> tuple[Residency, ...]:
-        """The ``residency`` array of the block's Replica Record: adjacent
-        segments in one tier merged, ascending, non-overlapping (R2)."""
-        out: list[Residency] = []
-        for segment in sorted(self.info(ref).segments, key=lambda s: s.first):
-            slot = self.slots[segment.slot]
-            prev = out[-1] if out else None
-            if prev is not None and prev.tier == slot.kind and prev.last + 1 == segment.first:
-                out[-1] = Residency(prev.tier, prev.first, segment.last, prev.read_mbit_per_s)
-            else:
-                out.append(
-                    Residency(slot.kind, segment.first, segment.last, slot.tier.read_mbit_per_s)
-                )
-        return tuple(out)
+        """The ``residency`` array of the block's Replica Record (R2)."""
+        return self.info(ref).residency(self.slots)
 
     def replica_record(self, ref: BlockRef, holder: str, ttl_ms: int) -> ReplicaRecord:
-        info = self.info(ref)
-        digests = info.layer_digests
-        return ReplicaRecord(
-            block_key=ref.block_key,
-            compat_id=ref.compat_id,
-            scope_id=ref.scope_id,
-            holder=holder,
-            codec=info.codec,
-            size=info.size,
-            digest="sha-256:" + kc.replica_digest(digests).hex(),
-            residency=self.residency(ref),
-            ttl_ms=ttl_ms,
-            layer_digests=tuple(d.hex() for d in digests),
-        )
+        return self.info(ref).replica_record(self.slots, holder, ttl_ms)
 
     async def measure_read_rates(self, probe_octets: int = 2 << 20, rounds: int = 3) -> None:
         """Measure ``read_mbit_per_s`` of tiers that have none configured (PL1 inputs)."""

@@ -13,10 +13,12 @@ import asyncio
 import base64
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
+from ..protocol.records import ReplicaRecord, Residency
 from .errors import CorruptData
 from .policy import LRU, EvictionPolicy
 from .state import BlockState, Claim
@@ -196,6 +198,37 @@ class BlockInfo:
             self.stored_at = stored_at
         if repr_digest is not None:
             self.whole_repr_digest = repr_digest
+
+    def residency(self, slots: Sequence[TierSlot]) -> tuple[Residency, ...]:
+        """The ``residency`` array of the block's Replica Record: adjacent
+        segments in one tier merged, ascending, non-overlapping (R2)."""
+        out: list[Residency] = []
+        for segment in sorted(self.segments, key=lambda s: s.first):
+            slot = slots[segment.slot]
+            prev = out[-1] if out else None
+            if prev is not None and prev.tier == slot.kind and prev.last + 1 == segment.first:
+                out[-1] = Residency(prev.tier, prev.first, segment.last, prev.read_mbit_per_s)
+            else:
+                out.append(
+                    Residency(slot.kind, segment.first, segment.last, slot.tier.read_mbit_per_s)
+                )
+        return tuple(out)
+
+    def replica_record(self, slots: Sequence[TierSlot], holder: str, ttl_ms: int) -> ReplicaRecord:
+        """The block's Replica Record (R2) as ``holder`` publishes it."""
+        digests = self.layer_digests
+        return ReplicaRecord(
+            block_key=self.ref.block_key,
+            compat_id=self.ref.compat_id,
+            scope_id=self.ref.scope_id,
+            holder=holder,
+            codec=self.codec,
+            size=self.size,
+            digest="sha-256:" + kc.replica_digest(digests).hex(),
+            residency=self.residency(slots),
+            ttl_ms=ttl_ms,
+            layer_digests=tuple(d.hex() for d in digests),
+        )
 
     def verify_segment(self, segment: Segment, plain: BytesLike) -> None:
         """Check a segment's layers (lengths and digests) against the layer
