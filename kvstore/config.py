@@ -27,6 +27,9 @@ their defaults::
                                       # proxy that connects over TCP (Istio); 0: none
     trusted_proxy_uid = -1            # the user id owning the proxy's TCP socket
                                       # (Istio: 1337); -1: not checked
+    health_port = 0                   # /healthz and /readyz in plain HTTP for probes
+                                      # without a certificate (Kubernetes); 0: off
+    health_host = ""                  # its address; empty: every address
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -195,6 +198,13 @@ class ServerConfig:
     #: end of each TCP connection (any local process can connect from any
     #: loopback address); -1: not checked. Required with proxy_port.
     trusted_proxy_uid: int = -1
+    #: Liveness and readiness (``/healthz``, ``/readyz``: a status word, no
+    #: detail) in plain HTTP on this port, for probes that have no client
+    #: certificate (a kubelet's httpGet); worker i on health_port + i. 0: off.
+    health_port: int = 0
+    #: The address it listens on; empty: every address (a pod's probes come
+    #: to its IP).
+    health_host: str = ""
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -358,6 +368,14 @@ PERSISTENT_BACKENDS = frozenset({"lmdb", "redis", "s3"})
 ROLE_SECTIONS = {"holder": "holder", "index": "index", "pc": "controller", "instance": "instance"}
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def is_loopback(host: str) -> bool:
     """A host name or address of this machine only (plain HTTP is refused elsewhere)."""
     if host == "localhost":
@@ -457,6 +475,21 @@ def _check_proxy(server: ServerConfig) -> list[str]:
             )
         elif ours & set(range(server.port, server.port + count)):
             out.append("server.proxy_port: overlaps the TLS listener's ports")
+    if server.health_port:
+        count = max(1, server.workers)
+        ours = set(range(server.health_port, server.health_port + count))
+        taken = set(range(server.port, server.port + count))
+        if server.proxy_port:
+            taken |= set(range(server.proxy_port, server.proxy_port + count))
+        if not 0 < server.health_port <= 65536 - count:
+            out.append(
+                f"server.health_port: {server.health_port}: a port, 1-65535, "
+                "with room for every worker's"
+            )
+        elif ours & taken:
+            out.append("server.health_port: overlaps the TLS listener's or the proxy's ports")
+    if server.health_host and not _is_address(server.health_host):
+        out.append(f"server.health_host: {server.health_host!r}: an IP address (empty: every one)")
     if trusted and server.insecure_http:
         out.append(
             "server.trusted_proxy: not with insecure_http (a request without the "

@@ -49,6 +49,9 @@ class Listening:
     def set(self) -> None:
         self._event.set()
 
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
     async def wait(self) -> None:
         await self._event.wait()
 

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from .config import Config, ConfigError, check
+from .health import HealthListener, bind_health_port
 from .holder import create_app
 from .http import EXCEPTION_HANDLERS, role_of
 from .lifespan import Listening, Service, Shutdown, Step, run_steps, running
@@ -492,8 +493,17 @@ async def serve(
     check_tls_files(config)
     listener = bind_listener(config)
     closing.append(lambda: close_socket(listener))
+    health = None
     try:
-        app: ASGIApp = await _build(config, roles, listening, shutdown, closing, seat)
+        if config.server.health_port:
+            # Probes without a client certificate (Kubernetes): alive from
+            # here on, ready once built and serving (docs/operations.md).
+            health = HealthListener(
+                bind_health_port(config.server.health_host, config.server.health_port)
+            )
+            closing.append(health.stop)
+            await health.start()
+        app: ASGIApp = await _build(config, roles, listening, shutdown, closing, seat, health)
         if config.server.trusted_proxy:
             from .proxy import ForwardedIdentity
 
@@ -533,8 +543,10 @@ async def _build(
     shutdown: Shutdown,
     closing: list[Step],
     seat: Seat | None = None,
+    health: HealthListener | None = None,
 ) -> Starlette:
-    """The composed app of ``roles``; what to close at the end goes to ``closing``."""
+    """The composed app of ``roles``; what to close at the end goes to
+    ``closing``; ``health`` answers ready once the listener serves."""
     store = publisher = pc_state = None
     apps: list[Starlette] = []
     services: list[Service] = []
@@ -602,6 +614,12 @@ async def _build(
     if index_app is not None:
         apps.append(index_app)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
+    if health is not None:
+
+        def ready() -> bool:
+            return listening.is_set() and readiness(store, publisher)[0]
+
+        health.ready = ready
     if seat is not None:
         services.append(SeatService(seat))  # up once it listens
         for role_app in apps:

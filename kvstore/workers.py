@@ -109,6 +109,7 @@ def worker_config(config: Config, index: int) -> Config:
             workers=1,
             unix_socket=worker_socket(config.server.unix_socket, index),
             proxy_port=config.server.proxy_port + index if config.server.proxy_port else 0,
+            health_port=config.server.health_port + index if config.server.health_port else 0,
         ),
         holder=dataclasses.replace(config.holder, uri=uris[index], shards=uris),
         storage=worker_storage(config.storage, index, count),
