@@ -578,7 +578,8 @@ async def _build(
         assert store is not None
         publisher = build_publisher(config, store)
         apps.append(build_holder(config, store, publisher, listening, shutdown))
-        if store.recovering:
+        if not config.storage.recover_first:
+            # kvstore.storage logs the scan's end ("recovery: N blocks in T s").
             log.info("holder %s: recovering its stored blocks while serving", config.holder.uri)
         else:
             log.info("holder %s: %d blocks recovered", config.holder.uri, found)
