@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.types import Lifespan
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import Metrics, MetricsMiddleware
+from .metrics import RECEIVED, Metrics, MetricsMiddleware, Received
 from .protocol._bytes import BytesLike
 from .protocol.problems import (
     PROBLEM_MEDIA_TYPE,
@@ -178,28 +178,35 @@ async def _read_body(
     # pieces. With one, each chunk is copied to its place in it: the join's
     # cost was faulting in new memory, not the copy (docs/holder.md).
     chunks: list[bytes] = []
-    size = 0
+    size = got = 0
     receive = request.receive  # straight from the server: no generator per message
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        end = size + len(chunk)
-        if end > limit:
-            raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
-        if chunk:
-            if buffer is None:
-                chunks.append(chunk)
-            elif end <= len(buffer):
-                buffer[size:end] = chunk
-            else:  # more than declared: the server cuts such a body off first
-                raise BadRequest("the body is longer than its Content-Length")
-            if on_chunk is not None:
-                on_chunk(chunk)  # e.g. digest while the rest is still arriving
-        size = end
-        if not message.get("more_body", False):
-            break
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
+            got += len(chunk)
+            end = size + len(chunk)
+            if end > limit:
+                raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
+            if chunk:
+                if buffer is None:
+                    chunks.append(chunk)
+                elif end <= len(buffer):
+                    buffer[size:end] = chunk
+                else:  # more than declared: the server cuts such a body off first
+                    raise BadRequest("the body is longer than its Content-Length")
+                if on_chunk is not None:
+                    on_chunk(chunk)  # e.g. digest while the rest is still arriving
+            size = end
+            if not message.get("more_body", False):
+                break
+    finally:
+        # The octets that arrived, for the metrics (not the declared length).
+        counted: Received | None = request.scope.get(RECEIVED)
+        if counted is not None:
+            counted.octets += got
     if declared is not None and size != int(declared):
         raise ClientDisconnect()
     if buffer is not None:
@@ -234,7 +241,18 @@ class Role:
     mountable: Starlette
     base: str
     metrics: Metrics
+    #: Who may scrape its metrics (the ``metrics`` or ``admin`` role).
+    policy: Policy
+    #: The role's name (holder, index, pc, instance): its samples' ``role``
+    #: label where one scrape serves several roles.
+    name: str = ""
+    allow_anonymous: bool = False
     counters: Any = None
+
+    def require_scraper(self, request: Request) -> None:
+        """Store- and role-wide figures are a cross-tenant side channel:
+        only the ``metrics`` or ``admin`` role of the policy may read them."""
+        self.policy.require_any_role(principal(request, self.allow_anonymous), ("metrics", "admin"))
 
 
 def role_of(app: Starlette) -> Role:
@@ -252,6 +270,7 @@ def role_app(
     policy: Policy,
     allow_anonymous: bool = False,
     lifespan: Lifespan[Starlette] | None = None,
+    name: str = "",
 ) -> Starlette:
     """A role's app: its ``routes`` under ``base``, ``/metrics`` beside them
     and ``{base}metrics`` among them,
@@ -264,7 +283,7 @@ def role_app(
     """
 
     async def get_metrics(request: Request) -> Response:
-        policy.require_any_role(principal(request, allow_anonymous), ("metrics", "admin"))
+        role.require_scraper(request)
         return Response(
             metrics.render(), headers={"Cache-Control": NO_STORE}, media_type=METRICS_CONTENT_TYPE
         )
@@ -280,6 +299,7 @@ def role_app(
         lifespan=lifespan,
     )
     mountable.router.redirect_slashes = False
+    role = Role(mountable, prefix, metrics, policy, name, allow_anonymous)
     app = mountable
     if prefix:
         # Also at ``/metrics``: a scraper of one role needs no base path.
@@ -289,5 +309,5 @@ def role_app(
             lifespan=lifespan,
         )
         app.router.redirect_slashes = False
-    app.state.role = Role(mountable, prefix, metrics)
+    app.state.role = role
     return app

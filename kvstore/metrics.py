@@ -8,8 +8,8 @@ so the hot path only increments integers it already keeps.
 metric                                      meaning
 ==========================================  =====================================
 kvstore_http_requests_total                 requests by route, method and status
-kvstore_http_request_seconds                request latency histogram by route
-kvstore_http_received_bytes_total           request body octets by route
+kvstore_http_request_duration_seconds       request latency histogram by route
+kvstore_http_received_bytes_total           request body octets received by route
 kvstore_http_sent_bytes_total               response body octets by route
 kvstore_tier_used_bytes                     octets stored per tier (with reservations)
 kvstore_tier_reserved_bytes                 octets taken by writes under way per tier
@@ -27,17 +27,33 @@ kvstore_digest_failures_total               stored data failing its integrity ch
 kvstore_lease_rejections_total              lease requests refused by quota (LE3)
 kvstore_leases                              unexpired leases
 kvstore_publish_total                       records published / withdrawn / errors
+kvstore_store_recovering                    1 while a restart's recovery is under way
+kvstore_store_recovery_blocks               its blocks listed, scanned, adopted
+process_*, python_gc_*, python_info         the process (one scrape of all roles)
 ==========================================  =====================================
+
+On ``kvstore serve``'s combined listener, ``/metrics`` is every role of the
+process in one exposition, each role's samples labelled ``role`` (holder,
+index, pc, instance), with the process's own collectors once
+(:func:`render_roles`); ``{base}metrics`` is one role's alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -61,35 +77,36 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         snap = self.store.snapshot()
-        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Octets stored", labels=["tier"])
+        # A tier is its registry name and its position in the chain (two
+        # LMDB tiers are two series): tier="host", position="0".
+        where = ["tier", "position"]
+        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Octets stored", labels=where)
         capacity = GaugeMetricFamily(
-            "kvstore_tier_capacity_bytes", "Configured capacity", labels=["tier"]
+            "kvstore_tier_capacity_bytes", "Configured capacity", labels=where
         )
         reserved = GaugeMetricFamily(
-            "kvstore_tier_reserved_bytes", "Octets taken by writes under way", labels=["tier"]
+            "kvstore_tier_reserved_bytes", "Octets taken by writes under way", labels=where
         )
-        degraded = GaugeMetricFamily("kvstore_tier_degraded", "Tier degraded", labels=["tier"])
-        failures = CounterMetricFamily(
-            "kvstore_tier_failures", "Failed tier calls", labels=["tier"]
-        )
+        degraded = GaugeMetricFamily("kvstore_tier_degraded", "Tier degraded", labels=where)
+        failures = CounterMetricFamily("kvstore_tier_failures", "Failed tier calls", labels=where)
         arena = GaugeMetricFamily(
-            "kvstore_tier_arena_bytes", "Host tier arena octets", labels=["tier", "state"]
+            "kvstore_tier_arena_bytes", "Host tier arena octets", labels=[*where, "state"]
         )
         fallbacks = CounterMetricFamily(
-            "kvstore_tier_arena_fallbacks", "Blocks kept outside the arena", labels=["tier"]
+            "kvstore_tier_arena_fallbacks", "Blocks kept outside the arena", labels=where
         )
         for index, tier_snap in enumerate(snap.tiers):
-            tier = f"{tier_snap.kind}#{index}"
-            used.add_metric([tier], tier_snap.used)
-            capacity.add_metric([tier], tier_snap.capacity)
-            reserved.add_metric([tier], tier_snap.reserved)
-            degraded.add_metric([tier], 1 if tier_snap.degraded else 0)
-            failures.add_metric([tier], tier_snap.failures)
+            tier = [tier_snap.kind, str(index)]
+            used.add_metric(tier, tier_snap.used)
+            capacity.add_metric(tier, tier_snap.capacity)
+            reserved.add_metric(tier, tier_snap.reserved)
+            degraded.add_metric(tier, 1 if tier_snap.degraded else 0)
+            failures.add_metric(tier, tier_snap.failures)
             if tier_snap.arena is not None:
                 mapped, in_extents, outside = tier_snap.arena
-                arena.add_metric([tier, "mapped"], mapped)
-                arena.add_metric([tier, "in_extents"], in_extents)
-                fallbacks.add_metric([tier], outside)
+                arena.add_metric([*tier, "mapped"], mapped)
+                arena.add_metric([*tier, "in_extents"], in_extents)
+                fallbacks.add_metric(tier, outside)
         yield from (used, capacity, reserved, degraded, failures, arena, fallbacks)
         states = GaugeMetricFamily("kvstore_store_blocks", "Blocks by state", labels=["state"])
         for state, count in snap.blocks.items():
@@ -179,14 +196,17 @@ class Metrics:
             "kvstore_http_requests", "HTTP requests", labels, registry=self.registry
         )
         self.latency = Histogram(
-            "kvstore_http_request_seconds",
+            "kvstore_http_request_duration_seconds",
             "Request latency",
             ["route"],
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
         )
         self.received = Counter(
-            "kvstore_http_received_bytes", "Request body octets", ["route"], registry=self.registry
+            "kvstore_http_received_bytes",
+            "Request body octets received",
+            ["route"],
+            registry=self.registry,
         )
         self.sent = Counter(
             "kvstore_http_sent_bytes", "Response body octets", ["route"], registry=self.registry
@@ -200,6 +220,52 @@ class Metrics:
         if not self.labels:
             return generate_latest(self.registry)
         return generate_latest(_Labelled(self.registry, self.labels))
+
+
+class _Roles:
+    """Several roles' registries as one: each family once, its samples from
+    every role labelled ``role`` (the same names, e.g. the request counters,
+    are one family), then the process's own collectors."""
+
+    def __init__(self, roles: Sequence[tuple[str, Metrics]]) -> None:
+        self.roles = roles
+
+    def collect(self) -> Iterator[Any]:
+        families: dict[str, Any] = {}
+        for role, metrics in self.roles:
+            source: Any = _Labelled(metrics.registry, {**metrics.labels, "role": role})
+            for family in source.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    families[family.name] = family
+                else:
+                    merged.samples.extend(family.samples)
+        yield from families.values()
+        # The process: CPU, memory, open files, start time; the collector's
+        # passes; the interpreter (prometheus_client's default collectors).
+        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
+            yield from collector.collect()
+
+
+def render_roles(roles: Sequence[tuple[str, Metrics]]) -> bytes:
+    """One exposition of ``roles`` ((name, metrics) pairs), each sample
+    labelled with its role, plus ``process_*`` and ``python_gc_*``."""
+    return generate_latest(_Roles(roles))
+
+
+#: Where :class:`MetricsMiddleware` keeps a request's count of body octets
+#: received in the ASGI scope; the body reader (:func:`kvstore.http.read_body`)
+#: adds to it as chunks arrive.
+RECEIVED = "kvstore.received_octets"
+
+
+class Received:
+    """Octets of a request body received so far."""
+
+    __slots__ = ("octets",)
+
+    def __init__(self) -> None:
+        self.octets = 0
 
 
 class _Labelled:
@@ -231,12 +297,12 @@ class MetricsMiddleware:
         start = time.perf_counter()
         status = 500
         sent = 0
-        # Request octets from Content-Length: wrapping receive() would add a
-        # coroutine hop to each of the ~130 messages of a 2 MiB TLS upload.
-        received = 0
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit():
-                received = int(value)
+        # Octets received, counted by the body reader as they arrive (not the
+        # declared Content-Length: a refused request declaring a terabyte
+        # sent nothing; a chunked one declares none). Wrapping receive()
+        # instead would add a coroutine hop to each of the ~130 messages of
+        # a 2 MiB TLS upload.
+        counted = scope[RECEIVED] = Received()
 
         async def counting_send(message: Any) -> None:
             nonlocal status, sent
@@ -255,6 +321,7 @@ class MetricsMiddleware:
             method = scope["method"] if scope["method"] in _METHODS else "other"
             m.requests.labels(route, method, str(status)).inc()
             m.latency.labels(route).observe(time.perf_counter() - start)
+            received = counted.octets
             m.received.labels(route).inc(received)
             m.sent.labels(route).inc(sent)
             # One line per request at debug level; paths carry keys and scope

@@ -44,6 +44,19 @@ class RoleView:
             out[dict(key).get(label, "")] = out.get(dict(key).get(label, ""), 0.0) + value
         return out
 
+    def by_tier(self, name: str) -> dict[str, float]:
+        """``name``'s samples by tier, each named ``<tier>#<position>`` (two
+        tiers of one kind apart); a holder older than the position label
+        names them so in ``tier`` itself."""
+        out: dict[str, float] = {}
+        for key, value in self.samples.get(name, {}).items():
+            labels = dict(key)
+            tier = labels.get("tier", "")
+            if "position" in labels:
+                tier = f"{tier}#{labels['position']}"
+            out[tier] = out.get(tier, 0.0) + value
+        return out
+
     def summary(self) -> dict[str, Any]:
         """The figures ``status`` shows, as JSON."""
         out: dict[str, Any] = {"base": self.base, "roles": self.roles, "ready": self.ready}
@@ -51,10 +64,10 @@ class RoleView:
             out["error"] = self.error
         if "holder" in self.roles:
             used, capacity = (
-                self.by("kvstore_tier_used_bytes", "tier"),
-                self.by("kvstore_tier_capacity_bytes", "tier"),
+                self.by_tier("kvstore_tier_used_bytes"),
+                self.by_tier("kvstore_tier_capacity_bytes"),
             )
-            degraded = self.by("kvstore_tier_degraded", "tier")
+            degraded = self.by_tier("kvstore_tier_degraded")
             out["tiers"] = [
                 {
                     "tier": t,

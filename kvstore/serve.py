@@ -31,6 +31,8 @@ from .listener import (
     server_class,
     uvicorn_config,
 )
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import render_roles
 from .protocol.compat import parse_descriptor
 from .protocol.problems import KvspError
 from .protocol.wire import NO_STORE
@@ -423,7 +425,7 @@ def compose(
     seat: Seat | None = None,
 ) -> Starlette:
     """One app for one listener: each role's app mounted at its base path
-    (longest first), ``/metrics`` of the first role, and ``/healthz`` (the
+    (longest first), ``/metrics`` of every role (labelled ``role``), and ``/healthz`` (the
     process answers) and ``/readyz`` outside every KVSP base path; no role
     is needed for those two (the TLS handshake still asks for a client
     certificate).
@@ -460,10 +462,24 @@ def compose(
                 shutdown.freeze()
 
     roles = sorted((role_of(a) for a in apps), key=lambda r: -len(r.base))
+
+    async def all_metrics(request: Request) -> Response:
+        # Every role of the process in one scrape, each sample labelled
+        # with its role, and the process's own figures; a scraper must be
+        # allowed every role's (each role's alone is at {base}metrics).
+        for role in roles:
+            role.require_scraper(request)
+        parts = [(role.name or role.base.strip("/"), role.metrics) for role in roles]
+        return Response(
+            render_roles(parts),
+            headers={"Cache-Control": NO_STORE},
+            media_type=METRICS_CONTENT_TYPE,
+        )
+
     routes: list[BaseRoute] = [
         Route("/healthz", health),  # any method, as a probe may send
         Route("/readyz", health),
-        Route("/metrics", role_of(apps[0]).mountable, methods=["GET"]),
+        Route("/metrics", all_metrics, methods=["GET"]),
         *(Mount(r.base, app=r.mountable) for r in roles),
     ]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)

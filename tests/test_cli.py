@@ -406,6 +406,12 @@ def test_the_grafana_dashboard_uses_documented_metrics() -> None:
         suffix = stem.rsplit("_", 1)[-1]
         assert name in documented or stem in documented or f"_{suffix}" in documented, name
     assert len(dashboard["panels"]) >= 10
+    # Any of several jobs and instances, chosen at the top of the dashboard.
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "job", "instance"} <= variables
+    for expr in exprs:
+        for selector in re.findall(r"\bkvstore_\w+(\{[^}]*\})?", expr):
+            assert 'job=~"$job"' in selector and 'instance=~"$instance"' in selector, expr
 
 
 GOOD_TOML = (

@@ -371,6 +371,7 @@ def create_app(
         policy,
         settings.allow_anonymous,
         lifespan=lifespan,
+        name="pc",
     )
     app.state.controller = state
     role_of(app).counters = controller.counters

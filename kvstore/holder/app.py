@@ -360,6 +360,7 @@ def create_app(
         policy,
         settings.allow_anonymous,
         lifespan=lifespan,
+        name="holder",
     )
     app.state.store = store
     app.state.settings = settings

@@ -218,7 +218,14 @@ def create_app(
     for estimates (L2), the PC's state when they share a process or Redis."""
     index = Index(settings, state, policy, statuses)
     metrics = Metrics(counters=index.counters, counters_prefix="kvstore_index")
-    app = role_app(settings.base_path, index.routes(), metrics, policy, settings.allow_anonymous)
+    app = role_app(
+        settings.base_path,
+        index.routes(),
+        metrics,
+        policy,
+        settings.allow_anonymous,
+        name="index",
+    )
     app.state.state = state
     role_of(app).counters = index.counters
     app.state.statuses = index.statuses

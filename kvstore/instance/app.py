@@ -250,6 +250,7 @@ def create_app(
         policy,
         settings.allow_anonymous,
         lifespan=lifespan,
+        name="instance",
     )
     app.state.prefetcher = prefetcher
     app.state.lifecycle = lifecycle

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -236,13 +237,15 @@ async def test_metrics(client_as: ClientFactory) -> None:
     assert 'kvstore_http_requests_total{method="GET",route="get_block",status="200"} 1.0' in text
     assert 'kvstore_http_requests_total{method="GET",route="get_block",status="404"} 1.0' in text
     assert f'kvstore_http_received_bytes_total{{route="put_block"}} {float(len(data))}' in text
-    assert f'kvstore_tier_used_bytes{{tier="host#0"}} {float(len(data))}' in text
+    assert f'kvstore_tier_used_bytes{{position="0",tier="host"}} {float(len(data))}' in text
     # The host tier's arena: its mapping and the block's extent (64-aligned).
-    assert 'kvstore_tier_arena_bytes{state="mapped",tier="host#0"}' in text
+    assert 'kvstore_tier_arena_bytes{position="0",state="mapped",tier="host"}' in text
     extent = float(-(-len(data) // 64) * 64)
-    assert f'kvstore_tier_arena_bytes{{state="in_extents",tier="host#0"}} {extent}' in text
-    assert 'kvstore_tier_arena_fallbacks_total{tier="host#0"} 0.0' in text
-    assert 'kvstore_tier_reserved_bytes{tier="host#0"} 0.0' in text
+    assert (
+        f'kvstore_tier_arena_bytes{{position="0",state="in_extents",tier="host"}} {extent}' in text
+    )
+    assert 'kvstore_tier_arena_fallbacks_total{position="0",tier="host"} 0.0' in text
+    assert 'kvstore_tier_reserved_bytes{position="0",tier="host"} 0.0' in text
     assert 'kvstore_store_blocks{state="resident"} 1.0' in text
     assert 'kvstore_store_blocks{state="leaving"} 0.0' in text
     assert "kvstore_lease_rejections_total 1.0" in text
@@ -310,3 +313,26 @@ async def test_a_put_under_a_compat_id_without_a_descriptor_is_refused(
         )
         assert known.status_code == 201
     assert len(store) == 1
+
+
+async def test_received_octets_are_those_that_arrived(client_as: ClientFactory) -> None:
+    # Not the declared Content-Length: a request refused at its headers
+    # that declares a terabyte sent nothing; a chunked upload declares none.
+    alice = client_as("alice")
+    huge = await alice.put(
+        path(),
+        content=b"",
+        headers={"If-None-Match": "*", "Content-Length": "999999999999"},
+    )
+    assert huge.status_code == 413
+
+    data = block()
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 1000):
+            yield data[start : start + 1000]
+
+    stored = await alice.put(path(KEY2), content=chunked(), headers={"If-None-Match": "*"})
+    assert stored.status_code == 201, stored.text
+    text = (await client_as("holder1").get("https://holder.test/metrics")).text
+    assert f'kvstore_http_received_bytes_total{{route="put_block"}} {float(len(data))}' in text

@@ -70,6 +70,16 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
         code, body = curl(f"{tls} https://127.0.0.1:{port}/readyz")
         assert code == 200 and '"index": "ok"' in body and "local-storage" in body
         assert '"recovery": {"phase": ' in body  # how far a restart's scan is
+        # One scrape of the listener is every role, each labelled, and the
+        # process's own figures once.
+        code, body = curl(f"{tls} https://127.0.0.1:{port}/metrics")
+        assert code == 200, body
+        for role in ("holder", "index", "pc"):
+            assert f'role="{role}"' in body, role
+        assert 'kvstore_tier_used_bytes{position="0",role="holder",tier="host"}' in body
+        assert 'kvstore_http_received_bytes_total{role="holder",route="put_block"} ' in body
+        assert "process_resident_memory_bytes " in body and "python_gc_objects_collected" in body
+        assert body.count("# TYPE kvstore_http_requests_total counter") == 1  # merged
         assert curl(f"{tls} https://127.0.0.1:{port}/healthz")[0] == 200
         # kvstore status / top read every role's {base}metrics (OPS1).
         bases = [f"https://127.0.0.1:{port}/{b}/" for b in ("kvsp", "is", "pc")]
