@@ -27,6 +27,7 @@ kvstore_digest_failures_total               stored data failing its integrity ch
 kvstore_lease_rejections_total              lease requests refused by quota (LE3)
 kvstore_leases                              unexpired leases
 kvstore_publish_total                       records published / withdrawn / errors
+kvstore_publish_pending                     updates the IS has not acknowledged yet
 kvstore_store_recovering                    1 while a restart's recovery is under way
 kvstore_store_recovery_blocks               its blocks listed, scanned, adopted
 process_*, python_gc_*, python_info         the process (one scrape of all roles)
@@ -162,6 +163,11 @@ class _StoreCollector(Collector):
             published.add_metric(["withdrawn"], stats.withdrawn)
             published.add_metric(["error"], stats.errors)
             yield published
+            # Updates the IS has not acknowledged yet (a backlog grows while
+            # it is unreachable; they are sent, in order, once it answers).
+            yield GaugeMetricFamily(
+                "kvstore_publish_pending", "Index updates waiting", value=self.publisher.pending
+            )
 
 
 class CountersCollector(Collector):

@@ -56,6 +56,9 @@ class PublisherStatsSource(Protocol):
     @property
     def index_reachable(self) -> bool: ...
 
+    @property
+    def pending(self) -> int: ...
+
 
 class Lookups(Protocol):
     """An Index Service as the PC's placer and the instance's prefetcher ask it (L1)."""
