@@ -30,6 +30,8 @@ their defaults::
     health_port = 0                   # /healthz and /readyz in plain HTTP for probes
                                       # without a certificate (Kubernetes); 0: off
     health_host = ""                  # its address; empty: every address
+    reload_check_s = 10.0             # certificates and policies changed on disk are
+                                      # read again (SIGHUP: at once); 0: SIGHUP only
 
     [holder]
     uri = "https://127.0.0.1:8443/kvsp/"   # public base URI (H7)
@@ -205,6 +207,10 @@ class ServerConfig:
     #: The address it listens on; empty: every address (a pod's probes come
     #: to its IP).
     health_host: str = ""
+    #: How often the listener's certificate, key and CA and the policies are
+    #: looked at: changed files are read again without a restart (SIGHUP
+    #: does the same at once); 0: only on SIGHUP.
+    reload_check_s: float = 10.0
 
 
 # The role sections are the roles' own settings (kvstore/settings.py): one
@@ -488,6 +494,8 @@ def _check_proxy(server: ServerConfig) -> list[str]:
             )
         elif ours & taken:
             out.append("server.health_port: overlaps the TLS listener's or the proxy's ports")
+    if server.reload_check_s < 0:
+        out.append("server.reload_check_s: seconds, 0 or more (0: on SIGHUP only)")
     if server.health_host and not _is_address(server.health_host):
         out.append(f"server.health_host: {server.health_host!r}: an IP address (empty: every one)")
     if trusted and server.insecure_http:

@@ -284,8 +284,14 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
         # clients and tests also use (tls.server_context).
         def context(uv: Any, default: Any) -> ssl.SSLContext:
             alpn = getattr(uv.http_protocol_class, "alpn_protocols", None)  # h2 by ALPN
-            return server_context(certfile, keyfile, cafile, alpn=alpn)
 
+            def build() -> ssl.SSLContext:
+                return server_context(certfile, keyfile, cafile, alpn=alpn)
+
+            built["build"] = build
+            return build()
+
+        built: dict[str, Any] = {}
         options["ssl_context_factory"] = context
     if server.http2:
         try:
@@ -302,10 +308,13 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
     if uv.ssl is not None:
         # TLS by kvstore's own layer (asyncio's, with each refused handshake
         # logged, rate-limited: asyncio logs none outside debug mode).
-        from .tls import RefusedHandshakes, logged_tls
+        from .tls import RefusedHandshakes, ServerTLS, logged_tls
 
+        tls = ServerTLS(uv.ssl, built["build"])
         uv.http_protocol_class = logged_tls(  # type: ignore[assignment]
-            uv.http_protocol_class, uv.ssl, RefusedHandshakes()
+            uv.http_protocol_class, tls, RefusedHandshakes()
         )
         uv.ssl = None
+        #: The context a reload replaces (kvstore.reload).
+        uv.kvstore_tls = tls  # type: ignore[attr-defined]
     return uv

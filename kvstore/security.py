@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from .protocol.problems import Forbidden, ScopeDenied, Unauthenticated
@@ -254,6 +254,13 @@ class Policy:
         except json.JSONDecodeError as exc:
             raise PolicyError(str(path), [("", f"not JSON: {exc}")]) from exc
         return cls.from_json(data, source=str(path))
+
+    def take(self, other: Policy) -> None:
+        """Hold ``other``'s grants from now on (a reload of the policy file:
+        every role given this object sees the new one at its next request)."""
+        principals = cast(dict[str, Grant], self.principals)
+        principals.clear()
+        principals.update(other.principals)
 
     def grant(self, principal: str | None) -> Grant:
         """The principal's grant; :class:`Forbidden` for an unknown one."""

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from .config import Config, ConfigError, check
+from .config import ROLE_SECTIONS, Config, ConfigError, check
 from .health import HealthListener, bind_health_port
 from .holder import create_app
 from .http import EXCEPTION_HANDLERS, role_of
@@ -36,6 +37,7 @@ from .metrics import render_roles
 from .protocol.compat import parse_descriptor
 from .protocol.problems import KvspError
 from .protocol.wire import NO_STORE
+from .reload import Reloader, tls_files
 from .seams import Lookups, PublisherStatsSource, Snapshots
 from .seat import Seat, SeatService
 from .security import Policy
@@ -519,7 +521,10 @@ async def serve(
             )
             closing.append(health.stop)
             await health.start()
-        app: ASGIApp = await _build(config, roles, listening, shutdown, closing, seat, health)
+        policies: list[tuple[str, Policy]] = []
+        app: ASGIApp = await _build(
+            config, roles, listening, shutdown, closing, seat, health, policies
+        )
         if config.server.trusted_proxy:
             from .proxy import ForwardedIdentity
 
@@ -549,7 +554,27 @@ async def serve(
     log.info(
         "serving %s on %s://%s:%s", ",".join(roles), scheme, config.server.host, config.server.port
     )
-    await server.serve(sockets=[listener])
+    # Certificates and policies rotated without a restart: SIGHUP, or their
+    # files changing (kvstore.reload).
+    tls = getattr(server.config, "kvstore_tls", None)
+    files = (
+        []
+        if tls is None
+        else tls_files(config.server.certfile, config.server.keyfile, config.server.cafile)
+    )
+    reloader = Reloader(tls, policies, files, config.server.reload_check_s)
+    loop = asyncio.get_running_loop()
+    hangup = False
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        hangup = True
+    reloader.start()
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        await reloader.stop()
+        if hangup:
+            loop.remove_signal_handler(signal.SIGHUP)
 
 
 async def _build(
@@ -560,9 +585,12 @@ async def _build(
     closing: list[Step],
     seat: Seat | None = None,
     health: HealthListener | None = None,
+    policies: list[tuple[str, Policy]] | None = None,
 ) -> Starlette:
     """The composed app of ``roles``; what to close at the end goes to
-    ``closing``; ``health`` answers ready once the listener serves."""
+    ``closing``; ``health`` answers ready once the listener serves; each
+    role's policy (its file and the object it was given, for a reload) to
+    ``policies``."""
     store = publisher = pc_state = None
     apps: list[Starlette] = []
     services: list[Service] = []
@@ -631,6 +659,12 @@ async def _build(
     if index_app is not None:
         apps.append(index_app)
         log.info("index %s (%s state)", config.index.uri, config.index.state)
+    if policies is not None:
+        for role_app in apps:
+            role = role_of(role_app)
+            if role.name in ROLE_SECTIONS:
+                section = getattr(config, ROLE_SECTIONS[role.name])
+                policies.append((section.policy, role.policy))
     if health is not None:
 
         def ready() -> bool:

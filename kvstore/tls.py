@@ -167,20 +167,32 @@ class _RefusalLoggingSSL(asyncio.sslproto.SSLProtocol):
         super()._on_handshake_complete(handshake_exc)
 
 
+class ServerTLS:
+    """The listener's TLS context, which a reload replaces (certificates
+    rotated without a restart: :mod:`kvstore.reload`). Each new connection
+    takes the one current when it is made; an open one keeps its own."""
+
+    def __init__(self, context: ssl.SSLContext, build: Callable[[], ssl.SSLContext]) -> None:
+        self.current = context
+        #: A new context from the files as they are now (raises if they are bad).
+        self.build = build
+
+
 def logged_tls(
     protocol_class: Callable[..., asyncio.BaseProtocol],
-    context: ssl.SSLContext,
+    tls_context: ServerTLS,
     refusals: RefusedHandshakes,
 ) -> Callable[..., asyncio.BaseProtocol]:
     """A protocol factory for a server given no ``ssl``: each connection's
-    ``protocol_class`` under asyncio's TLS layer with ``context``, its
-    refused handshakes logged by ``refusals``. The app sees the same
-    transport as with ``create_server(ssl=context)`` (``sslcontext``,
-    ``ssl_object``, ``peercert`` in its extra info)."""
+    ``protocol_class`` under asyncio's TLS layer with the context current
+    in ``tls_context``, its refused handshakes logged by ``refusals``. The
+    app sees the same transport as with ``create_server(ssl=context)``
+    (``sslcontext``, ``ssl_object``, ``peercert`` in its extra info)."""
 
     def make(*args: Any, **kwargs: Any) -> asyncio.BaseProtocol:
         app = protocol_class(*args, **kwargs)
         loop = kwargs.get("_loop") or asyncio.get_running_loop()
+        context = tls_context.current
         tls = _RefusalLoggingSSL(loop, app, context, None, server_side=True)  # type: ignore[arg-type]
         tls.refusals = refusals
         return tls

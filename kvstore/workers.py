@@ -39,6 +39,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,22 @@ def worker_storage(storage: StorageConfig, index: int, count: int) -> StorageCon
             options["prefix"] = f"{prefix}w{index}{_SEPARATOR[tier.backend]}"
         tiers.append(TierConfig(tier.backend, max(1, tier.capacity // count), options))
     return dataclasses.replace(storage, tiers=tuple(tiers))
+
+
+@contextlib.contextmanager
+def _hang_ups(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGHUP goes to ``handler`` meanwhile (its default would end the
+    supervisor at once, its workers left without it); main thread only."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGHUP, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def worker_config(config: Config, index: int) -> Config:
@@ -195,6 +212,15 @@ class Supervisor:
             log.warning("signal %d while stopping: passed on to the workers", sig)
             self._send(sig)
 
+    def _hang_up(self, sig: int, frame: Any) -> None:
+        """SIGHUP: every worker reads its certificates and policy again
+        (kvstore.reload); the supervisor has none of its own."""
+        log.info("reloading the certificates and policies of %d workers (SIGHUP)", self.count)
+        for process in self.processes:
+            if process is not None and process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGHUP)
+
     def _send(self, sig: int, once: bool = False) -> None:
         """``sig`` to every live worker (``once``: to those not sent one yet)."""
         for process in self.processes:
@@ -243,7 +269,7 @@ class Supervisor:
         """Supervise until a signal; the exit status (0: every worker stopped cleanly)."""
         from .listener import stop_signals
 
-        with stop_signals(self._signal):
+        with stop_signals(self._signal), _hang_ups(self._hang_up):
             for index in range(self.count):
                 self._start(index)
             while self.stopping is None:

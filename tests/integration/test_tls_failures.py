@@ -135,3 +135,65 @@ async def test_a_certificate_issued_later_is_accepted_after_a_restart(tmp_path: 
         assert status.returncode == 0, status.stderr  # the metrics role: not a 403
     finally:
         holder.stop()
+
+
+async def test_sighup_rotates_the_ca_certificate_and_policy_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+    import shutil
+    import signal
+    import time
+
+    holder, port, uri, alice, config = holder_over(tmp_path, LMDB)
+    # SIGHUP alone here (the files' own watch is tests/test_reload.py's).
+    (tmp_path / "holder.toml").write_text(
+        config.replace("[holder]", "reload_check_s = 0\n[holder]")
+    )
+    certs, new = tmp_path / "certs", tmp_path / "new"
+    create_dev_certificates(new, ["bob"])
+    bob = client_context(
+        str(new / "ca.pem"), str(new / "client-bob.pem"), str(new / "client-bob.key")
+    )
+    log = tmp_path / "holder.log"
+
+    async def hang_up_and_wait(line: str) -> None:
+        assert holder.process is not None
+        seen = log.read_text().count(line)
+        holder.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while log.read_text().count(line) == seen:
+            assert time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.02)
+
+    key = ref(1).block_key
+    holder.start(port)
+    try:
+        assert holder.process is not None
+        pid = holder.process.pid
+        async with HolderClient(alice, timeout_s=10) as client:
+            await client.put_block(uri, COMPAT, SCOPE, key, block())
+        async with HolderClient(bob, timeout_s=10) as client:
+            with pytest.raises((TlsRefused, Unreachable)):  # another CA, for now
+                await client.get_block(uri, COMPAT, SCOPE, key)
+        # cert-manager rotates the CA and the server's certificate; the
+        # operator adds bob to the policy.
+        for name in ("ca.pem", "server.pem", "server.key"):
+            shutil.copy(new / name, certs / name)
+        policy = json.loads((tmp_path / "policy.json").read_text())
+        policy["principals"]["urn:kvstore:bob"] = {"read_scopes": ["*"]}
+        (tmp_path / "policy.json").write_text(json.dumps(policy))
+        await hang_up_and_wait("reloaded the server certificate and CA and the policy (SIGHUP)")
+        async with HolderClient(bob, timeout_s=10) as client:
+            assert await client.get_block(uri, COMPAT, SCOPE, key)  # new connections: the new CA
+        async with HolderClient(alice, timeout_s=10) as client:
+            with pytest.raises((TlsRefused, Unreachable)):  # the old CA's: refused now
+                await client.get_block(uri, COMPAT, SCOPE, key)
+        # A broken file: everything in use stays, one line says why.
+        (certs / "server.key").write_text("not a key\n")
+        await hang_up_and_wait("reload (SIGHUP) refused, the certificates and policies in use stay")
+        async with HolderClient(bob, timeout_s=10) as client:
+            assert await client.get_block(uri, COMPAT, SCOPE, key)
+        assert holder.process.poll() is None and holder.process.pid == pid  # never restarted
+    finally:
+        holder.stop()

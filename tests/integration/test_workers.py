@@ -300,6 +300,19 @@ async def test_each_worker_has_its_own_socket_for_a_proxy(deployment: Deployment
             assert (await answer.json(content_type=None))["self"] == uri
 
 
+def test_sighup_has_every_worker_reload_and_the_set_goes_on(deployment: Deployment) -> None:
+    # The supervisor passes it on (its default would end it at once).
+    pids = [deployment.pid(0), deployment.pid(1)]
+    deployment.supervisor.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while deployment.log().count("(SIGHUP)") < 3:  # the supervisor's line, each worker's
+        assert time.monotonic() < deadline, deployment.log()
+        time.sleep(0.05)
+    assert deployment.log().count("reloaded the server certificate and CA") >= 2
+    assert deployment.supervisor.poll() is None
+    assert [deployment.pid(0), deployment.pid(1)] == pids  # nothing restarted
+
+
 def test_sigterm_stops_every_worker_with_exit_status_0(deployment: Deployment) -> None:
     pids = [deployment.pid(0), deployment.pid(1)]
     deployment.supervisor.send_signal(signal.SIGTERM)
