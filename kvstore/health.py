@@ -26,7 +26,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from .config import ConfigError
+from .listener import bind_tcp
 
 log = logging.getLogger("kvstore.serve")
 
@@ -116,14 +116,4 @@ def _request_line(head: bytes) -> tuple[str, str]:
 def bind_health_port(host: str, port: int) -> socket.socket:
     """The listening socket of ``server.health_port`` on ``host`` (an empty
     host: every address, as a pod's probes need)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host or ("::" if family == socket.AF_INET6 else "0.0.0.0"), port))
-        sock.listen(64)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"server.health_port: {host or '*'} port {port}: {exc.strerror}") from exc
-    return sock
+    return bind_tcp("server.health_port", host or "0.0.0.0", port, backlog=64)

@@ -178,7 +178,7 @@ async def _read_body(
     # pieces. With one, each chunk is copied to its place in it: the join's
     # cost was faulting in new memory, not the copy (docs/holder.md).
     chunks: list[bytes] = []
-    size = got = 0
+    size = end = 0
     receive = request.receive  # straight from the server: no generator per message
     try:
         while True:
@@ -186,7 +186,6 @@ async def _read_body(
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect()
             chunk = message.get("body", b"")
-            got += len(chunk)
             end = size + len(chunk)
             if end > limit:
                 raise PayloadTooLarge(f"body exceeds the limit of {limit} octets")
@@ -203,10 +202,11 @@ async def _read_body(
             if not message.get("more_body", False):
                 break
     finally:
-        # The octets that arrived, for the metrics (not the declared length).
+        # The octets that arrived (a refused last chunk too), for the
+        # metrics: not the declared length.
         counted: Received | None = request.scope.get(RECEIVED)
         if counted is not None:
-            counted.octets += got
+            counted.octets += end
     if declared is not None and size != int(declared):
         raise ClientDisconnect()
     if buffer is not None:

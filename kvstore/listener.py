@@ -189,19 +189,26 @@ def bind_proxy_port(trusted: str, port: int) -> tuple[socket.socket, str]:
     it is for the log."""
     import ipaddress
 
-    family, host = socket.AF_INET, "127.0.0.1"
-    if ipaddress.ip_address(trusted).version == 6:
-        family, host = socket.AF_INET6, "::1"
+    host = "::1" if ipaddress.ip_address(trusted).version == 6 else "127.0.0.1"
+    sock = bind_tcp("server.proxy_port", host, port, backlog=2048)
+    return sock, f"{'[::1]' if ':' in host else host}:{port}"
+
+
+def bind_tcp(key: str, host: str, port: int, backlog: int) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host`` (an IP address)
+    and ``port``; a port in use or an address not ours is one line naming
+    ``key`` (a ConfigError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, above
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"server.proxy_port: {host} port {port}: {exc.strerror}") from exc
-    sock.listen(2048)
+        raise ConfigError(f"{key}: {host} port {port}: {exc.strerror}") from exc
+    sock.listen(backlog)
     sock.setblocking(False)
-    return sock, f"{'[::1]' if family == socket.AF_INET6 else host}:{port}"
+    return sock
 
 
 def check_tls_files(config: Config) -> None:

@@ -147,7 +147,7 @@ class _StoreCollector(Collector):
             yield GaugeMetricFamily(
                 "kvstore_store_recovering",
                 "A restart's recovery is under way",
-                value=int(progress.phase in ("listing", "scanning", "retrying")),
+                value=int(progress.active),
             )
             found = GaugeMetricFamily(
                 "kvstore_store_recovery_blocks", "Restart recovery's blocks", labels=["stage"]

@@ -92,6 +92,8 @@ class RecoveryProgress:
     """How far a recovery is (``/readyz``, metrics, logs)."""
 
     phase: str
+    #: Under way (listing, scanning, retrying): requests find blocks first.
+    active: bool
     #: Blocks the listing found (a layer table or a segment), once listed.
     listed: int
     #: Of those, blocks looked at (adopted or given up).

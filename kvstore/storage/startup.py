@@ -41,12 +41,13 @@ right) is corrupt: counted, logged, and deleted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -137,6 +138,7 @@ class Recovery:
         end = self._ended if self._ended is not None else time.monotonic()
         return RecoveryProgress(
             self.phase.value,
+            self.active,
             self.listed,
             self.scanned,
             self.adopted,
@@ -358,19 +360,13 @@ class Recovery:
         does not find it whole (another split once: the listing will)."""
         if ref in self._settled or ref in self._reading or self.table.entry(ref) is not None:
             return False
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._reading[ref] = done
-        info = BlockInfo(ref, 0, 0, {}, [])
+        infos: dict[BlockRef, BlockInfo] = {}
         adopted: list[BlockInfo] = []
-        try:
+        with self._reading_now([ref], infos) as settled:
             for index, stored in metas.items():
-                try:
-                    info.load_meta(self.core.sealer.open(ref.meta_name, stored))
-                except Exception as exc:
-                    self._failed(ref.meta_key, self.core.slots[index], exc)
-                    continue
-                self.table.meta_stored(info, index)
-            if not info.layers:
+                self._load_meta(infos, ref, index, stored)
+            info = infos.get(ref)
+            if info is None or not info.layers:
                 return False
             last = max(info.layers)
             n = self.core.settings.fast_layers
@@ -384,15 +380,8 @@ class Recovery:
             known = sorted(info.layers)
             covered = sum(s.last - s.first + 1 for s in info.segments)
             if known == list(range(len(known))) and covered == len(known):
-                adopted = self._adopt([ref], {ref: info})
-        finally:
-            del self._reading[ref]
-            if adopted:
-                self._settled.add(ref)
-                self.scanned += 1
-            elif self.table.entry(ref) is not info:
-                self.table.unregister(info)  # its room counted again
-            done.set_result(None)
+                adopted = self._adopt([ref], infos)
+                settled.update(i.ref for i in adopted)
         await self._adopted(adopted)
         return bool(adopted)  # else not all of it under these ranges
 
@@ -407,29 +396,38 @@ class Recovery:
         ]
         if not refs:
             return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        for ref in refs:
-            self._reading[ref] = done
         infos: dict[BlockRef, BlockInfo] = {}
-        ok = False
-        try:
+        with self._reading_now(refs, infos) as settled:
             await self._read_metas(refs, infos)
             for index in self.persistent:
                 await self._place_segments(index, refs, infos)
             adopted = self._adopt(refs, infos)
-            ok = True
+            settled.update(refs)  # adopted or given up: not looked at again
+        await self._adopted(adopted)
+
+    @contextlib.contextmanager
+    def _reading_now(
+        self, refs: list[BlockRef], infos: dict[BlockRef, BlockInfo]
+    ) -> Iterator[set[BlockRef]]:
+        """``refs`` are being read (a request about one waits for the end):
+        the caller adds to the set it is given those not to look at again.
+        At the end, every block of ``infos`` not adopted gives back the room
+        its segments were counted in, whatever ended the reading."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for ref in refs:
+            self._reading[ref] = done
+        settled: set[BlockRef] = set()
+        try:
+            yield settled
         finally:
             for ref in refs:
                 del self._reading[ref]
-            if ok:
-                self._settled.update(refs)
-                self.scanned += len(refs)
-            else:
-                for info in infos.values():
-                    if self.table.entry(info.ref) is not info:
-                        self.table.unregister(info)  # its room counted again
+            self._settled |= settled
+            self.scanned += len(settled)
+            for info in infos.values():
+                if self.table.entry(info.ref) is not info:
+                    self.table.unregister(info)
             done.set_result(None)
-        await self._adopted(adopted)
 
     async def _adopted(self, adopted: list[BlockInfo]) -> None:
         """After blocks joined the table: their stored time checked, and
@@ -460,17 +458,23 @@ class Recovery:
             keys = [r.meta_key for r in want]
             values = cast(list[Any], await self.core.io.call(slot, slot.tier.get_many(keys)))
             for ref, stored in zip(want, values, strict=True):
-                if stored is None:
-                    continue
-                info = infos.get(ref) or BlockInfo(ref, 0, 0, {}, [])
-                try:
-                    info.load_meta(self.core.sealer.open(ref.meta_name, stored))
-                except Exception as exc:
-                    # Left in place: it may be a wrong key, not a bad disk.
-                    self._failed(ref.meta_key, slot, exc)
-                    continue
-                infos[ref] = info
-                self.table.meta_stored(info, index)
+                if stored is not None:
+                    self._load_meta(infos, ref, index, stored)
+
+    def _load_meta(
+        self, infos: dict[BlockRef, BlockInfo], ref: BlockRef, index: int, stored: Any
+    ) -> None:
+        """Add the layer table read from tier ``index`` to ``ref``'s entry of
+        ``infos`` (made by the first table that opens)."""
+        info = infos.get(ref) or BlockInfo(ref, 0, 0, {}, [])
+        try:
+            info.load_meta(self.core.sealer.open(ref.meta_name, stored))
+        except Exception as exc:
+            # Left in place: it may be a wrong key, not a bad disk.
+            self._failed(ref.meta_key, self.core.slots[index], exc)
+            return
+        infos[ref] = info
+        self.table.meta_stored(info, index)
 
     async def _place_segments(
         self, index: int, refs: list[BlockRef], infos: dict[BlockRef, BlockInfo]
@@ -496,16 +500,16 @@ class Recovery:
                 await self._recover_segment(info, index, key, span, stored)
 
     def _adopt(self, refs: list[BlockRef], infos: dict[BlockRef, BlockInfo]) -> list[BlockInfo]:
-        """Each block whole into the table, or given up; no await here, so
-        a request sees a block complete or not at all."""
+        """Each block whole into the table (one not adopted is given up at
+        the reading's end, :meth:`_reading_now`); no await here, so a
+        request sees a block complete or not at all."""
         adopted = []
         for ref in refs:
             info = infos.get(ref)
             if info is None:
                 continue
             if self.table.entry(ref) is not None:
-                self.table.unregister(info)  # stored meanwhile: that one stands
-                continue
+                continue  # stored meanwhile: that one stands
             known = sorted(info.layers)
             # A block is kept only if its record can list every layer (R2)
             # and something of it survived; what is dropped stays on disk.
@@ -517,7 +521,6 @@ class Recovery:
                         known[:3],
                         len(info.segments),
                     )
-                self.table.unregister(info)
                 continue
             if not info.complete:
                 self.table.partial(info)  # its digest was taken over layers no longer held
