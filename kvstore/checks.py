@@ -165,7 +165,7 @@ def cmd_descriptor(args: argparse.Namespace) -> Any:
 
 def _config_engine_descriptor(file: str) -> Any:
     """The descriptor of the engine ``kvstore serve --roles instance`` builds
-    from the configuration's [instance] section (kvstore.serve.build_sessions)."""
+    from the configuration's [instance] section (kvstore.build.build_sessions)."""
     from .config import ConfigError, load
 
     try:
@@ -180,7 +180,7 @@ def _config_engine_descriptor(file: str) -> Any:
         )
     if cfg.block_tokens < 1:
         raise CliError("instance.block_tokens: at least 1")
-    from .serve import engine_directory
+    from .build import engine_directory
 
     directory = engine_directory(config)
     return _reference_descriptor(directory, cfg.block_tokens, cfg.engine_seed)

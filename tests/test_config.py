@@ -169,8 +169,8 @@ def test_greedy_is_not_claimed_deterministic_unless_configured(tmp_path: Path) -
 
 
 def test_write_through_needs_a_persistent_tier_below_the_first(tmp_path: Path) -> None:
+    from kvstore.build import build_store
     from kvstore.config import check
-    from kvstore.serve import build_store
 
     file = tmp_path / "k.toml"
     file.write_text(

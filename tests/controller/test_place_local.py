@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvstore.build import index_in_process
 from kvstore.config import Config
 from kvstore.controller.app import create_app
 from kvstore.controller.state import MemoryControllerState
@@ -25,7 +26,6 @@ from kvstore.index.local import LocalIndex
 from kvstore.protocol.control import Link
 from kvstore.protocol.records import LookupRequest, LookupResponse, ReplicaRecord, Residency
 from kvstore.security import Policy
-from kvstore.serve import index_in_process
 from kvstore.settings import ControllerSettings, IndexSettings
 
 from ..holder.conftest import AsPrincipal

@@ -94,8 +94,8 @@ async def test_a_write_into_a_hung_tier_ends_within_the_deadline() -> None:
 
 
 def test_deadlines_are_configured_per_tier(tmp_path: Any) -> None:
+    from kvstore.build import build_store
     from kvstore.config import check, load
-    from kvstore.serve import build_store
 
     file = tmp_path / "k.toml"
     file.write_text(
