@@ -33,6 +33,7 @@ from urllib.parse import urljoin
 import aiohttp
 
 from .fetch import BlockFetcher, BlockRequest, Source
+from .logs import describe
 from .protocol._bytes import BytesLike
 from .protocol.control import (
     InstanceStatus,
@@ -584,7 +585,7 @@ class FrontEnd(_Http):
                             ended = event
                             break
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                log.info("session %s: stream from %s broke: %r", session, owner, exc)
+                log.info("session %s: stream from %s broke: %s", session, owner, describe(exc))
             except KvspError:
                 if not started:
                     raise  # refused outright (a problem answer): nothing to follow

@@ -17,6 +17,8 @@ their defaults::
     shutdown_grace_s = 7.0            # SIGTERM: the whole stop within about this
     header_timeout_s = 10.0           # a request's headers must arrive within this
     log_level = "info"                # kvstore's own log lines: debug|info|warning|error
+    log_format = "text"               # or "json": one object a line (docs/operations.md)
+    access_log = true                 # one INFO line per request (principal, peer, status)
     workers = 1                       # holder processes, one per core ("auto": every
                                       # core); worker i on port + i (docs/workers.md)
     unix_socket = ""                  # also plain HTTP on this socket, for a proxy that
@@ -154,6 +156,7 @@ from kvstore.backends.schema import SCHEMAS, OptionError, check_options, parse_s
 from kvstore.storage.settings import StoreSettings
 
 from .cores import available_cores
+from .logs import FORMATS
 from .settings import (
     ControllerSettings,
     HolderSettings,
@@ -179,6 +182,12 @@ class ServerConfig:
     shutdown_grace_s: float = 7.0
     header_timeout_s: float = 10.0
     log_level: str = "info"
+    #: "text" or "json" (one object a line, the same fields): kvstore's
+    #: lines, uvicorn's and the access log alike (kvstore.logs).
+    log_format: str = "text"
+    #: One INFO line per request on the ``kvstore.access`` logger: method,
+    #: path, status, octets in and out, duration, principal and peer.
+    access_log: bool = True
     #: Holder processes, one per core (docs/workers.md); "auto" in the file:
     #: the cores this process may use, counted when the file is read.
     workers: int = 1
@@ -355,6 +364,10 @@ def parse(data: dict[str, Any], root: Path = Path(".")) -> Config:
     if server.log_level not in LOG_LEVELS:
         raise ConfigError(
             f"server.log_level: one of {', '.join(LOG_LEVELS)}, not {server.log_level!r}"
+        )
+    if server.log_format not in FORMATS:
+        raise ConfigError(
+            f"server.log_format: one of {', '.join(FORMATS)}, not {server.log_format!r}"
         )
     return Config(
         server=server,

@@ -65,6 +65,7 @@ from urllib.parse import urlsplit
 
 from .cores import available_cores
 from .holderset import DownHolders
+from .logs import describe
 from .protocol import container as kc
 from .protocol._bytes import BytesLike
 from .protocol.problems import (
@@ -268,7 +269,7 @@ class Batch:
                 result = Fetched(i, request, cancelled=True)
             except Exception as exc:  # a bug here must not hang the caller
                 log.exception("fetch of block %s failed unexpectedly", request.block_key)
-                error = exc if isinstance(exc, KvspError) else KvspError(f"{exc!r}")
+                error = exc if isinstance(exc, KvspError) else KvspError(describe(exc))
                 result = Fetched(i, request, errors=[error])
         with self._lock:  # the next request of a limited batch
             more = self._next < len(self.requests)

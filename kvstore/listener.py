@@ -308,7 +308,11 @@ def uvicorn_config(config: Config, app: ASGIApp) -> uvicorn.Config:
         except ImportError as exc:
             raise ConfigError(f"server.http2: needs the http2 extra ({exc})") from exc
     # The lifespan runs the roles' background parts and their stop (STYLE 14).
-    uv = uvicorn.Config(app, log_level="warning", lifespan="on", **options)
+    # Its lines go through the root handler in server.log_format (kvstore.logs);
+    # the access log is kvstore's own (kvstore.metrics), with principal and peer.
+    uv = uvicorn.Config(
+        app, log_level="warning", log_config=None, access_log=False, lifespan="on", **options
+    )
     uv.load()
     #: What the trusted proxy's plain listeners speak (no TLS layer).
     uv.kvstore_plain_protocol = uv.http_protocol_class  # type: ignore[attr-defined]

@@ -58,11 +58,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .logs import ACCESS, ACCESS_TEXT
 from .seams import PublisherStatsSource, Snapshots
+from .tls import PEER, principal_from_scope
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-log = logging.getLogger("kvstore.access")
+access = logging.getLogger(ACCESS)
 
 # Label values come from a fixed set: a client-chosen method name must not
 # create a new time series per request (unbounded memory).
@@ -326,18 +328,31 @@ class MetricsMiddleware:
             m = self.metrics
             method = scope["method"] if scope["method"] in _METHODS else "other"
             m.requests.labels(route, method, str(status)).inc()
-            m.latency.labels(route).observe(time.perf_counter() - start)
+            took = time.perf_counter() - start
+            m.latency.labels(route).observe(took)
             received = counted.octets
             m.received.labels(route).inc(received)
             m.sent.labels(route).inc(sent)
-            # One line per request at debug level; paths carry keys and scope
-            # ids, never a scope key, and bodies are never logged.
-            log.debug(
-                "%s %s %d in=%d out=%d %.1fms",
-                scope["method"],
-                scope["path"],
-                status,
-                received,
-                sent,
-                1000 * (time.perf_counter() - start),
-            )
+            if access.isEnabledFor(logging.INFO):
+                _access_line(scope, status, received, sent, took)
+
+
+def _access_line(scope: Any, status: int, received: int, sent: int, seconds: float) -> None:
+    """The access log's line (kvstore.logs): paths carry block keys and
+    scope ids, never a scope key; bodies are never logged."""
+    extensions = scope.get("extensions") or {}
+    peer = extensions.get(PEER)
+    if peer is None:
+        client = scope.get("client")
+        peer = client[0] if client else "-"
+    fields = (
+        scope["method"],
+        scope["path"],
+        status,
+        received,
+        sent,
+        1000 * seconds,
+        principal_from_scope(scope) or "-",
+        peer,
+    )
+    access.info(ACCESS_TEXT, *fields, extra={"access": fields})

@@ -18,6 +18,8 @@ from urllib.parse import urljoin, urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from .logs import describe
+
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 
@@ -170,7 +172,7 @@ async def _view(http: aiohttp.ClientSession, base: str) -> RoleView:
                 if response.status == 200:
                     view.instances = (await response.json(content_type=None))["instances"]
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        view.error = f"{base}: {exc!r}"
+        view.error = f"{base}: {describe(exc)}"
     return view
 
 

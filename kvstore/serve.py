@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
+from . import logs
 from .build import (
     build_controller,
     build_holder,
@@ -356,13 +357,16 @@ def _serving(config: Config, roles: Sequence[str]) -> str:
 
 
 def setup_logging(config: Config, seat: Seat | None = None) -> None:
-    """Other libraries at WARNING; kvstore's own lines at server.log_level
-    (INFO: normal events, WARNING: what an operator should look at)."""
-    who = f"[worker {seat.index}] " if seat is not None else ""
-    logging.basicConfig(
-        level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s {who}%(message)s"
+    """kvstore's own lines at server.log_level (INFO: normal events, WARNING:
+    what an operator should look at), the access log, uvicorn's and other
+    libraries' lines (at WARNING) in server.log_format (kvstore.logs)."""
+    server = config.server
+    logs.setup(
+        server.log_level,
+        server.log_format,
+        server.access_log,
+        worker=seat.index if seat is not None else None,
     )
-    logging.getLogger("kvstore").setLevel(config.server.log_level.upper())
 
 
 def run(config: Config, roles: tuple[str, ...] = ("holder",), seat: Seat | None = None) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 
+from .logs import describe
 from .protocol.problems import HolderUnavailable, KvspError, TlsRefused, error_from_problem
 from .protocol.wire import JSON_MEDIA_TYPE
 
@@ -56,7 +57,7 @@ def unreachable(method: str, url: str, exc: BaseException, timeout_s: float) -> 
     elif isinstance(exc, aiohttp.ClientConnectorError):
         reason = f"cannot connect: {exc.os_error.strerror or exc.os_error}"
     else:
-        reason = f"{type(exc).__name__}: {exc}"[:200]
+        reason = describe(exc)[:200]
     return HolderUnavailable(f"{method} {url}: {reason}", uri=url, reason=reason)
 
 

@@ -25,6 +25,8 @@ from kvstore.storage.errors import TierUnavailable
 from kvstore.storage.owner import stale
 from kvstore.storage.tier import StorageInUse, Tier
 
+from ..logs import describe
+
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 #: A conditional write lost its race (If-Match / If-None-Match).
 _CONDITION = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
@@ -41,7 +43,7 @@ def _translated(where: str) -> Iterator[None]:
     try:
         yield
     except (ClientError, BotoCoreError, aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise TierUnavailable(f"S3 {where}: {exc!r}", tier="remote-storage") from exc
+        raise TierUnavailable(f"S3 {where}: {describe(exc)}", tier="remote-storage") from exc
 
 
 class S3Tier(Tier):

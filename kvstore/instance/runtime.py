@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..holderset import HolderSet
+from ..logs import describe
 from ..protocol.problems import KvspError
 from ..seams import Holders
 from ..storage import BlockRef
@@ -78,7 +79,7 @@ class BlockWriter:
             self.written += 1  # stored, or it had the block already (BL7)
         except Exception as exc:  # the writer never dies of one holder's answer
             self.failed += 1
-            detail = exc.detail if isinstance(exc, KvspError) else repr(exc)
+            detail = exc.detail if isinstance(exc, KvspError) else describe(exc)
             log.warning("block %s to %s: %s", ref.block_key[:12], target.seeds[0], detail)
 
     async def _run(self) -> None:

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 from ..client import HolderClient
 from ..fetch import BlockFetcher, BlockRequest, Fetched
 from ..holderset import DownHolders, HolderSet, rank
+from ..logs import describe
 from ..protocol._bytes import BytesLike
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError, NotFound, PreconditionFailed
@@ -172,7 +173,9 @@ class ChunkStore:
         try:
             await asyncio.shield(discovery)
         except Exception as exc:  # a miss later, never the engine's exception
-            log.warning("kvstore: holder discovery failed (%r); using the configured URIs", exc)
+            log.warning(
+                "kvstore: holder discovery failed (%s); using the configured URIs", describe(exc)
+            )
 
     def holders_for(self, block_key: str) -> list[str]:
         """Rendezvous order of the holders for a block, those marked down last."""
@@ -191,7 +194,7 @@ class ChunkStore:
         it means a configuration to fix (the policy, the block size)."""
         self.stats.errors += 1
         if not isinstance(exc, KvspError):
-            log.warning("kvstore: %s at %s failed unexpectedly: %r", what, holder, exc)
+            log.warning("kvstore: %s at %s failed unexpectedly: %s", what, holder, describe(exc))
             return
         if exc.status >= 500 and exc.status != 507:
             self._down.failed(holder)
@@ -434,10 +437,10 @@ class ChunkStore:
             except Exception as exc:
                 if attempt:
                     log.info(
-                        "lease %s at %s not released (%r); it expires by itself",
+                        "lease %s at %s not released (%s); it expires by itself",
                         pin.lease,
                         pin.holder,
-                        exc,
+                        describe(exc),
                     )
                 else:
                     await asyncio.sleep(0.2)
@@ -519,7 +522,7 @@ class ChunkStore:
                 try:
                     await http.release_lease(holder, grant.lease)
                 except Exception as exc:  # it expires by itself
-                    log.info("lease %s at %s not released: %r", grant.lease, holder, exc)
+                    log.info("lease %s at %s not released: %s", grant.lease, holder, describe(exc))
 
     def _later(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -531,7 +534,7 @@ class ChunkStore:
             grant = await call
             await self._http().release_lease(holder, grant.lease)
         except Exception as exc:  # not granted, or it expires by itself
-            log.info("a cancelled lease at %s not released: %r", holder, exc)
+            log.info("a cancelled lease at %s not released: %s", holder, describe(exc))
 
     async def reachable(self) -> bool:
         """True when at least one holder answers (a HEAD of a key nobody has)."""

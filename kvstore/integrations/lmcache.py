@@ -53,6 +53,7 @@ from lmcache.v1.storage_backend.connector import (
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ..config import ConfigError
+from ..logs import describe
 from ..protocol._bytes import BytesLike
 from ..protocol.problems import KvspError
 from ..protocol.tensors import kv_dtype_of
@@ -292,7 +293,7 @@ class KvstoreConnector(RemoteConnector):  # type: ignore[misc]
             KvspError,
         ) as exc:
             future.cancel()
-            log.warning("kvstore: a lookup did not complete (%r): a miss", exc)
+            log.warning("kvstore: a lookup did not complete (%s): a miss", describe(exc))
             return miss
 
 

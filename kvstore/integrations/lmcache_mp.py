@@ -70,6 +70,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import create_event_notifier
 
 from ..config import ConfigError
+from ..logs import describe
 from ..protocol._bytes import BytesLike
 from ..protocol.tensors import torch_dtype
 from .chunks import ChunkSettings, ChunkStore, Geometry, LoopThread, Pin
@@ -607,7 +608,7 @@ class KvstoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         try:
             self._loop.run(shutdown(), timeout_s=10)
         except Exception as exc:  # leases expire by themselves
-            log.warning("kvstore L2 adapter: close did not finish cleanly: %r", exc)
+            log.warning("kvstore L2 adapter: close did not finish cleanly: %s", describe(exc))
         self._loop.stop()
         for tasks in (self._stores, self._lookups, self._loads):
             tasks.notifier.close()

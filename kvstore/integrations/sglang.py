@@ -54,6 +54,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from ..config import ConfigError
+from ..logs import describe
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
 from ..protocol.codecs import CODEC_RAW
@@ -232,7 +233,11 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             self.formats[name] = self._format_of(host_pool, name)
         except Exception as exc:
-            log.error("kvstore: SGLang's %s pool cannot be stored (%r); its pages miss", name, exc)
+            log.error(
+                "kvstore: SGLang's %s pool cannot be stored (%s); its pages miss",
+                name,
+                describe(exc),
+            )
 
     def _format_of(self, pool: Any, name: str) -> PageFormat:
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -263,7 +268,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         ) as exc:
             if transfer is not None:
                 transfer.close()
-            log.warning("kvstore: a transfer did not complete (%r): a miss", exc)
+            log.warning("kvstore: a transfer did not complete (%s): a miss", describe(exc))
             return miss
 
     def _store(

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..config import ConfigError
+from ..logs import describe
 from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
 from ..protocol.compat import CompatibilityDescriptor
@@ -403,7 +404,7 @@ class _Worker:
                 results = self._fetch.result(self.settings.chunk.timeout_s * 2 + 1)
             except Exception as exc:  # a timeout, a bug: recomputed, never an engine error
                 self._fetch.cancel()
-                log.warning("kvstore: a load failed (%r); its blocks are recomputed", exc)
+                log.warning("kvstore: a load failed (%s); its blocks are recomputed", describe(exc))
                 results = []
             ok = [(bid, c) for bid, c in results if c is not None]
             failed = {bid for bid, c in results if c is None}
@@ -485,7 +486,7 @@ class _Worker:
         self._saving.discard(future)
         exc = future.exception() if not future.cancelled() else None
         if exc is not None:
-            log.warning("kvstore: a write-behind save failed: %r", exc)
+            log.warning("kvstore: a write-behind save failed: %s", describe(exc))
 
     async def _store(
         self, jobs: list[tuple[str, str, int]], layers: list[torch.Tensor], octets: int
@@ -521,5 +522,5 @@ class _Worker:
         try:
             self.loop.run(close_all(), 10)
         except Exception as exc:
-            log.info("kvstore: closing the stores: %r", exc)
+            log.info("kvstore: closing the stores: %s", describe(exc))
         log.info("kvstore connector (rank %d): %s", self.rank, self.stats)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..logs import describe
 from ..protocol.compat import CompatibilityDescriptor, parse_descriptor
 from ..protocol.keys import BlockKeyChain
 from .chunks import ChunkStore, Pin
@@ -240,7 +241,7 @@ class Planner:
             pins: list[Pin | None] = self._run(self.stores[state.scope].pin_many(keys))
         except Exception as exc:  # a miss, never the engine's error
             self.stats["lookup_failures"] += 1
-            log.warning("kvstore: lookup failed (%r); computing the request", exc)
+            log.warning("kvstore: lookup failed (%s); computing the request", describe(exc))
             return 0
         count = next((i for i, pin in enumerate(pins) if pin is None), len(pins))
         state.pins = pins
@@ -373,7 +374,7 @@ class Planner:
         try:
             self._run(_release_all(store, list(leases.values())))
         except Exception as exc:  # they expire by themselves
-            log.info("kvstore: leases not released (%r); they expire by themselves", exc)
+            log.info("kvstore: leases not released (%s); they expire by themselves", describe(exc))
 
     def close(self) -> None:
         for state in list(self._requests.values()):

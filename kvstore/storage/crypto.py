@@ -45,6 +45,7 @@ import zstandard
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ..logs import describe
 from ..protocol._bytes import BytesLike
 from .errors import CorruptData
 
@@ -171,5 +172,5 @@ class SegmentSealer:
                     raise CorruptData(f"segment {what}: bad decompressed size {size}")
                 body = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
             except (zstandard.ZstdError, MemoryError) as exc:
-                raise CorruptData(f"segment {what}: {exc!r}") from exc
+                raise CorruptData(f"segment {what}: {describe(exc)}") from exc
         return body

@@ -32,12 +32,13 @@ class SegmentLost(Exception):
     """A segment its block still lists is not in its tier any more, or fails
     its check: the block can no longer be served whole, and must leave (LE4).
     ``error`` is what the read that found it answers (a 404, or a 422 for
-    data that fails its digest)."""
+    data that fails its digest); ``tier`` is the kind of the tier it was in."""
 
-    def __init__(self, reason: str, error: KvspError) -> None:
+    def __init__(self, reason: str, error: KvspError, tier: str) -> None:
         super().__init__(reason)
         self.reason = reason
         self.error = error
+        self.tier = tier
 
 
 class SegmentLoader:
@@ -68,7 +69,8 @@ class SegmentLoader:
                 continue
             # The tier lost data it had acknowledged (restart, external eviction).
             reason = f"{slot.kind} lost layers {segment.first}-{segment.last}"
-            raise SegmentLost(reason, NotFound(f"block {info.ref.block_key} is no longer held"))
+            gone = NotFound(f"block {info.ref.block_key} is no longer held")
+            raise SegmentLost(reason, gone, slot.kind)
         if not slot.tier.persistent:
             return stored
         checked = segment
@@ -91,7 +93,7 @@ class SegmentLoader:
         except CorruptData as exc:  # counted and logged once, here
             core.stats.integrity_failures += 1
             log.warning("integrity: %s in %s fails: %s", checked.key, slot.kind, exc.detail)
-            raise SegmentLost(f"corrupt segment in {slot.kind}", exc) from exc
+            raise SegmentLost(f"corrupt segment in {slot.kind}", exc, slot.kind) from exc
         if whole:
             core.table.checked(info, checked)
         return plain

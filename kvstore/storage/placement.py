@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, cast
 
+from ..logs import Tally
 from ..protocol._bytes import BytesLike
 from ..protocol.problems import InsufficientStorage, NotFound
 from .core import StoreCore
@@ -87,6 +88,13 @@ class Placement:
         #: place, the layer tables, a removal), each in a task of its own so
         #: that a cancelled caller never leaves it half done.
         self.finishing: set[asyncio.Future[None]] = set()
+        #: Blocks a tier lost, logged with a count per tier every 10 s.
+        self.losses = Tally(
+            log,
+            "tier %s no longer holds the segments of %d block(s) it had acknowledged"
+            " (restarted without its data, flushed or corrupted outside kvstore?);"
+            " they were withdrawn and evicted (LE4)",
+        )
 
     async def settle(self) -> None:
         """Wait for the background moves started so far and for the work
@@ -101,6 +109,7 @@ class Placement:
         await self.moves.stop()
         await self.drains.stop()
         await self._finished()
+        self.losses.flush()  # the count of the last window's losses
 
     async def _finished(self) -> None:
         while self.finishing:
@@ -396,7 +405,7 @@ class Placement:
         try:
             plain = await self.loader.load(info, segment)
         except SegmentLost as lost:
-            await self.lost(info, lost.reason)  # LE4: it leaves, withdrawn first
+            await self.lost(info, lost)  # LE4: it leaves, withdrawn first
             return Demotion.LEFT
         except (TierUnavailable, NotFound):
             return Demotion.NO_ROOM if self.holds(info, segment) else Demotion.LEFT
@@ -526,7 +535,9 @@ class Placement:
             self.hooks_running -= 1
         self.core.leases.forget_block(info.ref)
         self._count(reason)
-        log.info("evicted %s (%s)", info.ref.block_key, reason)
+        # One line per block at DEBUG (counted in kvstore_store_evictions); a
+        # tier's losses are one WARNING with a count (lost(), below).
+        log.debug("evicted %s (%s)", info.ref.block_key, reason)
         await self._remove(info, self.table.deleted)
 
     def _count(self, reason: str) -> None:
@@ -534,12 +545,15 @@ class Placement:
             self.stats.evictions += 1
         elif reason == "retention":
             self.stats.expired += 1
-        else:
+        elif reason != "deleted":  # a client's DELETE is not an eviction
             self.stats.fault_evictions += 1
 
-    async def lost(self, info: BlockInfo, reason: str) -> None:
-        """LE4: data a tier no longer holds leaves the holder, notified first."""
-        await self.evict(info, reason)
+    async def lost(self, info: BlockInfo, lost: SegmentLost) -> None:
+        """LE4: data a tier no longer holds (or holds corrupt) leaves the
+        holder, notified first. A tier that lost many (a Redis restarted
+        without persistence) is one WARNING with a count, not a line each."""
+        self.losses(lost.tier, lost.reason)
+        await self.evict(info, lost.reason)
 
     async def discard(self, info: BlockInfo) -> None:
         """Remove the segments of a PUT that failed (never acknowledged)."""

@@ -128,7 +128,7 @@ class BlockRead:
                 try:
                     plain = await self._loader.load(info, segment)
                 except SegmentLost as lost:
-                    await self._placement.lost(info, lost.reason)  # LE4: withdrawn first
+                    await self._placement.lost(info, lost)  # LE4: withdrawn first
                     raise lost.error from None
                 if segment.slot > 0 and promote:
                     promoted.append((segment, plain))

@@ -51,6 +51,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ..logs import describe
 from .core import StoreCore
 from .errors import CorruptData, TierFull, TierUnavailable
 from .events import RecoveryProgress
@@ -198,7 +199,7 @@ class Recovery:
                 await asyncio.sleep(wait)
             except Exception as exc:
                 log.exception("recovery failed")
-                self.phase, self._error = Phase.FAILED, repr(exc)
+                self.phase, self._error = Phase.FAILED, describe(exc)
                 self._listing_done.set()
                 return
 

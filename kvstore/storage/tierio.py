@@ -12,6 +12,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from ..logs import describe
 from ..protocol._bytes import BytesLike
 from .crypto import SegmentSealer
 from .errors import TierUnavailable
@@ -128,8 +129,9 @@ class TierIO:
             for name in fenced:
                 if self._late.get(name) is done:
                     del self._late[name]
-            if not done.cancelled() and done.exception() is not None:
-                log.info("a %s call given up on ended with %r", slot.kind, done.exception())
+            failed = None if done.cancelled() else done.exception()
+            if failed is not None:
+                log.info("a %s call given up on ended: %s", slot.kind, describe(failed))
 
         task.add_done_callback(ended)
 
