@@ -25,6 +25,9 @@ from .clibase import (
     CliError,
     Unhealthy,
     _dev_context,
+    default_certs,
+    default_health_url,
+    default_urls,
     read_json,
 )
 from .protocol.problems import KvspError
@@ -286,25 +289,15 @@ def cmd_status(args: argparse.Namespace) -> Any:
 
 
 def cmd_top(args: argparse.Namespace) -> Any:
-    """The summary, redrawn every ``--interval`` seconds until Ctrl-C."""
+    """The summary with rates, redrawn every ``--interval`` seconds until q or Ctrl-C."""
     import asyncio
-    import time
+    import contextlib
 
-    from rich.live import Live
-
-    from .ops import gather, render
+    from .ops import top
 
     context = _ops_context(args)
-    rounds = 0
-    try:
-        with Live(refresh_per_second=4, screen=False) as live:
-            while args.rounds == 0 or rounds < args.rounds:
-                live.update(render(asyncio.run(gather(args.url, context))))
-                rounds += 1
-                if args.rounds == 0 or rounds < args.rounds:
-                    time.sleep(args.interval)
-    except KeyboardInterrupt:
-        pass
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(top(args.url, context, args.interval, args.rounds))
     return None
 
 
@@ -417,11 +410,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     health = sub.add_parser("health", help="GET /healthz or /readyz; exit 0 when it answers 200")
-    health.add_argument("url", help="e.g. https://127.0.0.1:8443/readyz")
+    health.add_argument(
+        "url",
+        nargs="?",
+        default=default_health_url(),
+        help="e.g. https://127.0.0.1:8443/readyz (default: the development server's, or "
+        "KVSTORE_URL's first listener)",
+    )
     health.add_argument(
         "--certs",
-        default=".kvstore/certs",
-        help="directory with ca.pem and client-client.pem/.key (kvstore serve's first use)",
+        default=default_certs(),
+        help="directory with ca.pem and client-client.pem/.key (default: $KVSTORE_CERTS, "
+        "else .kvstore/certs, kvstore serve's first use)",
     )
     who = health.add_mutually_exclusive_group()
     who.add_argument(
@@ -470,11 +470,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     def ops(name: str, help_text: str) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help_text)
-        parser.add_argument("url", nargs="+", help="role base URIs, e.g. https://h:8443/kvsp/")
+        parser.add_argument(
+            "url",
+            nargs="*",
+            default=default_urls(),
+            help="role base URIs, e.g. https://h:8443/kvsp/ (default: $KVSTORE_URL, else the "
+            "development server's roles: .kvstore/kvstore.toml, or https://127.0.0.1:8443)",
+        )
         parser.add_argument(
             "--certs",
-            default=".kvstore/certs",
-            help="directory of ca.pem and client-client.pem/.key",
+            default=default_certs(),
+            help="directory of ca.pem and client-client.pem/.key (default: $KVSTORE_CERTS, "
+            "else .kvstore/certs)",
         )
         parser.add_argument("--cafile")
         parser.add_argument("--cert", help="client certificate (the metrics or admin role)")
@@ -484,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = ops("status", "one summary: tiers, hit ratios, leases, replicas, instances")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
-    top = ops("top", "the summary, live, every second until Ctrl-C")
+    top = ops("top", "the summary and its rates, live, every second until q or Ctrl-C")
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--rounds", type=int, default=0, help="stop after this many (0: never)")
     top.set_defaults(func=cmd_top)

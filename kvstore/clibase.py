@@ -1,11 +1,13 @@
 """What every ``kvstore`` command module shares (:mod:`.cli`, :mod:`.checks`,
 :mod:`.certcmds`): the errors that end a command with one line and their exit
 statuses, reading a JSON argument, a client TLS context from a certificate
-directory. Below them all: none of them is imported here."""
+directory, the development server's URIs and certificate directory as the
+ops commands' defaults. Below them all: none of them is imported here."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,3 +68,43 @@ def _dev_context(
         if not Path(file).is_file():
             raise FileNotFoundError(f"{what} {file} does not exist")
     return client_context(files["CA certificate"], files["client certificate"], files["client key"])
+
+
+def default_urls(directory: str = ".kvstore") -> list[str]:
+    """The URIs ``status`` and ``top`` read without any given: ``KVSTORE_URL``,
+    else the development server's roles (``<directory>/kvstore.toml``, as
+    ``kvstore serve`` made it, or its defaults on port 8443)."""
+    given = os.environ.get("KVSTORE_URL", "").replace(",", " ").split()
+    if given:
+        return given
+    config = Path(directory) / "kvstore.toml"
+    if config.is_file():
+        import tomllib
+
+        try:
+            saved = tomllib.loads(config.read_text())
+        except (OSError, tomllib.TOMLDecodeError):
+            saved = {}
+        found = [
+            str(saved[section]["uri"])
+            for section in ("holder", "index", "controller")
+            if isinstance(saved.get(section), dict) and saved[section].get("uri")
+        ]
+        if found:
+            return found
+    return [f"https://127.0.0.1:8443{path}" for path in ("/kvsp/", "/is/", "/pc/")]
+
+
+def default_certs() -> str:
+    """The certificate directory ops commands use: ``KVSTORE_CERTS``, else
+    the development server's."""
+    return os.environ.get("KVSTORE_CERTS") or ".kvstore/certs"
+
+
+def default_health_url() -> str:
+    """``kvstore health``'s default: the readiness of the listener of
+    :func:`default_urls`' first URI."""
+    from urllib.parse import urlsplit
+
+    first = urlsplit(default_urls()[0])
+    return f"{first.scheme}://{first.netloc}/readyz"

@@ -3,14 +3,25 @@
 Both read each role's ``{base}metrics`` (Prometheus text; the ``metrics`` or
 ``admin`` role is needed) and, for a Placement Controller, ``{base}instances``;
 ``/readyz`` of the listener says whether its tiers and IS are reachable.
-``status`` prints one summary; ``top`` redraws it every second until Ctrl-C.
+``status`` prints one summary; ``top`` redraws it every second, with the
+rates between its last two scrapes (requests, octets, hits, evictions...),
+until ``q`` or Ctrl-C.
+
+Without URLs both read the development server, or ``KVSTORE_URL``
+(:func:`kvstore.clibase.default_urls`); ``KVSTORE_CERTS`` names the
+certificate directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import ssl
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -31,6 +42,8 @@ class RoleView:
     samples: Samples = field(default_factory=dict)
     instances: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
+    #: When it was scraped (time.monotonic): rates divide by the difference.
+    at: float = 0.0
 
     def value(self, name: str, **labels: str) -> float:
         found = self.samples.get(name, {})
@@ -111,6 +124,36 @@ class RoleView:
         return out
 
 
+#: What ``top`` shows per second: (name, counter, divisor, unit).
+RATES = (
+    ("requests", "kvstore_http_requests_total", 1.0, "req/s"),
+    ("in", "kvstore_http_received_bytes_total", float(1 << 20), "MiB/s in"),
+    ("out", "kvstore_http_sent_bytes_total", float(1 << 20), "MiB/s out"),
+    ("hits", "kvstore_store_hits_total", 1.0, "hits/s"),
+    ("misses", "kvstore_store_misses_total", 1.0, "misses/s"),
+    ("evictions", "kvstore_store_evictions_total", 1.0, "evictions/s"),
+    ("lookups", "kvstore_index_lookups_total", 1.0, "lookups/s"),
+    ("placements", "kvstore_controller_placements_total", 1.0, "placements/s"),
+    ("fetched", "kvstore_instance_loaded_tokens_total", 1.0, "tokens fetched/s"),
+)
+
+
+def rates(before: RoleView, after: RoleView) -> dict[str, float | None]:
+    """Per second between two scrapes of one base, for each of :data:`RATES`
+    the later one has; None where a counter went down (the process
+    restarted between them)."""
+    seconds = after.at - before.at
+    out: dict[str, float | None] = {}
+    if seconds <= 0 or before.error or after.error:
+        return out
+    for name, metric, divisor, _ in RATES:
+        if metric not in after.samples:
+            continue
+        delta = after.value(metric) - before.value(metric)
+        out[name] = delta / seconds / divisor if delta >= 0 else None
+    return out
+
+
 def _roles(samples: Samples) -> list[str]:
     names = " ".join(samples)
     markers = {
@@ -134,28 +177,38 @@ def parse_metrics(text: str) -> Samples:
 async def gather(bases: list[str], context: ssl.SSLContext | None) -> list[RoleView]:
     """A view of each base URI; for a holder run with ``[server] workers``,
     of every worker its ``/readyz`` lists (docs/workers.md), after it."""
+    async with _session(context) as http:
+        return await _gather(http, bases)
+
+
+@contextlib.asynccontextmanager
+async def _session(context: ssl.SSLContext | None) -> AsyncIterator[aiohttp.ClientSession]:
     connector = aiohttp.TCPConnector(ssl=context if context is not None else False)
     timeout = aiohttp.ClientTimeout(total=5)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-        views = list(await asyncio.gather(*(_view(http, b) for b in bases)))
-        seen = {v.base for v in views}
-        out: list[RoleView] = []
-        for view in views:
-            out.append(view)
-            workers = view.ready.get("workers")
-            others = [
-                u
-                for u in (workers if isinstance(workers, dict) else ())
-                if isinstance(u, str) and u not in seen
-            ]
-            seen.update(others)
-            out += await asyncio.gather(*(_view(http, u) for u in others))
-        return out
+        yield http
+
+
+async def _gather(http: aiohttp.ClientSession, bases: list[str]) -> list[RoleView]:
+    views = list(await asyncio.gather(*(_view(http, b) for b in bases)))
+    seen = {v.base for v in views}
+    out: list[RoleView] = []
+    for view in views:
+        out.append(view)
+        workers = view.ready.get("workers")
+        others = [
+            u
+            for u in (workers if isinstance(workers, dict) else ())
+            if isinstance(u, str) and u not in seen
+        ]
+        seen.update(others)
+        out += await asyncio.gather(*(_view(http, u) for u in others))
+    return out
 
 
 async def _view(http: aiohttp.ClientSession, base: str) -> RoleView:
     base = base if base.endswith("/") else base + "/"
-    view = RoleView(base)
+    view = RoleView(base, at=time.monotonic())
     origin = "{0.scheme}://{0.netloc}/".format(urlsplit(base))
     try:
         async with http.get(urljoin(base, "metrics")) as response:
@@ -184,12 +237,17 @@ def _octets(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def render(views: list[RoleView]) -> Any:
-    """The summary as rich renderables (a group of tables)."""
+def render(
+    views: list[RoleView],
+    speeds: dict[str, dict[str, float | None]] | None = None,
+    header: str = "",
+) -> Any:
+    """The summary as rich renderables (a group of tables); ``speeds``:
+    each base's :func:`rates` (``top``), shown under its title."""
     from rich.console import Group
     from rich.table import Table
 
-    parts: list[Any] = []
+    parts: list[Any] = [header] if header else []
     for view in views:
         s = view.summary()
         title = f"{view.base}  [{', '.join(view.roles) or '?'}]"
@@ -203,6 +261,8 @@ def render(views: list[RoleView]) -> Any:
         parts.append(
             f"[bold]{title}[/bold]  ready: {'[green]' if ready == 'ok' else '[red]'}{ready}[/]"
         )
+        if speeds is not None:
+            parts.append(_speed_line(speeds.get(view.base)))
         if "tiers" in s:
             table = Table("tier", "used", "capacity", "fill", "state")
             for tier in s["tiers"]:
@@ -246,3 +306,85 @@ def render(views: list[RoleView]) -> Any:
                 f"output {s['output_tokens']}"
             )
     return Group(*parts)
+
+
+def _speed_line(speed: dict[str, float | None] | None) -> str:
+    if not speed:
+        return "rates: after the next scrape"
+    shown = []
+    for name, _, divisor, unit in RATES:
+        if name in speed:
+            value = speed[name]
+            figure = (
+                "restarted" if value is None else f"{value:.1f}" if divisor > 1 else f"{value:.0f}"
+            )
+            shown.append(f"{figure} {unit}")
+    return "rates: " + ", ".join(shown)
+
+
+async def top(
+    bases: list[str],
+    context: ssl.SSLContext | None,
+    interval: float = 1.0,
+    rounds: int = 0,
+    console: Any = None,
+) -> int:
+    """Redraw the summary every ``interval`` seconds, with the rates since
+    the previous scrape, until ``q`` is pressed (when standard input is a
+    terminal), Ctrl-C, or ``rounds`` (0: no end). The rounds drawn."""
+    from rich.live import Live
+
+    previous: dict[str, RoleView] = {}
+    drawn = 0
+    async with _session(context) as http:
+        with Live(console=console, refresh_per_second=4, screen=False) as live, _keys() as quit_:
+            while True:
+                views = await _gather(http, bases)
+                speeds = {v.base: rates(previous[v.base], v) for v in views if v.base in previous}
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                hint = ", q quits" if quit_ is not None else ""
+                header = f"[bold]kvstore top[/bold]  {stamp}  every {interval:g} s{hint}"
+                live.update(render(views, speeds, header))
+                previous = {v.base: v for v in views}
+                drawn += 1
+                if rounds and drawn >= rounds:
+                    return drawn
+                if quit_ is None:
+                    await asyncio.sleep(interval)
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(quit_.wait(), interval)
+                if quit_.is_set():
+                    return drawn
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[asyncio.Event | None]:
+    """An event set when ``q`` is typed: standard input in cbreak mode (no
+    Enter needed, echo off) while ``top`` runs, restored after; None when
+    standard input is not a terminal."""
+    try:
+        import termios
+        import tty
+    except ImportError:  # (not a POSIX terminal)
+        yield None
+        return
+    if not sys.stdin.isatty():
+        yield None
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    loop = asyncio.get_running_loop()
+    pressed = asyncio.Event()
+
+    def readable() -> None:
+        if os.read(fd, 64).lower().find(b"q") >= 0:
+            pressed.set()
+
+    tty.setcbreak(fd)
+    loop.add_reader(fd, readable)
+    try:
+        yield pressed
+    finally:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)

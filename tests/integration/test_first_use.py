@@ -84,12 +84,14 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
         # kvstore status / top read every role's {base}metrics (OPS1).
         bases = [f"https://127.0.0.1:{port}/{b}/" for b in ("kvsp", "is", "pc")]
         certs = ["--certs", str(directory / "certs")]
+        # Without URLs or --certs: the development server of ./.kvstore.
         done = subprocess.run(
-            [sys.executable, "-m", "kvstore", "status", *bases, *certs, "--json"],
+            [sys.executable, "-m", "kvstore", "status", "--json"],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
+            cwd=tmp_path,
         )
         assert done.returncode == 0, done.stderr
         holder, index, pc = json.loads(done.stdout)
@@ -116,6 +118,19 @@ def test_first_start_prints_a_working_curl_and_the_second_reuses_the_data(
             check=False,
         )
         assert live.returncode == 0 and "host#0" in live.stdout, live.stderr
+        assert "req/s" in live.stdout and "MiB/s out" in live.stdout  # rates of 2 scrapes
+        # Elsewhere: KVSTORE_URL and KVSTORE_CERTS say where it is.
+        env = {**os.environ, "KVSTORE_URL": bases[0], "KVSTORE_CERTS": str(directory / "certs")}
+        probe = subprocess.run(
+            [sys.executable, "-m", "kvstore", "health"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd="/",
+            env=env,
+        )
+        assert probe.returncode == 0 and '"status": "ok"' in probe.stdout, probe.stderr
         # SIGTERM: a clean stop within the grace period.
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
