@@ -55,7 +55,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from .logs import ACCESS, ACCESS_TEXT
@@ -98,6 +102,11 @@ class _StoreCollector(Collector):
         fallbacks = CounterMetricFamily(
             "kvstore_tier_arena_fallbacks", "Blocks kept outside the arena", labels=where
         )
+        latency = HistogramMetricFamily(
+            "kvstore_tier_operation_duration_seconds",
+            "Tier call latency by operation (read, write, delete)",
+            labels=[*where, "op"],
+        )
         for index, tier_snap in enumerate(snap.tiers):
             tier = [tier_snap.kind, str(index)]
             used.add_metric(tier, tier_snap.used)
@@ -110,7 +119,10 @@ class _StoreCollector(Collector):
                 arena.add_metric([*tier, "mapped"], mapped)
                 arena.add_metric([*tier, "in_extents"], in_extents)
                 fallbacks.add_metric(tier, outside)
-        yield from (used, capacity, reserved, degraded, failures, arena, fallbacks)
+            for op, (buckets, total_s) in tier_snap.latency.items():
+                latency.add_metric([*tier, op], buckets, total_s)
+        yield from (used, capacity, reserved, degraded, failures, arena, fallbacks, latency)
+        yield from _scope_usage(snap.scopes)
         states = GaugeMetricFamily("kvstore_store_blocks", "Blocks by state", labels=["state"])
         for state, count in snap.blocks.items():
             states.add_metric([state], count)
@@ -170,6 +182,29 @@ class _StoreCollector(Collector):
             yield GaugeMetricFamily(
                 "kvstore_publish_pending", "Index updates waiting", value=self.publisher.pending
             )
+
+
+#: Scopes (tenants) shown by name in kvstore_scope_*: the largest by KV
+#: octets; the rest are summed as scope="other" (a bounded series count).
+SCOPES_SHOWN = 50
+
+
+def _scope_usage(scopes: dict[str, tuple[int, int]]) -> Iterator[Any]:
+    blocks = GaugeMetricFamily(
+        "kvstore_scope_blocks", "Blocks held by scope (tenant)", labels=["scope"]
+    )
+    octets = GaugeMetricFamily(
+        "kvstore_scope_kv_bytes", "KV octets held by scope (tenant)", labels=["scope"]
+    )
+    ranked = sorted(scopes.items(), key=lambda item: item[1][1], reverse=True)
+    for scope, (count, size) in ranked[:SCOPES_SHOWN]:
+        blocks.add_metric([scope], count)
+        octets.add_metric([scope], size)
+    rest = ranked[SCOPES_SHOWN:]
+    if rest:
+        blocks.add_metric(["other"], sum(n for _, (n, _) in rest))
+        octets.add_metric(["other"], sum(size for _, (_, size) in rest))
+    yield from (blocks, octets)
 
 
 class CountersCollector(Collector):

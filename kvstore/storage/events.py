@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .types import BlockRef
@@ -132,6 +132,9 @@ class TierSnapshot:
     #: A memory tier's arena (mapped octets, octets in extents, blocks kept
     #: outside it for want of an extent); None without one.
     arena: tuple[int, int, int] | None = None
+    #: Its calls' latency by operation (read, write, delete): the cumulative
+    #: buckets (upper bound, calls) and the total seconds (.latency).
+    latency: dict[str, tuple[list[tuple[str, int]], float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +159,5 @@ class StoreSnapshot:
     leases: int
     #: How far the restart's recovery is (done once it serves whole).
     recovery: RecoveryProgress | None = None
+    #: Each scope's blocks and KV octets held (scope id -> (blocks, octets)).
+    scopes: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -241,6 +241,7 @@ class TieredStore:
                 s.failures,
                 s.last_error,
                 s.tier.arena_figures() if isinstance(s.tier, ArenaTier) else None,
+                {op: (x.cumulative(), x.total_s) for op, x in s.latency.items()},
             )
             for s in self.slots
         )
@@ -265,6 +266,7 @@ class TieredStore:
             lease_rejections=self.leases.rejections,
             leases=len(self.leases),
             recovery=self.recovery.progress(),
+            scopes=self.table.scope_usage(),
         )
 
     # --- writes --------------------------------------------------------

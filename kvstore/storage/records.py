@@ -20,6 +20,7 @@ from ..protocol import container as kc
 from ..protocol._bytes import BytesLike
 from ..protocol.records import ReplicaRecord, Residency
 from .errors import CorruptData
+from .latency import Latency, latencies
 from .policy import LRU, EvictionPolicy
 from .state import BlockState, Claim
 from .tier import Tier
@@ -60,6 +61,8 @@ class TierSlot:
     degraded_until: float = 0.0
     failures: int = 0
     last_error: str = ""
+    #: How long its calls took, by operation (read, write, delete).
+    latency: dict[str, Latency] = field(default_factory=latencies)
 
     @property
     def kind(self) -> str:
@@ -111,12 +114,19 @@ class BlockInfo:
     #: Segments and copies (tier index, first layer) adopted at a restart
     #: without being read: the first read of one checks it in full.
     unchecked: set[tuple[int, int]] = field(default_factory=set)
+    #: Its KV octets as its scope's usage counted them (BlockTable).
+    counted_octets: int = 0
     #: Where it is in its life (see :mod:`.state`); None until the table has it.
     state: BlockState | None = None
     #: Serializes the moves and the removal of this block's data.
     claim: Claim = field(default_factory=Claim)
     #: Resolved when it leaves WRITING or LEAVING (a second PUT waits on it).
     settled: asyncio.Future[None] | None = None
+
+    @property
+    def kv_octets(self) -> int:
+        """Octets of its K and V sections (what a tenant's usage counts)."""
+        return sum(k + v for k, v, _ in self.layers.values())
 
     @property
     def first_layer(self) -> int:

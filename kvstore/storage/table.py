@@ -31,6 +31,9 @@ class BlockTable:
         self.slots = slots
         self._entries: dict[BlockRef, BlockInfo] = {}
         self._by_key: dict[str, set[BlockRef]] = {}
+        #: Each scope's blocks held (stored or adopted, not leaving) and
+        #: their KV octets: [blocks, octets] (a tenant's usage, /metrics).
+        self._scopes: dict[str, list[int]] = {}
 
     # --- lookups (RESIDENT unless said otherwise) -------------------------
 
@@ -67,6 +70,19 @@ class BlockTable:
     def refs_for_key(self, block_key: str) -> set[BlockRef]:
         return set(self._by_key.get(block_key, ()))
 
+    def scope_usage(self) -> dict[str, tuple[int, int]]:
+        """Each scope's (blocks, KV octets) held (metrics: a tenant's usage)."""
+        return {scope: (n, octets) for scope, (n, octets) in self._scopes.items()}
+
+    def _counted(self, info: BlockInfo, sign: int) -> None:
+        if sign > 0:
+            info.counted_octets = info.kv_octets  # what leaving takes off again
+        usage = self._scopes.setdefault(info.ref.scope_id, [0, 0])
+        usage[0] += sign
+        usage[1] += sign * info.counted_octets
+        if usage[0] <= 0:
+            del self._scopes[info.ref.scope_id]
+
     # --- lifecycle (the transitions of .state) ----------------------------
 
     def begin(self, info: BlockInfo) -> None:
@@ -83,11 +99,13 @@ class BlockTable:
         info.state = advance(info.state, Event.RECOVERED)
         self._entries[info.ref] = info
         self._by_key.setdefault(info.ref.block_key, set()).add(info.ref)
+        self._counted(info, 1)
 
     def stored(self, info: BlockInfo) -> None:
         """The PUT is acknowledged: served, leasable, movable from now on."""
         info.state = advance(info.state, Event.STORED)
         self._by_key.setdefault(info.ref.block_key, set()).add(info.ref)
+        self._counted(info, 1)
         self._settle(info)
 
     def failed(self, info: BlockInfo) -> list[Segment]:
@@ -100,6 +118,7 @@ class BlockTable:
         """Removal starts: no new read or lease from now on (its data stays
         until :meth:`deleted`)."""
         info.state = advance(info.state, Event.LEAVE)
+        self._counted(info, -1)
         refs = self._by_key.get(info.ref.block_key)
         if refs is not None:
             refs.discard(info.ref)

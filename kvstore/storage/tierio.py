@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..logs import describe
@@ -50,7 +51,11 @@ class TierIO:
         return self.slots[index].degraded_until > self.clock()
 
     async def call(
-        self, slot: TierSlot, call: Awaitable[object], changes: Sequence[str] = ()
+        self,
+        slot: TierSlot,
+        call: Awaitable[object],
+        changes: Sequence[str] = (),
+        op: str = "",
     ) -> BytesLike | None:
         """Run a tier operation within the tier's deadline; record failures and
         successes (one place, STYLE 8). A call past its deadline is the tier
@@ -62,7 +67,11 @@ class TierIO:
         (LMDB's) cannot be stopped, a request sent to Redis or S3 may still be
         applied. Until it ends, another change of those keys in that tier is
         refused (TierUnavailable), so that a late delete or put never lands on
-        what a newer incarnation of the block wrote there."""
+        what a newer incarnation of the block wrote there.
+
+        ``op``: what its time is counted as in the tier's latency (``read``,
+        ``write``, ``delete``); by default a call with ``changes`` writes and
+        one without reads. A call past its deadline counts the deadline."""
         deadline = slot.tier.deadline_s
         refusal = None
         if slot.degraded_until > self.clock():
@@ -78,6 +87,7 @@ class TierIO:
             if inspect.iscoroutine(call):
                 call.close()  # made by the caller, never to run
             raise TierUnavailable(refusal, tier=slot.kind)
+        started = time.perf_counter()
         try:
             if deadline is None:
                 result = await call  # memory: nothing lands late
@@ -112,6 +122,10 @@ class TierIO:
             self.stats.tier_errors += 1
             log.warning("tier %s unavailable: %s", slot.kind, exc.detail)
             raise
+        finally:
+            slot.latency[op or ("write" if changes else "read")].observe(
+                time.perf_counter() - started
+            )
         if slot.degraded_until:
             log.info("tier %s recovered", slot.kind)
             slot.degraded_until = 0.0
@@ -145,9 +159,9 @@ class TierIO:
             await asyncio.wait(late, timeout=slot.tier.deadline_s)
         try:
             if len(keys) == 1:
-                await self.call(slot, slot.tier.delete(keys[0]), keys)
+                await self.call(slot, slot.tier.delete(keys[0]), keys, "delete")
             elif keys:
-                await self.call(slot, slot.tier.delete_many(keys), keys)
+                await self.call(slot, slot.tier.delete_many(keys), keys, "delete")
         except Exception as exc:
             # The data is already unaccounted for; an orphan costs space, not
             # correctness (recover() finds and re-adopts it at the next start).

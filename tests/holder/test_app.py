@@ -222,7 +222,7 @@ async def test_repr_digest_is_base64_sha256(client_as: ClientFactory) -> None:
     assert header == "sha-256=:" + base64.b64encode(hashlib.sha256(data).digest()).decode() + ":"
 
 
-async def test_metrics(client_as: ClientFactory) -> None:
+async def test_metrics(client_as: ClientFactory, store: TieredStore) -> None:
     # OPS1: requests by route and status, octets, tier occupancy, lease rejections.
     alice = client_as("alice")
     data = block()
@@ -249,6 +249,22 @@ async def test_metrics(client_as: ClientFactory) -> None:
     assert 'kvstore_store_blocks{state="resident"} 1.0' in text
     assert 'kvstore_store_blocks{state="leaving"} 0.0' in text
     assert "kvstore_lease_rejections_total 1.0" in text
+    # Each tier's calls by operation: the PUT's write, the hit's read (the
+    # miss asked no tier), nothing deleted; their time within the buckets.
+    latency = "kvstore_tier_operation_duration_seconds"
+    host = 'position="0",tier="host"'
+    assert f'{latency}_count{{op="write",{host}}} 1.0' in text
+    assert f'{latency}_count{{op="read",{host}}} 1.0' in text
+    assert f'{latency}_count{{op="delete",{host}}} 0.0' in text
+    assert f'{latency}_bucket{{le="+Inf",op="read",{host}}} 1.0' in text
+    # A tenant's usage: its blocks and their K/V octets (8 layers of 2 x 256).
+    assert f'kvstore_scope_blocks{{scope="{SCOPE}"}} 1.0' in text
+    assert f'kvstore_scope_kv_bytes{{scope="{SCOPE}"}} 4096.0' in text
+    await store.delete(BlockRef(CID, SCOPE, KEY))  # an operator's removal
+    text = (await client_as("holder1").get("https://holder.test/metrics")).text
+    assert "kvstore_scope_blocks{" not in text  # nothing held: no series
+    assert f'{latency}_count{{op="delete",{host}}} 1.0' in text
+    assert 'kvstore_store_evictions_total{kind="fault"} 0.0' in text  # a DELETE is none
     assert_problem(await client_as("mallory").get("https://holder.test/metrics"), 403)
 
 

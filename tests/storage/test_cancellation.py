@@ -14,6 +14,7 @@ from kvstore.backends.host import HostTier
 from kvstore.protocol.problems import InsufficientStorage, NotFound
 from kvstore.storage import BlockRef, StoreSettings, TieredStore
 from kvstore.storage.errors import TierFull
+from kvstore.storage.loader import SegmentLost
 
 from .helpers import GatedTier, block, cancelled, ref, size_of
 from .test_concurrency import accounting
@@ -216,7 +217,8 @@ async def test_a_reader_never_mixes_two_incarnations_of_a_block() -> None:
     await store.put(ref(1), old)
     reading = store.read(ref(1)).__aiter__()
     header, first = bytes(await reading.__anext__()), bytes(await reading.__anext__())
-    await store.placement.lost(store.info(ref(1)), "a fault")  # LE4: goes while read
+    fault = SegmentLost("a fault", NotFound("gone"), "host")
+    await store.placement.lost(store.info(ref(1)), fault)  # LE4: goes while read
     await store.put(ref(1), block())  # same keys, other octets
     with pytest.raises(NotFound):
         rest = [bytes(chunk) async for chunk in reading]
