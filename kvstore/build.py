@@ -90,12 +90,13 @@ def index_client(config: Config, section: str) -> IndexClient | None:
 
 def _client_context(config: Config, cfg: Any) -> ssl.SSLContext | None:
     """The client context of a role section's ``client_certfile`` /
-    ``client_keyfile`` (SEC1), with the server's CA; None when not set."""
-    from .tls import client_context
+    ``client_keyfile`` (SEC1), with the server's CA; None when not set.
+    A reload (SIGHUP, its files changed) gives it the files again."""
+    from .tls import reloadable_client_context
 
     if not (cfg.client_certfile and cfg.client_keyfile and config.server.cafile):
         return None
-    return client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
+    return reloadable_client_context(config.server.cafile, cfg.client_certfile, cfg.client_keyfile)
 
 
 def build_publisher(config: Config, store: TieredStore) -> IndexPublisher | None:

@@ -9,7 +9,10 @@ reads them all again:
   ``cafile``) into a new TLS context that every new connection takes; open
   connections finish with the one they have;
 * every role's policy file, each role's :class:`~kvstore.security.Policy`
-  then holding the new grants from its next request on.
+  then holding the new grants from its next request on;
+* the roles' own client certificates (``client_certfile``, ``client_keyfile``:
+  a holder's for the IS, the PC's and an instance's for the roles they
+  call), which new connections present; the CA is added to those trusted.
 
 All of it is read and checked first, and only then put in place: a new file
 that is broken (a key that does not match its certificate, a policy with an
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from .background import Background
 from .security import Policy, PolicyError
-from .tls import ServerTLS
+from .tls import ServerTLS, check_clients, reload_clients, reloadable_client_files
 
 log = logging.getLogger("kvstore.serve")
 
@@ -50,8 +53,11 @@ class Reloader(Background):
     ) -> None:
         super().__init__()
         self.tls, self.policies = tls, list(policies)
-        #: The files watched: the listener's certificate, key and CA, the policies.
-        self.files = [*files, *(path for path, _ in policies)]
+        #: The files watched: the listener's certificate, key and CA, the
+        #: policies, the roles' client certificates and keys.
+        self.files = list(
+            dict.fromkeys([*files, *(path for path, _ in policies), *reloadable_client_files()])
+        )
         self.check_s = check_s
         self.reloads = self.refusals = 0
         self._seen = self.signature()
@@ -77,6 +83,7 @@ class Reloader(Background):
         try:
             context = self.tls.build() if self.tls is not None else None
             policies = [(Policy.load(path), policy) for path, policy in self.policies]
+            clients = check_clients()
         except (OSError, ssl.SSLError, PolicyError, ValueError) as exc:
             self.refusals += 1
             log.error(
@@ -89,11 +96,15 @@ class Reloader(Background):
             self.tls.current = context
         for new, policy in policies:
             policy.take(new)
+        reload_clients(clients)
         self.reloads += 1
         what = ["the policy" if len(policies) == 1 else f"{len(policies)} policies"]
+        if clients:
+            what.insert(0, "the client certificates")
         if self.tls is not None:
             what.insert(0, "the server certificate and CA")
-        log.info("reloaded %s (%s)", " and ".join(what), why)
+        said = ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+        log.info("reloaded %s (%s)", said, why)
         return True
 
     async def run(self) -> None:

@@ -346,6 +346,13 @@ def _issue(
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        # Which CA key signed it (RFC 5280 4.2.1.1): while a rotation trusts
+        # an old and a new CA of the same name, the verifier picks the right one.
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),
+            critical=False,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -387,6 +394,9 @@ def create_dev_certificates(
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,

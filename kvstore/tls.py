@@ -36,6 +36,7 @@ import logging
 import socket
 import ssl
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -86,6 +87,47 @@ def client_context(
     if certfile is not None:
         context.load_cert_chain(certfile, keyfile)
     return context
+
+
+#: The client contexts a reload gives new files (kvstore.reload): a role's
+#: own certificate for the roles it calls (a holder's for the IS, the PC's
+#: for instances), as cert-manager renews it. Context -> (CA, cert, key).
+_RELOADABLE: weakref.WeakKeyDictionary[ssl.SSLContext, tuple[str, str, str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def reloadable_client_context(cafile: str, certfile: str, keyfile: str) -> ssl.SSLContext:
+    """:func:`client_context`, reloaded by a SIGHUP or a change of its files
+    (:func:`reload_clients`): new connections present the new certificate
+    and trust the new CA as well as the old; open ones finish as they are."""
+    context = client_context(cafile, certfile, keyfile)
+    _RELOADABLE[context] = (cafile, certfile, keyfile)
+    return context
+
+
+def reloadable_client_files() -> list[str]:
+    """Every file of the reloadable client contexts (what a reload watches)."""
+    return sorted({path for files in list(_RELOADABLE.values()) for path in files})
+
+
+def check_clients() -> list[tuple[ssl.SSLContext, tuple[str, str, str]]]:
+    """Each reloadable client context with its files, each set loaded
+    into a scratch context first: a broken one raises (ssl.SSLError,
+    OSError) and nothing is changed."""
+    found = list(_RELOADABLE.items())
+    for _, (cafile, certfile, keyfile) in found:
+        client_context(cafile, certfile, keyfile)
+    return found
+
+
+def reload_clients(checked: list[tuple[ssl.SSLContext, tuple[str, str, str]]]) -> None:
+    """Put the files :func:`check_clients` checked in place, in the live
+    contexts (OpenSSL takes a new certificate and key for new handshakes;
+    a CA is added to those trusted)."""
+    for context, (cafile, certfile, keyfile) in checked:
+        context.load_cert_chain(certfile, keyfile)
+        context.load_verify_locations(cafile)
 
 
 # --- refused handshakes --------------------------------------------------------

@@ -5,9 +5,11 @@ every old one with one error line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
+import ssl
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from kvstore.protocol.problems import Forbidden
 from kvstore.reload import Reloader, tls_files
 from kvstore.security import Policy, create_dev_certificates
-from kvstore.tls import ServerTLS, server_context
+from kvstore.tls import ServerTLS, principal_of, reloadable_client_context, server_context
 
 from .storage.helpers import until
 
@@ -119,3 +121,55 @@ async def test_a_change_of_the_files_is_read_by_itself(
         assert policy.grant("urn:kvstore:carol")
     finally:
         await reloader.stop()
+
+
+def handshake(client: ssl.SSLContext, server: ssl.SSLContext) -> str | None:
+    """A TLS 1.3 handshake in memory; the principal the server saw (raises
+    ssl.SSLError when either side refuses)."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    near = client.wrap_bio(c_in, c_out, server_hostname="localhost")
+    far = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {"near": False, "far": False}
+    for _ in range(10):
+        for name, side in (("near", near), ("far", far)):
+            if not done[name]:
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    side.do_handshake()
+                    done[name] = True
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                far.read(1)  # TLS 1.3: the client's certificate is checked here
+            return principal_of(far.getpeercert())
+    raise AssertionError("the handshake did not end")
+
+
+def test_a_reload_gives_the_roles_client_certificates_their_new_files(
+    live: tuple[Path, ServerTLS, Policy, Reloader], tmp_path: Path
+) -> None:
+    # A holder's certificate for the IS (holder.client_certfile), renewed by
+    # cert-manager under a new CA: new connections present the new one.
+    directory, _, _, _ = live
+    client = reloadable_client_context(
+        str(directory / "ca.pem"),
+        str(directory / "client-alice.pem"),
+        str(directory / "client-alice.key"),
+    )
+    old_server = server_context(*_paths(directory))
+    assert handshake(client, old_server) == "urn:kvstore:alice"
+    issue(tmp_path / "new", "bob")
+    new_server = server_context(*_paths(tmp_path / "new"))
+    with pytest.raises(ssl.SSLError):  # another CA: neither side trusts it yet
+        handshake(client, new_server)
+    reloader = Reloader(None, [], [], 0.0)
+    assert str(directory / "client-alice.key") in reloader.files  # watched
+    shutil.copy(tmp_path / "new" / "client-bob.pem", directory / "client-alice.pem")
+    shutil.copy(tmp_path / "new" / "client-bob.key", directory / "client-alice.key")
+    shutil.copy(tmp_path / "new" / "ca.pem", directory / "ca.pem")
+    assert reloader.reload("test")
+    assert handshake(client, new_server) == "urn:kvstore:bob"
+    # A broken key: refused whole, the context keeps what it had.
+    (directory / "client-alice.key").write_text("not a key\n")
+    assert not reloader.reload("test")
+    assert handshake(client, new_server) == "urn:kvstore:bob"
