@@ -142,8 +142,10 @@ def setup(
     # uvicorn's loggers come through the root handler (uvicorn.Config with
     # log_config=None adds none of its own); its access log is ours.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio"):
-        logging.getLogger(name).handlers.clear()
-        logging.getLogger(name).propagate = True
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate, logger.disabled = True, False
+        logger.setLevel(logging.NOTSET)  # (uvicorn.Config sets its own after)
 
 
 class Tally:
