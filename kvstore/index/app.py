@@ -43,9 +43,11 @@ from ..protocol.control import InstanceStatus
 from ..protocol.placement import decode_shapes, plan_groups, recompute_us
 from ..protocol.problems import BadRequest, Forbidden, NotFound
 from ..protocol.records import LookupRequest, ReplicaRecord, TargetEstimate
+from ..protocol.residency import ResidencyUpdate, Resident
 from ..protocol.wire import JSON_MEDIA_TYPE, NO_STORE, role_id
 from ..security import Grant, Policy
 from ..settings import IndexSettings
+from .residency import ResidencyBook, ResidencyCounters
 from .state import Hits, IndexState
 
 
@@ -72,8 +74,9 @@ class StatusBook:
 
 
 @dataclass(slots=True)
-class IndexCounters:
-    """OPS1 figures of the IS; ``lookup_matched_keys / lookup_keys`` is the hit ratio."""
+class IndexCounters(ResidencyCounters):
+    """OPS1 figures of the IS; ``lookup_matched_keys / lookup_keys`` is the
+    hit ratio. With the residency book's (instances' memory, ours)."""
 
     lookups: int = 0
     lookup_keys: int = 0
@@ -82,6 +85,16 @@ class IndexCounters:
     published: int = 0
     withdrawn: int = 0
     reported: int = 0
+
+
+def _speaks_for(grant: Grant, instance_id: str) -> bool:
+    """Only an instance tells its own residency (as only a holder publishes
+    its own replicas, SEC1), or an admin."""
+    return "admin" in grant.roles or (
+        "instance" in grant.roles
+        and grant.instance is not None
+        and role_id(grant.instance) == instance_id
+    )
 
 
 def _may_act_for(grant: Grant, holder_id: str) -> bool:
@@ -128,12 +141,15 @@ class Index:
         self.settings, self.state, self.policy = settings, state, policy
         self.statuses = statuses or StatusBook()
         self.counters = IndexCounters()
+        self.residency = ResidencyBook(settings.max_records, settings.max_ttl_ms)
+        self.residency.counters = self.counters
 
     def routes(self) -> list[Route]:
         return [
             Route("/replicas/{holder_id}/{block_key}", self.put_replica, methods=["PUT"]),
             Route("/replicas/{holder_id}/{block_key}", self.delete_replica, methods=["DELETE"]),
             Route("/lookup", self.lookup, methods=["POST"]),
+            Route("/residency/{instance_id}", self.put_residency, methods=["POST"]),
         ]
 
     def who(self, request: Request) -> str | None:
@@ -177,6 +193,27 @@ class Index:
         self.counters.withdrawn += 1
         return empty_response()
 
+    async def put_residency(self, request: Request) -> Response:
+        """An engine's bridge tells what its instance holds (ours,
+        kvstore.protocol.residency): only for itself, in scopes it may write."""
+        instance_id = request.path_params["instance_id"]
+        if len(instance_id) != 43:
+            raise NotFound("no such residency resource")
+        who = self.who(request)
+        grant = self.policy.grant(who)
+        if not _speaks_for(grant, instance_id):
+            raise Forbidden("only the instance itself may tell its residency")
+        update = ResidencyUpdate.from_json(
+            await read_json(request, self.settings.max_json_octets),
+            max_keys=self.settings.max_lookup_keys * 8,
+        )
+        if role_id(update.instance) != instance_id:
+            raise BadRequest("the update's instance must match the path")
+        for group in (*update.add, *update.remove):
+            self.policy.require_write(who, group.scope_id)
+        ttl_ms, known, records = self.residency.apply(instance_id, update)
+        return json_response({"ttl_ms": ttl_ms, "known": known, "records": records})
+
     async def lookup(self, request: Request) -> Response:
         grant = self.policy.grant(self.who(request))
         query = LookupRequest.from_json(
@@ -203,9 +240,10 @@ class Index:
         found = []
         if query.targets and block_tokens:
             found = await estimates(query.targets, hits, block_tokens, self.statuses)
+        resident = self.residency.lookup(query.scope_id, query.compat_id, query.block_keys)
         if query.shapes_only:
-            return _shapes_answer(hits, found)
-        return LookupAnswer(hits, found)
+            return _shapes_answer(hits, found, resident)
+        return LookupAnswer(hits, found, resident)
 
 
 def create_app(
@@ -232,7 +270,13 @@ def create_app(
     return app
 
 
-def _shapes_answer(hits: Hits, found: Sequence[TargetEstimate]) -> Response:
+def _resident_json(resident: Sequence[Resident]) -> bytes:
+    return b',"resident":' + json.dumps([r.to_json() for r in resident]).encode()
+
+
+def _shapes_answer(
+    hits: Hits, found: Sequence[TargetEstimate], resident: Sequence[Resident] = ()
+) -> Response:
     """The answer to ``shapes_only`` (ours): runs of keys by their replicas' shapes."""
     groups: dict[bytes, int] = {}
     runs = []
@@ -247,6 +291,8 @@ def _shapes_answer(hits: Hits, found: Sequence[TargetEstimate]) -> Response:
     )
     if found:
         body += b',"targets":' + json.dumps([t.to_json() for t in found]).encode()
+    if resident:
+        body += _resident_json(resident)
     return Response(body + b"}", headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE)
 
 
@@ -262,14 +308,22 @@ class LookupAnswer(Response):
 
     message_octets = 256 << 10
 
-    def __init__(self, hits: Hits, targets: Sequence[TargetEstimate] = ()) -> None:
+    def __init__(
+        self,
+        hits: Hits,
+        targets: Sequence[TargetEstimate] = (),
+        resident: Sequence[Resident] = (),
+    ) -> None:
         super().__init__(None, headers={"Cache-Control": NO_STORE}, media_type=JSON_MEDIA_TYPE)
         self.hits = hits
         self.head = b'{"matched":%d,"replicas":[' % hits.matched
-        self.tail = b"]}"
+        self.tail = b"]"
         if targets:
             encoded = json.dumps([t.to_json() for t in targets], allow_nan=False)
-            self.tail = b'],"targets":' + encoded.encode() + b"}"
+            self.tail += b',"targets":' + encoded.encode()
+        if resident:
+            self.tail += _resident_json(resident)
+        self.tail += b"}"
         chunks = hits.chunks
         self.octets = sum(map(len, chunks)) + max(len(chunks) - 1, 0)
         self.headers["content-length"] = str(len(self.head) + self.octets + len(self.tail))

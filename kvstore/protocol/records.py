@@ -27,6 +27,7 @@ from ._json import (
     hex32_list,
 )
 from .problems import DigestMismatch
+from .residency import Resident
 
 # R5: "KVSP Storage Tiers" registry, fastest first (also the demotion chain).
 TIERS = ("device", "host", "local-storage", "remote-memory", "remote-storage")
@@ -372,6 +373,9 @@ class LookupResponse:
     replicas: tuple[tuple[ReplicaRecord, ...], ...]
     targets: tuple[TargetEstimate, ...] = ()
     shapes: ShapeRuns | None = None
+    #: Instances holding a prefix of the keys in their own memory (ours,
+    #: kvstore.protocol.residency): never sources to fetch from.
+    resident: tuple[Resident, ...] = ()
 
     @classmethod
     def from_json(cls, value: Any) -> LookupResponse:
@@ -394,7 +398,10 @@ class LookupResponse:
         targets = tuple(
             TargetEstimate.from_json(item, path) for item, path in obj.items("targets", default=[])
         )
-        return cls(matched, tuple(replicas), targets, shapes)
+        resident = tuple(
+            Resident.from_json(item, path) for item, path in obj.items("resident", default=[])
+        )
+        return cls(matched, tuple(replicas), targets, shapes, resident)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -405,6 +412,8 @@ class LookupResponse:
             out["targets"] = [t.to_json() for t in self.targets]
         if self.shapes is not None:
             out["shapes"] = self.shapes.to_json()
+        if self.resident:
+            out["resident"] = [r.to_json() for r in self.resident]
         return out
 
 

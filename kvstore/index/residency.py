@@ -1,0 +1,178 @@
+"""The Index Service's instance residency (kvstore.protocol.residency): what
+engines hold in their own memory, as their bridges tell it.
+
+Kept in this process's memory, apart from the replica records (a lookup
+answers them as ``resident``, never as sources). Every record of an
+instance lives as long as the instance's last update's TTL: a bridge that
+stops (its pod gone) stops refreshing, and its records expire together;
+expired instances are swept on the next update or lookup after a second.
+An IS restart forgets everything: the next update of each bridge is
+answered ``known: false`` and the bridge sends its whole residency again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..protocol.problems import InsufficientStorage
+from ..protocol.residency import ResidencyUpdate, Resident
+
+#: (scope_id, compat_id): the space a Block Key is looked up in.
+Space = tuple[str, str]
+
+
+@dataclass(slots=True)
+class _Instance:
+    uri: str
+    expires: float
+    #: (space, block key) -> the media it is resident in.
+    records: dict[tuple[Space, str], set[str]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ResidencyCounters:
+    residency_updates: int = 0
+    residency_added: int = 0
+    residency_removed: int = 0
+    residency_cleared: int = 0
+    residency_expired: int = 0
+
+
+class ResidencyBook:
+    """Residency by instance, and by space and key for lookups; at most
+    ``max_records`` (an update that would pass it is refused whole, 507)."""
+
+    SWEEP_S = 1.0
+
+    def __init__(
+        self,
+        max_records: int = 4_000_000,
+        max_ttl_ms: int = 600_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_records, self.max_ttl_ms, self.clock = max_records, max_ttl_ms, clock
+        self._instances: dict[str, _Instance] = {}
+        #: space -> block key -> instance id -> media
+        self._keys: dict[Space, dict[str, dict[str, set[str]]]] = {}
+        self.records = 0
+        self.counters = ResidencyCounters()
+        self._swept = 0.0
+
+    def apply(self, instance_id: str, update: ResidencyUpdate) -> tuple[int, bool, int]:
+        """Apply ``update`` for ``instance_id`` (the caller authorized it);
+        (the TTL granted, whether the instance was known, its records)."""
+        self._sweep()
+        ttl_ms = min(update.ttl_ms, self.max_ttl_ms)
+        now = self.clock()
+        entry = self._instances.get(instance_id)
+        known = entry is not None and entry.expires > now
+        if entry is not None and not known:
+            self._drop(instance_id, entry)
+            entry = None
+        if entry is None:
+            entry = self._instances[instance_id] = _Instance(update.instance, 0.0)
+        entry.uri = update.instance
+        if update.clear:
+            self._clear(instance_id, entry)
+            self.counters.residency_cleared += 1
+        adding = sum(len(g.block_keys) for g in update.add)
+        if self.records + adding > self.max_records:
+            raise InsufficientStorage(
+                f"the index holds {self.records} residency records of its "
+                f"{self.max_records}; this update adds up to {adding}"
+            )
+        for group in update.remove:
+            space = (group.scope_id, group.compat_id)
+            for key in group.block_keys:
+                self._remove(instance_id, entry, space, key, group.medium)
+        for group in update.add:
+            space = (group.scope_id, group.compat_id)
+            keys = self._keys.setdefault(space, {})
+            for key in group.block_keys:
+                media = entry.records.get((space, key))
+                if media is None:
+                    media = entry.records[(space, key)] = set()
+                    keys.setdefault(key, {})[instance_id] = media
+                    self.records += 1
+                if group.medium not in media:
+                    media.add(group.medium)
+                    self.counters.residency_added += 1
+        entry.expires = now + ttl_ms / 1000
+        self.counters.residency_updates += 1
+        return ttl_ms, known, len(entry.records)
+
+    def lookup(self, scope_id: str, compat_id: str, keys: Sequence[str]) -> list[Resident]:
+        """Each live instance holding a prefix of ``keys``, longest first."""
+        self._sweep()
+        table = self._keys.get((scope_id, compat_id))
+        if not table or not keys:
+            return []
+        now = self.clock()
+        first = table.get(keys[0])
+        if not first:
+            return []
+        # Walk the keys while any instance still holds every one so far.
+        alive = {
+            i: set(media)
+            for i, media in first.items()
+            if (e := self._instances.get(i)) is not None and e.expires > now
+        }
+        prefix = dict.fromkeys(alive, 1)
+        running = set(alive)
+        for key in keys[1:]:
+            holders = table.get(key)
+            if not holders:
+                break
+            running &= holders.keys()
+            if not running:
+                break
+            for i in running:
+                prefix[i] += 1
+        out = [
+            Resident(self._instances[i].uri, n, tuple(sorted(alive[i]))) for i, n in prefix.items()
+        ]
+        out.sort(key=lambda r: (-r.prefix_blocks, r.instance))
+        return out
+
+    def _remove(
+        self, instance_id: str, entry: _Instance, space: Space, key: str, medium: str
+    ) -> None:
+        media = entry.records.get((space, key))
+        if media is None or medium not in media:
+            return
+        media.discard(medium)
+        self.counters.residency_removed += 1
+        if not media:
+            del entry.records[(space, key)]
+            self._unindex(instance_id, space, key)
+
+    def _unindex(self, instance_id: str, space: Space, key: str) -> None:
+        table = self._keys[space]
+        holders = table[key]
+        del holders[instance_id]
+        if not holders:
+            del table[key]
+            if not table:
+                del self._keys[space]
+        self.records -= 1
+
+    def _clear(self, instance_id: str, entry: _Instance) -> None:
+        for space, key in entry.records:
+            self._unindex(instance_id, space, key)
+        entry.records.clear()
+
+    def _drop(self, instance_id: str, entry: _Instance) -> None:
+        self._clear(instance_id, entry)
+        del self._instances[instance_id]
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        if now - self._swept < self.SWEEP_S:
+            return
+        self._swept = now
+        for instance_id, entry in list(self._instances.items()):
+            if entry.expires <= now:
+                self.counters.residency_expired += len(entry.records)
+                self._drop(instance_id, entry)
