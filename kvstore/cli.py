@@ -301,6 +301,25 @@ def cmd_top(args: argparse.Namespace) -> Any:
     return None
 
 
+def cmd_events(args: argparse.Namespace) -> Any:
+    """The bridge beside a vLLM engine: its KV events into the IS as residency."""
+    from .config import ConfigError
+
+    try:
+        from .fleet.run import run
+    except ImportError as exc:
+        raise CliError(f"events: the events extra is not installed ({exc})") from exc
+    try:
+        status = run(args.config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    except KeyboardInterrupt:
+        status = 0
+    if status:
+        raise SystemExit(status)
+    return None
+
+
 def cmd_openapi(args: argparse.Namespace) -> Any:
     from .openapi import render
 
@@ -495,6 +514,15 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--rounds", type=int, default=0, help="stop after this many (0: never)")
     top.set_defaults(func=cmd_top)
+
+    events = sub.add_parser(
+        "events",
+        help="beside a vLLM engine: its KV cache events to the Index Service as residency",
+    )
+    events.add_argument(
+        "--config", required=True, help="a TOML file with [events] (docs/events.md)"
+    )
+    events.set_defaults(func=cmd_events)
 
     openapi = sub.add_parser("openapi", help="a role's OpenAPI 3.1 document (docs/openapi/)")
     openapi.add_argument("role", choices=["holder", "index", "controller", "instance"])

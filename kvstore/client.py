@@ -45,6 +45,7 @@ from .protocol.control import (
 from .protocol.problems import (
     BadGateway,
     DigestMismatch,
+    InvalidRecord,
     KvspError,
     NotFound,
 )
@@ -57,6 +58,7 @@ from .protocol.records import (
     PrefetchStatus,
     ReplicaRecord,
 )
+from .protocol.residency import ResidencyAnswer, ResidencyUpdate
 from .protocol.wire import (
     BLOCK_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
@@ -369,6 +371,19 @@ class IndexClient(_Http):
         except ValueError as exc:
             raise BadGateway(f"POST {url}: the answer is not JSON") from exc
         return LookupResponse.from_json(value)
+
+    async def tell_residency(self, update: ResidencyUpdate) -> ResidencyAnswer:
+        """``POST residency/{instance-id}`` (ours, kvstore.protocol.residency):
+        what the instance holds; the IS's answer (the TTL granted, whether it
+        knew the instance before, its records there)."""
+        url = urljoin(self.index_uri, f"residency/{role_id(update.instance)}")
+        headers = {"Content-Type": JSON_MEDIA_TYPE}
+        body = json.dumps(update.to_json()).encode()
+        _, _, raw = await self._request("POST", url, expect=[200], data=body, headers=headers)
+        try:
+            return ResidencyAnswer.from_json(json.loads(raw))
+        except (ValueError, InvalidRecord) as exc:
+            raise BadGateway(f"POST {url}: the answer is not a residency answer") from exc
 
     async def withdraw(self, holder: str, block_key: str) -> None:
         """``DELETE replicas/{holder-id}/{block_key}``; an unknown record is already gone."""

@@ -34,6 +34,8 @@ log = logging.getLogger("kvstore.serve")
 HEAD_LIMIT = 8192
 HEAD_TIMEOUT_S = 5.0
 
+METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
@@ -45,6 +47,9 @@ class HealthListener:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.ready: Callable[[], bool] | None = None
+        #: Also ``GET /metrics`` (Prometheus text) where set: a process whose
+        #: figures name no block nor scope (``kvstore events``).
+        self.metrics: Callable[[], bytes] | None = None
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -81,12 +86,16 @@ class HealthListener:
                 head = await reader.readuntil(b"\r\n\r\n")
             method, path = _request_line(head)
             code, word = (405, "method not allowed")
-            if method in ("GET", "HEAD"):
-                code, word = self.status(path)
-            body = json.dumps({"status": word}).encode()
+            media = "application/json"
+            if method in ("GET", "HEAD") and path == "/metrics" and self.metrics is not None:
+                code, body, media = 200, self.metrics(), METRICS_MEDIA_TYPE
+            else:
+                if method in ("GET", "HEAD"):
+                    code, word = self.status(path)
+                body = json.dumps({"status": word}).encode()
             headers = (
                 f"HTTP/1.1 {code} {_REASONS[code]}\r\n"
-                "Content-Type: application/json\r\n"
+                f"Content-Type: {media}\r\n"
                 "Cache-Control: no-store\r\n"
                 f"Content-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n"

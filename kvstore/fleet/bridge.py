@@ -50,34 +50,52 @@ SKIP_REASONS = (
 @dataclass(slots=True)
 class Changes:
     """What to tell the IS: blocks that became resident in a medium, blocks
-    that left one, and whether everything this instance told before is void
-    (``clear``: a restart, a cleared cache, events lost)."""
+    that left one (the last change of a block wins: one added then removed
+    within an update is a removal), and whether everything this instance
+    told before is void (``clear``: a restart, a cleared cache, events lost)."""
 
     clear: bool = False
-    #: (scope_id, medium) -> Block Keys (hex), in event order.
-    added: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-    removed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    #: (scope_id, medium, Block Key hex) -> added (True) or removed (False).
+    ops: dict[tuple[str, str, str], bool] = field(default_factory=dict)
 
     def add(self, scope: str, medium: str, key: str) -> None:
-        self.added.setdefault((scope, medium), []).append(key)
+        self._set((scope, medium, key), True)
 
     def remove(self, scope: str, medium: str, key: str) -> None:
-        self.removed.setdefault((scope, medium), []).append(key)
+        self._set((scope, medium, key), False)
+
+    def _set(self, what: tuple[str, str, str], added: bool) -> None:
+        self.ops.pop(what, None)
+        self.ops[what] = added
 
     def merge(self, later: Changes) -> None:
         """``later``'s changes after these (a clear drops what came before)."""
         if later.clear:
-            self.clear, self.added, self.removed = True, {}, {}
-        for (scope, medium), keys in later.added.items():
-            self.added.setdefault((scope, medium), []).extend(keys)
-        for (scope, medium), keys in later.removed.items():
-            self.removed.setdefault((scope, medium), []).extend(keys)
+            self.clear, self.ops = True, {}
+        for what, added in later.ops.items():
+            self._set(what, added)
+
+    @property
+    def added(self) -> dict[tuple[str, str], list[str]]:
+        """(scope_id, medium) -> the Block Keys added, in order."""
+        return self._by(True)
+
+    @property
+    def removed(self) -> dict[tuple[str, str], list[str]]:
+        return self._by(False)
+
+    def _by(self, added: bool) -> dict[tuple[str, str], list[str]]:
+        out: dict[tuple[str, str], list[str]] = {}
+        for (scope, medium, key), op in self.ops.items():
+            if op is added:
+                out.setdefault((scope, medium), []).append(key)
+        return out
 
     def __bool__(self) -> bool:
-        return self.clear or bool(self.added) or bool(self.removed)
+        return self.clear or bool(self.ops)
 
     def count(self) -> int:
-        return sum(map(len, self.added.values())) + sum(map(len, self.removed.values()))
+        return len(self.ops)
 
 
 @dataclass(slots=True)

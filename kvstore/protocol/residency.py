@@ -124,3 +124,21 @@ class Resident:
             "prefix_blocks": self.prefix_blocks,
             "media": list(self.media),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyAnswer:
+    """The IS's answer to an update: the TTL granted, whether it knew the
+    instance before (False: send everything again), its records there."""
+
+    ttl_ms: int
+    known: bool
+    records: int
+
+    @classmethod
+    def from_json(cls, value: Any) -> ResidencyAnswer:
+        obj = Obj(value, "residency_answer")
+        return cls(obj.integer("ttl_ms", lo=1), obj.flag("known"), obj.integer("records"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttl_ms": self.ttl_ms, "known": self.known, "records": self.records}

@@ -1,0 +1,107 @@
+"""``kvstore events --config FILE``: a bridge built from its settings and run
+until SIGTERM or SIGINT; at the stop the IS is told to void this instance's
+residency (no one keeps it true any more)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from pathlib import Path
+
+from .. import logs
+from ..config import ConfigError
+from ..protocol.compat import parse_descriptor
+from ..protocol.keys import scope_id
+from ..protocol.problems import KvspError
+from ..protocol.residency import ResidencyUpdate
+from .bridge import Bridge
+from .settings import EventsSettings
+
+log = logging.getLogger("kvstore.events")
+
+
+def read_key(file: str, key: str) -> bytes:
+    try:
+        found = bytes.fromhex(Path(file).read_text().strip())
+        scope_id(found)  # K1: at least 32 octets
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"events.{key}: {file}: {exc}") from exc
+    return found
+
+
+def build_bridge(settings: EventsSettings) -> Bridge:
+    try:
+        descriptor = parse_descriptor(json.loads(Path(settings.descriptor_file).read_text()))
+    except (OSError, ValueError, KvspError) as exc:
+        raise ConfigError(f"events.descriptor_file: {settings.descriptor_file}: {exc}") from exc
+    keys = {
+        salt: read_key(file, f"salt_scopes.{salt}") for salt, file in settings.salt_scopes.items()
+    }
+    if settings.scope_key_file:
+        keys[""] = read_key(settings.scope_key_file, "scope_key_file")
+    return Bridge(keys, descriptor.compat_id_hex, descriptor.block_tokens, settings.max_blocks)
+
+
+async def serve_events(settings: EventsSettings) -> None:
+    from ..client import IndexClient
+    from ..health import HealthListener, bind_health_port
+    from ..tls import reloadable_client_context
+    from .service import EventBridge
+
+    bridge = build_bridge(settings)
+    context = None
+    if settings.index_uri.startswith("https:"):
+        try:
+            context = reloadable_client_context(
+                settings.cafile, settings.certfile, settings.keyfile
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"events.certfile / keyfile / cafile: {exc}") from exc
+    health = None
+    if settings.metrics_port:
+        health = HealthListener(bind_health_port(settings.metrics_host, settings.metrics_port))
+    async with IndexClient(settings.index_uri, context, timeout_s=10) as index:
+        service = EventBridge(
+            bridge,
+            index,
+            settings.instance,
+            endpoint=settings.endpoint,
+            replay_endpoint=settings.replay_endpoint,
+            topic=settings.topic,
+            ttl_ms=settings.ttl_ms,
+            flush_ms=settings.flush_ms,
+            max_update_keys=settings.max_update_keys,
+            replay_timeout_s=settings.replay_timeout_s,
+        )
+        if health is not None:
+            health.metrics, health.ready = service.metrics, service.ready
+            await health.start()
+        running = asyncio.create_task(service.run(), name="kvstore events")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, running.cancel)
+        try:
+            await running
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if health is not None:
+                await health.stop()
+            # Nothing keeps the residency true from now on: void it.
+            with contextlib.suppress(KvspError, TimeoutError):
+                async with asyncio.timeout(3):
+                    await index.tell_residency(
+                        ResidencyUpdate(settings.instance, settings.ttl_ms, clear=True)
+                    )
+            log.info("stopped: %s's residency withdrawn", settings.instance)
+
+
+def run(config: str) -> int:
+    settings = EventsSettings.load(config)
+    logs.setup(settings.log_level, settings.log_format)
+    asyncio.run(serve_events(settings))
+    return 0

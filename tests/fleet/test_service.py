@@ -1,0 +1,235 @@
+"""The bridge running (kvstore.fleet.service) against a ZMQ publisher made as
+vLLM's is (PUB and a ROUTER replay buffer, over ipc): updates to the IS,
+gaps filled by replay or voided, an engine restart, an IS that forgot."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvstore.fleet.bridge import Bridge
+from kvstore.fleet.service import EventBridge
+from kvstore.protocol.keys import block_keys, scope_id
+from kvstore.protocol.problems import Unreachable
+from kvstore.protocol.residency import ResidencyAnswer, ResidencyUpdate
+
+COMPAT = hashlib.sha256(b"compat").hexdigest()
+KEY = bytes(range(32))
+SCOPE = scope_id(KEY).hex()
+B = 16
+POD = "https://vllm-0.test:8000/"
+TOKENS = list(range(500, 500 + 8 * B))
+KEYS = [k.hex() for k in block_keys(KEY, bytes.fromhex(COMPAT), TOKENS, B)]
+
+
+class Publisher:
+    """vLLM's ZmqEventPublisher's wire behaviour, driven by the test."""
+
+    def __init__(self, context: zmq.asyncio.Context, directory: Path) -> None:
+        self.pub = context.socket(zmq.PUB)
+        self.router = context.socket(zmq.ROUTER)
+        self.endpoint = f"ipc://{directory}/events"
+        self.replay_endpoint = f"ipc://{directory}/replay"
+        self.pub.bind(self.endpoint)
+        self.router.bind(self.replay_endpoint)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=100)
+        self.seq = 0
+        self.replays = 0
+        self._serving = asyncio.create_task(self._serve_replays())
+
+    async def send(self, *events: Any, drop: bool = False) -> int:
+        payload = msgpack.packb([1.0e9 + self.seq, list(events), 0])
+        seq, self.seq = self.seq, self.seq + 1
+        self.buffer.append((seq, payload))
+        if not drop:  # dropped: as a slow subscriber's high-water mark would
+            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def restart(self) -> None:
+        self.seq = 0
+        self.buffer.clear()
+
+    async def _serve_replays(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.replays += 1
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    await self.router.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    )
+            await self.router.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    async def close(self) -> None:
+        self._serving.cancel()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+class Index:
+    """The IS's residency as the bridge sees it: updates applied in order."""
+
+    index_uri = "https://index.test/is/"
+
+    def __init__(self) -> None:
+        self.updates: list[ResidencyUpdate] = []
+        self.resident: set[tuple[str, str, str]] = set()
+        self.known = False
+        self.down = False
+
+    async def tell_residency(self, update: ResidencyUpdate) -> ResidencyAnswer:
+        if self.down:
+            raise Unreachable("POST residency: cannot connect")
+        self.updates.append(update)
+        known, self.known = self.known, True
+        if update.clear:
+            self.resident.clear()
+        for group in update.remove:
+            self.resident -= {(group.scope_id, group.medium, k) for k in group.block_keys}
+        for group in update.add:
+            self.resident |= {(group.scope_id, group.medium, k) for k in group.block_keys}
+        return ResidencyAnswer(update.ttl_ms, known, len(self.resident))
+
+    def keys(self, medium: str = "GPU") -> set[str]:
+        return {k for s, m, k in self.resident if m == medium and s == SCOPE}
+
+
+def stored(first: int, count: int, parent: int | None) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(range(first, first + count)),
+        "parent_block_hash": parent,
+        "token_ids": TOKENS[(first - 1) * B : (first - 1 + count) * B],
+        "block_size": B,
+        "medium": "GPU",
+    }
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[tuple[Publisher, Index, EventBridge]]:
+    context = zmq.asyncio.Context()
+    publisher = Publisher(context, tmp_path)
+    index = Index()
+    service = EventBridge(
+        Bridge({"": KEY}, COMPAT, B),
+        index,
+        POD,
+        endpoint=publisher.endpoint,
+        replay_endpoint=publisher.replay_endpoint,
+        ttl_ms=3_000,
+        flush_ms=5,
+        replay_timeout_s=1.0,
+        context=context,
+    )
+    running = asyncio.create_task(service.run())
+    # The SUB socket joins a moment after connecting: wait for a first message.
+    for _ in range(200):
+        await publisher.send({"type": "AllBlocksCleared"})
+        await asyncio.sleep(0.01)
+        if service.expected is not None:
+            break
+    assert service.expected is not None, "the subscriber never joined"
+    yield publisher, index, service
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    await publisher.close()
+    context.term()
+
+
+async def until(condition: Any, seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not within the time")
+
+
+async def test_events_become_residency_at_the_index(
+    rig: tuple[Publisher, Index, EventBridge],
+) -> None:
+    publisher, index, service = rig
+    await publisher.send(stored(1, 2, None))
+    await publisher.send(stored(3, 1, 2))
+    await until(lambda: index.keys() == set(KEYS[:3]))
+    assert index.updates[0].clear  # a new bridge voids what an old one told
+    await publisher.send({"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"})
+    await until(lambda: index.keys() == set(KEYS[:2]))
+    await publisher.send({"type": "AllBlocksCleared"})
+    await until(lambda: not index.resident)
+    assert service.bridge.counters.cleared >= 1
+    assert b"kvstore_events_blocks_stored_total 3.0" in service.metrics()
+    assert b"kvstore_events_lag_seconds_count" in service.metrics()
+
+
+async def test_a_gap_is_filled_from_the_replay_socket(
+    rig: tuple[Publisher, Index, EventBridge],
+) -> None:
+    publisher, index, service = rig
+    await publisher.send(stored(1, 1, None))
+    await publisher.send(stored(2, 1, 1), drop=True)  # the SUB socket missed it
+    await publisher.send(stored(3, 1, 2))
+    await until(lambda: index.keys() == set(KEYS[:3]))
+    assert service.bridge.counters.gaps_replayed == 1 and publisher.replays >= 1
+    assert service.bridge.counters.gaps_lost == 0
+
+
+async def test_a_gap_the_replay_cannot_fill_voids_the_residency(
+    rig: tuple[Publisher, Index, EventBridge],
+) -> None:
+    publisher, index, service = rig
+    await publisher.send(stored(1, 2, None))
+    await until(lambda: index.keys() == set(KEYS[:2]))
+    # A removal lost, and gone from the replay buffer too.
+    await publisher.send({"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}, drop=True)
+    publisher.buffer.clear()
+    await publisher.send(stored(4, 1, None))
+    await until(lambda: service.bridge.counters.gaps_lost == 1)
+    # What the bridge could not follow is withdrawn; what came after, told.
+    await until(lambda: KEYS[1] not in index.keys())
+    assert any(u.clear for u in index.updates[1:])
+
+
+async def test_an_engine_restart_voids_its_residency(
+    rig: tuple[Publisher, Index, EventBridge],
+) -> None:
+    publisher, index, service = rig
+    await publisher.send(stored(1, 3, None))
+    await until(lambda: index.keys() == set(KEYS[:3]))
+    publisher.restart()  # numbers from 0 again, its cache empty
+    await publisher.send(stored(1, 1, None))
+    await until(lambda: service.bridge.counters.restarts == 1)
+    await until(lambda: index.keys() == {KEYS[0]})
+
+
+async def test_an_index_that_forgot_is_told_everything_and_an_outage_waits(
+    rig: tuple[Publisher, Index, EventBridge],
+) -> None:
+    publisher, index, service = rig
+    await publisher.send(stored(1, 2, None))
+    await until(lambda: index.keys() == set(KEYS[:2]))
+    # The IS restarts (it knows nothing), then the next update reaches it.
+    index.resident.clear()
+    index.known = False
+    await publisher.send(stored(3, 1, 2))
+    await until(lambda: index.keys() == set(KEYS[:3]))
+    # Unreachable for a while: the changes wait, then arrive merged.
+    index.down = True
+    await publisher.send(stored(4, 1, 3))
+    await publisher.send({"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"})
+    await until(lambda: service.update_failures >= 1)
+    assert not service.ready()
+    index.down = False
+    await until(lambda: index.keys() == set(KEYS[1:4]))
+    assert service.ready()
