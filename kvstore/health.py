@@ -44,8 +44,8 @@ class HealthListener:
     starts: a taken port fails the start cleanly). ``ready`` is set once the
     process is built; until then ``/readyz`` says ``starting``."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, setting: str = "server.health_port") -> None:
+        self.sock, self.setting = sock, setting
         self.ready: Callable[[], bool] | None = None
         #: Also ``GET /metrics`` (Prometheus text) where set: a process whose
         #: figures name no block nor scope (``kvstore events``).
@@ -55,7 +55,8 @@ class HealthListener:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._answer, sock=self.sock, limit=HEAD_LIMIT)
         host, port = self.sock.getsockname()[:2]
-        log.info("serving liveness and readiness on http://%s:%s (server.health_port)", host, port)
+        what = "metrics, liveness and readiness" if self.metrics else "liveness and readiness"
+        log.info("serving %s on http://%s:%s (%s)", what, host, port, self.setting)
 
     async def stop(self) -> None:
         server, self._server = self._server, None

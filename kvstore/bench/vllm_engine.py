@@ -22,7 +22,10 @@ SPEC members: ``model`` (a directory), ``options`` (the connector's
 ``num_blocks`` (vLLM's pages, few enough to preempt), ``max_num_batched_tokens`` (a chunked
 prefill below the prompt's length), ``prefix_caching`` (vLLM's own, off by
 default), ``kill_before_load`` (a pid killed once a load is planned, before
-the worker fetches it).
+the worker fetches it), ``kv_events`` (vLLM's KV cache events published on
+ZMQ: ``{"endpoint", "replay_endpoint", "topic"}``, with prefix caching; the
+engine then waits ``linger_s`` for its publisher to send them), ``options``
+null (no connector: vLLM alone).
 """
 
 from __future__ import annotations
@@ -102,23 +105,32 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         connector._Worker.start_load = kill_then_load  # type: ignore[method-assign]
 
+    more: dict[str, Any] = {}
+    if spec.get("options") is not None:
+        more["kv_transfer_config"] = {
+            "kv_connector": "KvstoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec["options"],
+        }
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        more["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", **spec["kv_events"]
+        )
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=BLOCK_TOKENS,
         max_model_len=spec.get("max_model_len", 8192),
-        enable_prefix_caching=bool(spec.get("prefix_caching")),
+        enable_prefix_caching=bool(spec.get("prefix_caching") or spec.get("kv_events")),
         dtype="bfloat16",
         seed=0,
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
         num_gpu_blocks_override=spec.get("num_blocks"),
-        kv_transfer_config={
-            "kv_connector": "KvstoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": spec["options"],
-        },
+        **more,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0)
     salts = spec.get("cache_salt") or [None] * len(spec["prompts"])
@@ -139,7 +151,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - started)
             # The saves are write-behind: the next prompt's lookup must not
             # race the previous one's stores (a test would see a chance miss).
-            if not get_kv_transfer_group()._worker.flush(60):
+            if "kv_transfer_config" in more and not get_kv_transfer_group()._worker.flush(60):
                 raise RuntimeError("the connector's saves are still in flight after 60 s")
     runs = [
         {
@@ -151,6 +163,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     from dataclasses import asdict
 
+    if spec.get("kv_events"):
+        time.sleep(float(spec.get("linger_s", 1.0)))  # its publisher thread sends them
+    if "kv_transfer_config" not in more:
+        return {"runs": runs, "stats": {}}
     worker = get_kv_transfer_group()._worker
     ensure_kv_transfer_shutdown()  # the worker's saves in flight are flushed
     return {"runs": runs, "stats": asdict(worker.stats)}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .. import logs
 from ..config import ConfigError
+from ..logs import describe
 from ..protocol.compat import parse_descriptor
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError
@@ -62,7 +63,8 @@ async def serve_events(settings: EventsSettings) -> None:
             raise ConfigError(f"events.certfile / keyfile / cafile: {exc}") from exc
     health = None
     if settings.metrics_port:
-        health = HealthListener(bind_health_port(settings.metrics_host, settings.metrics_port))
+        sock = bind_health_port(settings.metrics_host, settings.metrics_port)
+        health = HealthListener(sock, "events.metrics_port")
     async with IndexClient(settings.index_uri, context, timeout_s=10) as index:
         service = EventBridge(
             bridge,
@@ -92,12 +94,19 @@ async def serve_events(settings: EventsSettings) -> None:
             if health is not None:
                 await health.stop()
             # Nothing keeps the residency true from now on: void it.
-            with contextlib.suppress(KvspError, TimeoutError):
+            try:
                 async with asyncio.timeout(3):
                     await index.tell_residency(
                         ResidencyUpdate(settings.instance, settings.ttl_ms, clear=True)
                     )
-            log.info("stopped: %s's residency withdrawn", settings.instance)
+                log.info("stopped: %s's residency withdrawn", settings.instance)
+            except (KvspError, TimeoutError) as exc:
+                log.warning(
+                    "stopped: %s's residency not withdrawn (%s); it expires in %d ms",
+                    settings.instance,
+                    describe(exc),
+                    settings.ttl_ms,
+                )
 
 
 def run(config: str) -> int:

@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import logging
 import time
+import zlib
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,6 +77,12 @@ class EventBridge:
         #: Event times (the engine's clock) of the batches in ``pending``.
         self._times: list[float] = []
         self.expected: int | None = None
+        #: (sequence, CRC-32 of the payload) of the last messages applied: a
+        #: replay that differs from them comes from a restarted engine.
+        self._recent: deque[tuple[int, int]] = deque(maxlen=64)
+        #: The last message the start's replay gave (the SUB socket may bring
+        #: it and those before it again); None once past it.
+        self._caught_up_to: int | None = None
         self._wake = asyncio.Event()
         self.registry = CollectorRegistry()
         self.lag = Histogram(
@@ -108,6 +116,8 @@ class EventBridge:
             self.index.index_uri,
         )
         try:
+            if self.replay_endpoint:
+                await self.catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 await self.receive(frames)
@@ -116,6 +126,17 @@ class EventBridge:
             with contextlib.suppress(asyncio.CancelledError):
                 await publishing
             sub.close(linger=0)
+
+    async def catch_up(self) -> None:
+        """At the start: what the engine's replay buffer still holds (events
+        sent before this bridge ran). Those the SUB socket brings again are
+        skipped once (:attr:`_caught_up_to`)."""
+        got = await self._replayed(0)
+        for seq, payload in got:
+            self._apply(seq, payload)
+        if got:
+            self._caught_up_to = got[-1][0]
+            log.info("caught up: %d message(s) from the replay buffer", len(got))
 
     async def receive(self, frames: list[bytes]) -> None:
         """One message of the PUB socket: ``[topic, sequence, payload]``."""
@@ -128,26 +149,19 @@ class EventBridge:
             log.warning("a message from %s is not vLLM's: %s", self.endpoint, exc)
             return
         expected = self.expected
-        if expected is None:
-            if seq > 0 and self.replay_endpoint:
-                # Started after the engine: what its buffer still has.
-                await self._replay(0, seq, at_start=True)
-        elif seq < expected:
-            self.bridge.counters.restarts += 1
-            log.warning(
-                "%s's events start again at %d (expected %d): the engine restarted; "
-                "its residency is void",
-                self.instance,
-                seq,
-                expected,
-            )
-            self._void()
-        elif seq > expected:
-            await self._replay(expected, seq)
+        if self._caught_up_to is not None:
+            if seq <= self._caught_up_to:
+                return  # replayed at the start already
+            self._caught_up_to = None
+        if expected is not None and seq < expected:
+            await self._restarted(seq, f"its events start again at {seq} (expected {expected})")
+        elif expected is not None and seq > expected:
+            await self._gap(expected, seq)
         self._apply(seq, frames[2])
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self.expected = seq + 1
+        self._recent.append((seq, zlib.crc32(payload)))
         try:
             batch = decode_batch(payload)
         except MalformedEvent as exc:
@@ -164,42 +178,62 @@ class EventBridge:
         self.pending.merge(self.bridge.forget())
         self._wake.set()
 
-    async def _replay(self, start: int, upto: int, at_start: bool = False) -> None:
-        """Messages [start, upto) again from the replay socket, applied; a
-        gap it cannot fill voids the residency (not at the start, where the
-        engine's history before the bridge is merely unknown)."""
+    async def _replayed(self, start: int, upto: int | None = None) -> list[tuple[int, bytes]]:
+        """Messages from ``start`` (to ``upto``, excluded) of the replay
+        socket, in order; what it answers within ``replay_timeout_s``."""
         import zmq
 
         got: list[tuple[int, bytes]] = []
-        if self.replay_endpoint:
-            dealer = self.context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.replay_endpoint)
-            try:
-                await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-                async with asyncio.timeout(self.replay_timeout_s):
-                    while True:
-                        frames = await dealer.recv_multipart()
-                        if len(frames) != 4:
-                            continue
-                        seq = decode_sequence(frames[2])
-                        if seq == END_OF_REPLAY:
-                            break
-                        if start <= seq < upto:
-                            got.append((seq, frames[3]))
-            except (TimeoutError, MalformedEvent) as exc:
-                log.warning("replay from %s: %s", self.replay_endpoint, describe(exc))
-            finally:
-                dealer.close(linger=0)
+        if not self.replay_endpoint:
+            return got
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) != 4:
+                        continue
+                    seq = decode_sequence(frames[2])
+                    if seq == END_OF_REPLAY:
+                        break
+                    if start <= seq and (upto is None or seq < upto):
+                        got.append((seq, frames[3]))
+        except (TimeoutError, MalformedEvent) as exc:
+            log.warning("replay from %s: %s", self.replay_endpoint, describe(exc))
+        finally:
+            dealer.close(linger=0)
         got.sort()
-        whole = [s for s, _ in got] == list(range(start, upto))
-        if at_start:
-            for seq, payload in got:
-                self._apply(seq, payload)
+        return got
+
+    async def _restarted(self, seq: int, why: str) -> None:
+        """The engine restarted: its cache is empty, the residency void; what
+        its replay buffer holds before ``seq`` is its history since."""
+        self.bridge.counters.restarts += 1
+        log.warning("%s restarted (%s): its residency is void", self.instance, why)
+        self._void()
+        self._recent.clear()
+        for earlier, payload in await self._replayed(0, seq):
+            self._apply(earlier, payload)
+
+    async def _gap(self, start: int, upto: int) -> None:
+        """Messages [start, upto) again from the replay socket, applied. The
+        replay starts at the oldest message seen recently: one that differs
+        from what was seen under its number means another engine numbers
+        them now (a restart the SUB socket missed). A gap it cannot fill
+        voids the residency (a removal may have been lost)."""
+        first = self._recent[0][0] if self._recent else start
+        got = await self._replayed(first, upto)
+        seen = dict(self._recent)
+        if any(s in seen and seen[s] != zlib.crc32(p) for s, p in got if s < start):
+            await self._restarted(upto, f"message {start - 1} is not the one seen")
             return
-        if whole:
+        missing = [(s, p) for s, p in got if s >= start]
+        if [s for s, _ in missing] == list(range(start, upto)):
             self.bridge.counters.gaps_replayed += 1
-            for seq, payload in got:
+            for seq, payload in missing:
                 self._apply(seq, payload)
             return
         self.bridge.counters.gaps_lost += 1
