@@ -142,8 +142,53 @@ COMPONENTS: dict[str, Any] = {
                 },
             },
             "shapes": {"type": "object"},
+            "resident": {
+                "type": "array",
+                "description": "ours: instances holding a prefix of the keys in their own "
+                "memory (residency); never sources to fetch from",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "instance": URI,
+                        "prefix_blocks": {"type": "integer", "minimum": 1},
+                        "media": {"type": "array", "items": {"enum": ["GPU", "CPU", "STORAGE"]}},
+                    },
+                    "required": ["instance", "prefix_blocks", "media"],
+                },
+            },
         },
         "required": ["matched"],
+    },
+    "ResidencyGroup": {
+        "type": "object",
+        "properties": {
+            "scope_id": HEX16,
+            "compat_id": HEX32,
+            "medium": {"enum": ["GPU", "CPU", "STORAGE"]},
+            "block_keys": {"type": "array", "items": HEX32},
+        },
+        "required": ["scope_id", "compat_id", "medium", "block_keys"],
+    },
+    "ResidencyUpdate": {
+        "type": "object",
+        "description": "ours (docs/events.md): what an instance holds in its own memory",
+        "properties": {
+            "instance": URI,
+            "ttl_ms": {"type": "integer", "minimum": 1},
+            "clear": {"type": "boolean"},
+            "add": {"type": "array", "items": {"$ref": "#/components/schemas/ResidencyGroup"}},
+            "remove": {"type": "array", "items": {"$ref": "#/components/schemas/ResidencyGroup"}},
+        },
+        "required": ["instance", "ttl_ms"],
+    },
+    "ResidencyAnswer": {
+        "type": "object",
+        "properties": {
+            "ttl_ms": {"type": "integer", "minimum": 1},
+            "known": {"type": "boolean"},
+            "records": {"type": "integer", "minimum": 0},
+        },
+        "required": ["ttl_ms", "known", "records"],
     },
     "InstanceStatus": {
         "type": "object",
@@ -442,6 +487,16 @@ def document(role: str) -> dict[str, Any]:
             "post": _op(
                 "Longest-prefix lookup (L1-L3)", _ok("200", "LookupResponse"), "LookupRequest"
             )
+        }
+        paths["/residency/{instance_id}"] = {
+            "parameters": _path(("instance_id", {"type": "string"})),
+            "post": _op(
+                "An instance tells what it holds in its own memory (an engine's bridge, "
+                "kvstore events): additions, removals, a clear, its records' TTL",
+                _ok("200", "ResidencyAnswer"),
+                "ResidencyUpdate",
+                ours=True,
+            ),
         }
     elif role == "controller":
         instance_id = _path(("instance_id", {"type": "string"}))

@@ -116,7 +116,12 @@ class Dispatch:
             instance = choose(placement.candidates).instance  # 409 if none (S4)
         self.counters.placements += 1
         decision = Decision(placement, instance, started)
-        if self.instances is not None and self.settings.prefetch and placement.matched:
+        if (
+            self.instances is not None
+            and self.settings.prefetch
+            and placement.matched
+            and instance not in placement.no_directives  # (a bridged engine has no API)
+        ):
             decision.prefetched = True
             if not started and instance not in {s.instance for s in await self.state.active()}:
                 # S4: it expired or began draining since it was chosen.

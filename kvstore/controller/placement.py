@@ -7,11 +7,17 @@
 the replica records a lookup returned and the instance's reported links;
 ``wait_us`` is the instance's queue times a mean service time. Only active
 instances are candidates (S4); the cheapest wins, ties to the least loaded.
+
+An instance that holds a prefix of the request's blocks in its own memory
+(residency, kvstore.protocol.residency: a vLLM pod's GPU cache) neither
+fetches nor recomputes those: they are the draft's blocks "already
+resident at i", of fetch_us 0, and only the rest of the request is costed
+there (docs/controller.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..protocol.control import InstanceStatus, Link
@@ -37,18 +43,23 @@ class Candidate(NamedTuple):
     fetch_us: float | None
     recompute_us: float
     cost_us: float
+    #: Tokens of the request already in the instance's own memory (residency).
+    resident_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         # JSON has no infinity: an estimate that cannot be made is null
         # (x - x is 0 exactly for finite x: NaN for infinities and NaN).
         wait, fetch, recompute, cost = self.wait_us, self.fetch_us, self.recompute_us, self.cost_us
-        return {
+        out: dict[str, Any] = {
             "instance": self.instance,
             "wait_us": wait if wait - wait == 0 else None,
             "fetch_us": fetch if fetch is not None and fetch - fetch == 0 else None,
             "recompute_us": recompute if recompute - recompute == 0 else None,
             "cost_us": cost if cost - cost == 0 else None,
         }
+        if self.resident_tokens:
+            out["resident_tokens"] = self.resident_tokens
+        return out
 
 
 def rank(
@@ -58,8 +69,10 @@ def rank(
     total_tokens: int,
     block_tokens: int,
     mean_service_us: float,
+    resident: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
     """Every active instance with its estimates, cheapest first (PL2).
+    ``resident``: the leading blocks each instance holds itself (residency).
 
     ``groups``: the matched blocks grouped by the shapes of their replicas
     (:func:`~kvstore.protocol.placement.shape_groups` of a lookup's records,
@@ -74,9 +87,17 @@ def rank(
     holding = {shape.holder for shapes, _ in groups for shape in shapes}
     plans: dict[tuple[Link, ...], float | None] = {}
     keyed = []
+    warm = resident or {}
     for status in instances:
         fetch: float | None = 0.0
-        if matched:
+        held = min(warm.get(status.instance, 0) * block_tokens, total_tokens)
+        rest, fetched = total_tokens - held, matched_tokens
+        if held:
+            # Its own prefix is free: the matched blocks past it are fetched.
+            beyond = _past(groups, held // block_tokens)
+            fetched = min(sum(n for _, n in beyond) * block_tokens, rest)
+            fetch = _fetch_us(plan_groups(beyond, status, memo)) if beyond else 0.0
+        elif matched:
             links = status.links
             if status.instance in holding:
                 fetch = _fetch_us(plan_groups(groups, status, memo))
@@ -87,8 +108,8 @@ def rank(
         rate, queued = status.prefill_tokens_per_s, status.queued
         cost = placement_cost(
             fetch_us=fetch,
-            matched_tokens=matched_tokens,
-            total_tokens=total_tokens,
+            matched_tokens=fetched,
+            total_tokens=rest,
             prefill_tokens_per_s=rate,
             queued=queued,
             mean_service_us=mean_service_us,
@@ -97,13 +118,28 @@ def rank(
             status.instance,
             wait_us(queued, mean_service_us),
             fetch,
-            recompute_us(total_tokens, rate),
+            recompute_us(rest, rate),
             cost,
+            held,
         )
         # Cheapest first, ties to the least loaded, then by name.
         keyed.append(((cost, queued, status.running, status.instance), candidate))
     keyed.sort(key=_first)
     return [candidate for _, candidate in keyed]
+
+
+def _past(
+    groups: Sequence[tuple[Sequence[ReplicaShape], int]], skip: int
+) -> list[tuple[Sequence[ReplicaShape], int]]:
+    """``groups`` without their first ``skip`` blocks."""
+    out = []
+    for shapes, count in groups:
+        if skip >= count:
+            skip -= count
+            continue
+        out.append((shapes, count - skip))
+        skip = 0
+    return out
 
 
 def _first(item: tuple[Any, Candidate]) -> Any:

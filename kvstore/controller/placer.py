@@ -44,6 +44,11 @@ class Placement:
     runs: Runs = field(default_factory=list)
     #: The candidates' reported links (for their prefetch directives).
     links: dict[str, tuple[Link, ...]] = field(default_factory=dict)
+    #: Leading blocks each instance holds in its own memory (residency).
+    resident: dict[str, int] = field(default_factory=dict)
+    #: Candidates that take no prefetch directive (an engine bridged by
+    #: ``kvstore events``, which reports its status without the KVSP API).
+    no_directives: frozenset[str] = frozenset()
 
 
 def _runs(answer: LookupResponse) -> Runs:
@@ -80,12 +85,15 @@ class Placer:
     ) -> Placement:
         """Every active instance but ``exclude``, ranked by cost (S4, PL2)."""
         runs: Runs = []
+        resident: dict[str, int] = {}
         index_state = "unused"
         if self.index is not None and block_keys:
             try:
                 keys = block_keys if isinstance(block_keys, PackedKeys) else tuple(block_keys)
                 query = LookupRequest(scope_id, compat_id, keys, shapes_only=True)
-                runs, index_state = _runs(await self.index.lookup(query)), "ok"
+                answer = await self.index.lookup(query)
+                runs, index_state = _runs(answer), "ok"
+                resident = {r.instance: r.prefix_blocks for r in answer.resident}
             except KvspError as exc:
                 # The index is advisory (P4): without it, every instance
                 # recomputes, and the placement still happens.
@@ -103,9 +111,13 @@ class Placer:
             total_tokens=total_tokens,
             block_tokens=block_tokens,
             mean_service_us=self.mean_service_us,
+            resident=resident,
         )
         links = {s.instance: s.links for s in instances}
-        return Placement(candidates, sum(n for _, n in runs), index_state, runs, links)
+        closed = frozenset(s.instance for s in instances if not s.accepts_directives)
+        return Placement(
+            candidates, sum(n for _, n in runs), index_state, runs, links, resident, closed
+        )
 
 
 def directive(
@@ -132,8 +144,11 @@ def directive(
 
     blocks: list[PrefetchBlock] = []
     keys = iter(block_keys)
+    held = placement.resident.get(instance, 0)  # in its own memory already
+    position = 0
     for shapes, count in placement.runs:
-        run = list(itertools.islice(keys, count))
+        run = list(itertools.islice(keys, count))[max(0, held - position) :]
+        position += count
         if any(s.holder == instance for s in shapes):
             continue  # resident at the instance already
         sources = tuple(dict.fromkeys(s.holder for s in sorted(shapes, key=cost) if s.whole))

@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 from pathlib import Path
+from typing import Any
 
 from .. import logs
 from ..config import ConfigError
@@ -47,7 +48,7 @@ def build_bridge(settings: EventsSettings) -> Bridge:
 
 
 async def serve_events(settings: EventsSettings) -> None:
-    from ..client import IndexClient
+    from ..client import ControllerClient, IndexClient
     from ..health import HealthListener, bind_health_port
     from ..tls import reloadable_client_context
     from .service import EventBridge
@@ -81,7 +82,10 @@ async def serve_events(settings: EventsSettings) -> None:
         if health is not None:
             health.metrics, health.ready = service.metrics, service.ready
             await health.start()
-        running = asyncio.create_task(service.run(), name="kvstore events")
+        running = asyncio.create_task(
+            _with_status(service.run(), settings, context, ControllerClient),
+            name="kvstore events",
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -107,6 +111,33 @@ async def serve_events(settings: EventsSettings) -> None:
                     describe(exc),
                     settings.ttl_ms,
                 )
+
+
+async def _with_status(
+    bridging: Any, settings: EventsSettings, context: Any, client_class: Any
+) -> None:
+    """The bridge, and the engine's status to the PC where one is set."""
+    if not settings.controller_uri:
+        await bridging
+        return
+    from .status import EngineStatus
+
+    async with client_class(settings.controller_uri, context, timeout_s=10) as controller:
+        reporter = EngineStatus(
+            controller,
+            settings.instance,
+            settings.engine_metrics_url,
+            ttl_ms=settings.ttl_ms,
+            batch_size=settings.batch_size,
+            prefill_tokens_per_s=settings.prefill_tokens_per_s,
+            decode_tokens_per_s=settings.decode_tokens_per_s,
+        )
+        reporting = asyncio.create_task(reporter.run(), name="engine status")
+        try:
+            await bridging
+        finally:
+            reporting.cancel()
+            await asyncio.gather(reporting, return_exceptions=True)
 
 
 def run(config: str) -> int:

@@ -47,6 +47,14 @@ class EventsSettings:
     max_update_keys: int = 8192
     #: How long a replay may take before the gap counts as lost.
     replay_timeout_s: float = 2.0
+    #: The Placement Controller told the engine's status (empty: none), read
+    #: from the engine's own /metrics (vLLM's: http://127.0.0.1:8000/metrics),
+    #: with the rates and batch size said here (vLLM reports none of them).
+    controller_uri: str = ""
+    engine_metrics_url: str = ""
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 1_000.0
+    batch_size: int = 256
     #: /metrics, /healthz and /readyz in plain HTTP (no block or scope in
     #: them); 0: none.
     metrics_port: int = 0
@@ -107,7 +115,9 @@ class EventsSettings:
             self.cafile and self.certfile and self.keyfile
         ):
             raise ConfigError("events.cafile, certfile, keyfile: required for an https index")
-        for key in ("ttl_ms", "max_blocks", "flush_ms", "max_update_keys"):
+        if self.controller_uri and not self.engine_metrics_url:
+            raise ConfigError("events.engine_metrics_url: required with controller_uri")
+        for key in ("ttl_ms", "max_blocks", "flush_ms", "max_update_keys", "batch_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"events.{key}: must be positive")
         if self.log_format not in ("text", "json"):

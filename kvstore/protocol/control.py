@@ -63,6 +63,9 @@ class InstanceStatus:
     ttl_ms: int
     links: tuple[Link, ...] = ()
     requested_state: str | None = None
+    #: Ours (``kvstore_accepts_directives``, absent: true): false for an
+    #: engine bridged by ``kvstore events``, which has no prefetch API.
+    accepts_directives: bool = True
 
     @classmethod
     def from_json(cls, value: Any) -> InstanceStatus:
@@ -83,6 +86,7 @@ class InstanceStatus:
             ),
             requested_state=obj.name("requested_state", INSTANCE_STATES, default=None),
             ttl_ms=obj.integer("ttl_ms", lo=1, hi=UINT32_MAX),
+            accepts_directives=obj.flag("kvstore_accepts_directives", True),
         )
 
     def link_to(self, holder: str) -> Link | None:
@@ -92,7 +96,7 @@ class InstanceStatus:
         return None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "instance": self.instance,
             "epoch": self.epoch,
             "state": self.state,
@@ -106,6 +110,9 @@ class InstanceStatus:
             "requested_state": self.requested_state,
             "ttl_ms": self.ttl_ms,
         }
+        if not self.accepts_directives:
+            out["kvstore_accepts_directives"] = False
+        return out
 
 
 @dataclass(frozen=True, slots=True)
