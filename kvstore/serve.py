@@ -308,7 +308,7 @@ async def _build(
             # The PC's placer asks this process's IS directly (issue 20).
             from .index.local import LocalIndex
 
-            local = LocalIndex(index_state, role_of(index_app).counters)
+            local = LocalIndex(index_state, role_of(index_app).counters, index_app.state.residency)
     if "pc" in roles:
         assert pc_state is not None
         apps.append(build_controller(config, pc_state, listening, local))

@@ -267,6 +267,8 @@ def create_app(
     app.state.state = state
     role_of(app).counters = index.counters
     app.state.statuses = index.statuses
+    #: Instances' residency (the PC's placer in this process reads it too).
+    app.state.residency = index.residency
     return app
 
 

@@ -14,10 +14,12 @@ import json
 from typing import TYPE_CHECKING
 
 from ..protocol.records import LookupRequest, LookupResponse, ReplicaRecord, ReplicaShape, ShapeRuns
+from ..protocol.residency import Resident
 from .state import IndexState
 
 if TYPE_CHECKING:
     from .app import IndexCounters
+    from .residency import ResidencyBook
 
 #: Distinct replica-shape groups kept parsed (a deployment has few: the
 #: holders a prompt's blocks are on, in a handful of combinations).
@@ -27,9 +29,15 @@ GROUPS_KEPT = 4096
 class LocalIndex:
     """:class:`~kvstore.seams.Lookups` over an IS's state in this process."""
 
-    def __init__(self, state: IndexState, counters: IndexCounters | None = None) -> None:
+    def __init__(
+        self,
+        state: IndexState,
+        counters: IndexCounters | None = None,
+        residency: ResidencyBook | None = None,
+    ) -> None:
         self.state = state
         self.counters = counters
+        self.residency = residency
         self._parsed: dict[bytes, tuple[ReplicaShape, ...]] = {}
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:
@@ -59,7 +67,12 @@ class LocalIndex:
             replicas = tuple(
                 tuple(ReplicaRecord.from_json(r) for r in records) for records in hits.records()
             )
-        return LookupResponse(hits.matched, replicas, shapes=ShapeRuns(tuple(groups), tuple(runs)))
+        resident: tuple[Resident, ...] = ()
+        if self.residency is not None:
+            found = self.residency.lookup(request.scope_id, request.compat_id, request.block_keys)
+            resident = tuple(found)
+        shapes = ShapeRuns(tuple(groups), tuple(runs))
+        return LookupResponse(hits.matched, replicas, shapes=shapes, resident=resident)
 
     def _group(self, octets: bytes) -> tuple[ReplicaShape, ...]:
         found = self._parsed.get(octets)

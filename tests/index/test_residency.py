@@ -198,3 +198,17 @@ def test_the_book_is_bounded() -> None:
             ResidencyUpdate(POD, 5_000, add=(ResidencyGroup(SCOPE, COMPAT, "GPU", keys),)),
         )
     assert book.records == 0
+
+
+async def test_the_pc_s_in_process_lookup_sees_residency_too() -> None:
+    # kvstore serve --roles pc,index: the placer asks the IS's state directly.
+    from kvstore.index.local import LocalIndex
+    from kvstore.protocol.records import LookupRequest
+
+    book = ResidencyBook()
+    keys = (key(0), key(1))
+    group = ResidencyGroup(SCOPE, COMPAT, "GPU", keys)
+    book.apply(role_id(POD), ResidencyUpdate(POD, 5_000, add=(group,)))
+    local = LocalIndex(MemoryState(), residency=book)
+    answer = await local.lookup(LookupRequest(SCOPE, COMPAT, keys, shapes_only=True))
+    assert [(r.instance, r.prefix_blocks) for r in answer.resident] == [(POD, 2)]
