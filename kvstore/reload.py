@@ -98,12 +98,14 @@ class Reloader(Background):
             policy.take(new)
         reload_clients(clients)
         self.reloads += 1
-        what = ["the policy" if len(policies) == 1 else f"{len(policies)} policies"]
+        what = []
+        if policies:
+            what.append("the policy" if len(policies) == 1 else f"{len(policies)} policies")
         if clients:
             what.insert(0, "the client certificates")
         if self.tls is not None:
             what.insert(0, "the server certificate and CA")
-        said = ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+        said = ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else "".join(what)
         log.info("reloaded %s (%s)", said, why)
         return True
 

@@ -19,6 +19,7 @@ from ..protocol.compat import parse_descriptor
 from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError
 from ..protocol.residency import ResidencyUpdate
+from ..reload import Reloader
 from .bridge import Bridge
 from .settings import EventsSettings
 
@@ -82,6 +83,9 @@ async def serve_events(settings: EventsSettings) -> None:
         if health is not None:
             health.metrics, health.ready = service.metrics, service.ready
             await health.start()
+        # Its certificate renewed (cert-manager) or SIGHUP: read again.
+        reloader = Reloader(None, [], [], 10.0)
+        reloader.start()
         running = asyncio.create_task(
             _with_status(service.run(), settings, context, ControllerClient),
             name="kvstore events",
@@ -90,11 +94,14 @@ async def serve_events(settings: EventsSettings) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, running.cancel)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
         try:
             await running
         except asyncio.CancelledError:
             pass
         finally:
+            await reloader.stop()
             if health is not None:
                 await health.stop()
             # Nothing keeps the residency true from now on: void it.
