@@ -154,6 +154,10 @@ def cmd_bench(args: argparse.Namespace) -> Any:
         from .bench import engines as bench_engines
 
         results = bench_engines.run(quick=args.quick)
+    elif args.suite == "events":
+        from .bench import events as bench_events
+
+        results = bench_events.run(quick=args.quick)
     elif args.suite == "fetch":
         from .bench import fetch as bench_fetch
 
@@ -588,6 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
     index = suite("index", "lookup latency/throughput and publish rate", "smaller prompts")
     index.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="or 'none'")
     suite("controller", "placements/s and status updates/s", "shorter runs")
+    suite(
+        "events",
+        "vLLM KV events: blocks applied/s, lag to the IS, placements/s with residency",
+        "shorter runs",
+    )
     load = suite(
         "load",
         "a holder process under mixed PUT/GET traffic from 1, 4, 16 clients, "

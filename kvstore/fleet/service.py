@@ -92,6 +92,8 @@ class EventBridge:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
         )
         self.registry.register(_Counters(self))
+        #: The last lags observed, seconds (``kvstore bench events``).
+        self.recent_lags: deque[float] = deque(maxlen=100_000)
         self.updates = self.update_failures = 0
         #: The IS answered the last update (readiness).
         self.index_ok = False
@@ -290,7 +292,9 @@ class EventBridge:
         self.index_ok = True
         now = time.time()
         for ts in times:
-            self.lag.observe(max(0.0, now - ts))
+            lag = max(0.0, now - ts)
+            self.lag.observe(lag)
+            self.recent_lags.append(lag)
         return True
 
     def _updates(self, changes: Changes) -> Iterator[ResidencyUpdate]:

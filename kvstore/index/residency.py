@@ -12,6 +12,7 @@ answered ``known: false`` and the bridge sends its whole residency again.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ Space = tuple[str, str]
 class _Instance:
     uri: str
     expires: float
+    #: Its bit in the keys' holder masks.
+    bit: int
     #: (space, block key) -> the media it is resident in.
     records: dict[tuple[Space, str], set[str]] = field(default_factory=dict)
 
@@ -54,8 +57,12 @@ class ResidencyBook:
     ) -> None:
         self.max_records, self.max_ttl_ms, self.clock = max_records, max_ttl_ms, clock
         self._instances: dict[str, _Instance] = {}
-        #: space -> block key -> instance id -> media
-        self._keys: dict[Space, dict[str, dict[str, set[str]]]] = {}
+        #: space -> block key -> the holders' bits (an 8k-key walk is then
+        #: one AND a key, whatever the number of instances).
+        self._keys: dict[Space, dict[str, int]] = {}
+        #: Bits of instances gone, given to the next new ones.
+        self._free_bits: list[int] = []
+        self._next_bit = 0
         self.records = 0
         self.counters = ResidencyCounters()
         self._swept = 0.0
@@ -72,7 +79,8 @@ class ResidencyBook:
             self._drop(instance_id, entry)
             entry = None
         if entry is None:
-            entry = self._instances[instance_id] = _Instance(update.instance, 0.0)
+            bit = self._free_bits.pop() if self._free_bits else self._take_bit()
+            entry = self._instances[instance_id] = _Instance(update.instance, 0.0, 1 << bit)
         entry.uri = update.instance
         if update.clear:
             self._clear(instance_id, entry)
@@ -94,7 +102,7 @@ class ResidencyBook:
                 media = entry.records.get((space, key))
                 if media is None:
                     media = entry.records[(space, key)] = set()
-                    keys.setdefault(key, {})[instance_id] = media
+                    keys[key] = keys.get(key, 0) | entry.bit
                     self.records += 1
                 if group.medium not in media:
                     media.add(group.medium)
@@ -110,31 +118,38 @@ class ResidencyBook:
         if not table or not keys:
             return []
         now = self.clock()
-        first = table.get(keys[0])
-        if not first:
+        live = {e.bit: e for e in self._instances.values() if e.expires > now}
+        running = table.get(keys[0], 0) & sum(live)
+        if not running:
             return []
+        first = running
+        prefix: dict[int, int] = {}
         # Walk the keys while any instance still holds every one so far.
-        alive = {
-            i: set(media)
-            for i, media in first.items()
-            if (e := self._instances.get(i)) is not None and e.expires > now
-        }
-        prefix = dict.fromkeys(alive, 1)
-        running = set(alive)
-        for key in keys[1:]:
-            holders = table.get(key)
-            if not holders:
-                break
-            running &= holders.keys()
-            if not running:
-                break
-            for i in running:
-                prefix[i] += 1
-        out = [
-            Resident(self._instances[i].uri, n, tuple(sorted(alive[i]))) for i, n in prefix.items()
-        ]
+        length = 1
+        get = table.get
+        for key in itertools.islice(keys, 1, None):
+            held = get(key, 0)
+            if running & held != running:
+                for bit in _bits(running & ~held):
+                    prefix[bit] = length
+                running &= held
+                if not running:
+                    break
+            length += 1
+        for bit in _bits(running):
+            prefix[bit] = length
+        out = []
+        space = (scope_id, compat_id)
+        for bit in _bits(first):
+            entry = live[bit]
+            media = entry.records.get((space, keys[0]), set())
+            out.append(Resident(entry.uri, prefix[bit], tuple(sorted(media))))
         out.sort(key=lambda r: (-r.prefix_blocks, r.instance))
         return out
+
+    def _take_bit(self) -> int:
+        bit, self._next_bit = self._next_bit, self._next_bit + 1
+        return bit
 
     def _remove(
         self, instance_id: str, entry: _Instance, space: Space, key: str, medium: str
@@ -146,13 +161,14 @@ class ResidencyBook:
         self.counters.residency_removed += 1
         if not media:
             del entry.records[(space, key)]
-            self._unindex(instance_id, space, key)
+            self._unindex(entry, space, key)
 
-    def _unindex(self, instance_id: str, space: Space, key: str) -> None:
+    def _unindex(self, entry: _Instance, space: Space, key: str) -> None:
         table = self._keys[space]
-        holders = table[key]
-        del holders[instance_id]
-        if not holders:
+        holders = table[key] & ~entry.bit
+        if holders:
+            table[key] = holders
+        else:
             del table[key]
             if not table:
                 del self._keys[space]
@@ -160,12 +176,13 @@ class ResidencyBook:
 
     def _clear(self, instance_id: str, entry: _Instance) -> None:
         for space, key in entry.records:
-            self._unindex(instance_id, space, key)
+            self._unindex(entry, space, key)
         entry.records.clear()
 
     def _drop(self, instance_id: str, entry: _Instance) -> None:
         self._clear(instance_id, entry)
         del self._instances[instance_id]
+        self._free_bits.append(entry.bit.bit_length() - 1)
 
     def _sweep(self) -> None:
         now = self.clock()
@@ -176,3 +193,13 @@ class ResidencyBook:
             if entry.expires <= now:
                 self.counters.residency_expired += len(entry.records)
                 self._drop(instance_id, entry)
+
+
+def _bits(mask: int) -> list[int]:
+    """The set bits of ``mask``, each as its own mask."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low)
+        mask ^= low
+    return out
