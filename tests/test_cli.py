@@ -304,6 +304,19 @@ def test_bench_controller_quick() -> None:
     assert placed["placements, 512-key prompts, 64 instances, 1 at once"]["value"] > 0
 
 
+def test_bench_events_quick() -> None:
+    # vLLM's KV events: a bridge's rate, the lag to a real IS process, and
+    # placements with residency records, each beside its same-run baseline.
+    out = kvstore("bench", "events", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    applied = [r for r in rows if r["name"].startswith("bridge: BlockStored applied")]
+    assert applied and all(r["value"] > 0 for r in applied)
+    lag = [r for r in rows if r["name"].startswith("publish-to-visible lag")]
+    assert len(lag) == 3 and all(0 < r["value"] < 10_000 for r in lag)
+    assert any(r["name"].startswith("placements, 8192-key prompts") for r in rows)
+
+
 def test_bench_load_quick_drives_real_holders(redis_server: Any) -> None:
     # Mixed PUT/GET traffic against holder processes over mTLS: every chain
     # but S3 (moto is the slow part), 1 and 16 clients, no errors.
