@@ -267,7 +267,7 @@ def test_the_constraints_pin_every_dependency_of_the_image() -> None:
     wanted = [Requirement(r) for r in project["dependencies"]]
     wanted += [
         Requirement(r)
-        for e in ("redis", "s3", "http2")
+        for e in ("redis", "s3", "http2", "events")
         for r in project["optional-dependencies"][e]
     ]
     for requirement in list(wanted):
