@@ -247,8 +247,10 @@ async def test_packed_keys_answer_as_their_hex(state: IndexState) -> None:
     # change, an expiry and a key never published.
     for n in range(40):
         await state.put(record(n), 60_000)
-    await state.put(record(20, holder=H2, ttl_ms=150), 150)
-    await state.put(record(30, ttl_ms=150), 150)  # key 30's only copy expires
+    # Short-lived copies: long enough for four lookups on a loaded machine
+    # (150 ms was not, under CI's load), short enough to wait out.
+    await state.put(record(20, holder=H2, ttl_ms=1000), 1000)
+    await state.put(record(30, ttl_ms=1000), 1000)  # key 30's only copy expires
     names = [key(n) for n in range(45)]
     packed = PackedKeys(b"".join(bytes.fromhex(k) for k in names))
     for _ in range(2):  # the second time from what the first lookup cached
@@ -256,7 +258,7 @@ async def test_packed_keys_answer_as_their_hex(state: IndexState) -> None:
         as_packed = await state.lookup(SCOPE, COMPAT, packed, shapes=True)
         assert as_packed.matched == as_hex.matched == 40
         assert as_packed.shapes == as_hex.shapes and parsed(as_packed) == parsed(as_hex)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(1.1)
     for _ in range(2):
         as_packed = await state.lookup(SCOPE, COMPAT, packed, shapes=True)
         assert as_packed.matched == 30
