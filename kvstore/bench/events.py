@@ -90,10 +90,12 @@ def _applied_rows(quick: bool) -> list[Result]:
     ]
 
 
-class _Publisher:
-    """vLLM's ZmqEventPublisher's wire behaviour (PUB, ROUTER replay)."""
+class Publisher:
+    """vLLM's ZmqEventPublisher's wire behaviour (PUB, and a ROUTER replay
+    buffer) over ipc in ``directory``, driven by the caller (this bench, and
+    tests that drop a message or restart the numbering)."""
 
-    def __init__(self, context: Any, directory: Path) -> None:
+    def __init__(self, context: Any, directory: Path, buffer: int = 10_000) -> None:
         import zmq
 
         self.pub = context.socket(zmq.PUB)
@@ -102,26 +104,35 @@ class _Publisher:
         self.pub.bind(self.endpoint)
         self.router.bind(self.replay)
         self.seq = 0
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
+        self.replays = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self.serving = asyncio.create_task(self._replays())
 
-    async def send(self, payload: bytes) -> None:
+    async def send(self, payload: bytes, drop: bool = False) -> int:
+        """Number and buffer ``payload``; send it unless ``drop`` (as a slow
+        subscriber's high-water mark would lose it). Its sequence."""
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
-        await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        if not drop:
+            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def restart(self) -> None:
+        """As a restarted engine: numbered from 0 again, nothing buffered."""
+        self.seq = 0
+        self.buffer.clear()
 
     async def _replays(self) -> None:
         while True:
             client, _, start = await self.router.recv_multipart()
+            self.replays += 1
             first = int.from_bytes(start, "big")
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    await self.router.send_multipart(
-                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
-                    )
-            await self.router.send_multipart(
-                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
-            )
+                    frames = [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    await self.router.send_multipart(frames)
+            end = (-1).to_bytes(8, "big", signed=True)
+            await self.router.send_multipart([client, b"", b"", end, b""])
 
     def close(self) -> None:
         self.serving.cancel()
@@ -141,7 +152,7 @@ async def _lag_rows(quick: bool, index_uri: str, directory: Path) -> list[Result
 
     pod = "http://vllm-0.bench:8000/"
     context = zmq.asyncio.Context()
-    publisher = _Publisher(context, directory)
+    publisher = Publisher(context, directory)
     payloads = _messages(400 if quick else 4000)
     events = [msgpack.unpackb(p)[1] for p in payloads]
     rate = 2_000 if quick else 10_000  # blocks per second

@@ -40,6 +40,7 @@ from kvstore.tls import client_context
 
 from ..conftest import free_port, wait_for_port
 from ..integration.test_index import SERVER, Process
+from .test_vllm import DESCRIPTOR
 
 pytest.importorskip("vllm")
 
@@ -47,18 +48,6 @@ REPO = Path(__file__).resolve().parents[2]
 POD = "https://vllm-0.test:8000/"
 RNG = random.Random(38)
 PROMPT = [RNG.randrange(1, 500) for _ in range(3 * BLOCK_TOKENS + 5)]
-DESCRIPTOR = {
-    "model": "toy-model",
-    "model_digest": "sha-256:" + "1" * 64,
-    "tokenizer_digest": "sha-256:" + "2" * 64,
-    "layers": 2,
-    "kv_heads": 2,
-    "head_dim": 64,
-    "kv_dtype": "bf16",
-    "positional": "rope",
-    "block_tokens": BLOCK_TOKENS,
-    "layout": "kvsp-layout-1",
-}
 
 
 @dataclass

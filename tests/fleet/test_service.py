@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvstore.bench.events import Publisher as BenchPublisher
 from kvstore.fleet.bridge import Bridge
 from kvstore.fleet.service import EventBridge
 from kvstore.protocol.keys import block_keys, scope_id
@@ -31,51 +31,20 @@ TOKENS = list(range(500, 500 + 8 * B))
 KEYS = [k.hex() for k in block_keys(KEY, bytes.fromhex(COMPAT), TOKENS, B)]
 
 
-class Publisher:
-    """vLLM's ZmqEventPublisher's wire behaviour, driven by the test."""
+class Publisher(BenchPublisher):
+    """vLLM's publisher's wire behaviour (kvstore.bench.events), its events
+    packed here."""
 
     def __init__(self, context: zmq.asyncio.Context, directory: Path) -> None:
-        self.pub = context.socket(zmq.PUB)
-        self.router = context.socket(zmq.ROUTER)
-        self.endpoint = f"ipc://{directory}/events"
-        self.replay_endpoint = f"ipc://{directory}/replay"
-        self.pub.bind(self.endpoint)
-        self.router.bind(self.replay_endpoint)
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=100)
-        self.seq = 0
-        self.replays = 0
-        self._serving = asyncio.create_task(self._serve_replays())
+        super().__init__(context, directory, buffer=100)
+        self.replay_endpoint = self.replay
 
-    async def send(self, *events: Any, drop: bool = False) -> int:
+    async def send(self, *events: Any, drop: bool = False) -> int:  # type: ignore[override]
         payload = msgpack.packb([1.0e9 + self.seq, list(events), 0])
-        seq, self.seq = self.seq, self.seq + 1
-        self.buffer.append((seq, payload))
-        if not drop:  # dropped: as a slow subscriber's high-water mark would
-            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        return seq
+        return await super().send(payload, drop=drop)
 
-    def restart(self) -> None:
-        self.seq = 0
-        self.buffer.clear()
-
-    async def _serve_replays(self) -> None:
-        while True:
-            client, _, start = await self.router.recv_multipart()
-            self.replays += 1
-            first = int.from_bytes(start, "big")
-            for seq, payload in list(self.buffer):
-                if seq >= first:
-                    await self.router.send_multipart(
-                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
-                    )
-            await self.router.send_multipart(
-                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
-            )
-
-    async def close(self) -> None:
-        self._serving.cancel()
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
+    async def close(self) -> None:  # type: ignore[override]
+        super().close()
 
 
 class Index:
