@@ -42,6 +42,9 @@ from .vllm_events import END_OF_REPLAY, MalformedEvent, decode_batch, decode_seq
 
 log = logging.getLogger("kvstore.events")
 
+#: Event times kept for the lag of the next update (the rest are dropped).
+TIMES_KEPT = 10_000
+
 
 class EventBridge:
     """One engine's events to one IS (see the module). ``index``: an
@@ -173,7 +176,8 @@ class EventBridge:
         changes = self.bridge.apply(batch.events)
         if changes:
             self.pending.merge(changes)
-            self._times.append(batch.ts)
+            if len(self._times) < TIMES_KEPT:
+                self._times.append(batch.ts)
             self._wake.set()
 
     def _void(self) -> None:
@@ -285,7 +289,9 @@ class EventBridge:
             self._unreachable(self.index.index_uri, exc.detail)
             changes.merge(self.pending)
             self.pending = changes
-            self._times = times + self._times
+            # Bounded while the IS is away: the oldest times are what the
+            # lag histogram would show anyway, the rest add nothing.
+            self._times = (times + self._times)[:TIMES_KEPT]
             if self.pending.count() > 4 * self.bridge.max_blocks:
                 self.pending = self.bridge.resident()  # bounded: the state itself
             return False
