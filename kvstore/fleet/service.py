@@ -101,6 +101,7 @@ class EventBridge:
         #: The IS answered the last update (readiness).
         self.index_ok = False
         self._unreachable = Tally(log, "index %s unreachable (%d update(s) failed)")
+        self._malformed = Tally(log, "%s sent %d message(s) that are not vLLM's KV events")
 
     # --- receiving -----------------------------------------------------------
 
@@ -151,7 +152,7 @@ class EventBridge:
             seq = decode_sequence(frames[1])
         except MalformedEvent as exc:
             self.bridge.counters.skipped["malformed"] += 1
-            log.warning("a message from %s is not vLLM's: %s", self.endpoint, exc)
+            self._malformed(self.endpoint, str(exc))
             return
         expected = self.expected
         if self._caught_up_to is not None:
@@ -171,7 +172,7 @@ class EventBridge:
             batch = decode_batch(payload)
         except MalformedEvent as exc:
             self.bridge.counters.skipped["malformed"] += 1
-            log.warning("message %d from %s skipped: %s", seq, self.endpoint, exc)
+            self._malformed(self.endpoint, f"message {seq}: {exc}")
             return
         changes = self.bridge.apply(batch.events)
         if changes:
