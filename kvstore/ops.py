@@ -72,6 +72,28 @@ class RoleView:
             out[tier] = out.get(tier, 0.0) + value
         return out
 
+    def tier_quantile(self, tier: str, op: str, q: float) -> float | None:
+        """The upper bound of the latency bucket holding quantile ``q`` of
+        ``tier``'s ``op`` calls since the process started (``tier``:
+        ``<kind>#<position>``); None before any call."""
+        kind, _, position = tier.partition("#")
+        buckets = []
+        for key, count in self.samples.get(
+            "kvstore_tier_operation_duration_seconds_bucket", {}
+        ).items():
+            labels = dict(key)
+            if (labels.get("tier"), labels.get("position", ""), labels.get("op")) == (
+                kind,
+                position,
+                op,
+            ):
+                buckets.append((float(labels["le"]), count))
+        buckets.sort()
+        if not buckets or not buckets[-1][1]:
+            return None
+        wanted = q * buckets[-1][1]
+        return next(le for le, count in buckets if count >= wanted)
+
     def summary(self) -> dict[str, Any]:
         """The figures ``status`` shows, as JSON."""
         out: dict[str, Any] = {"base": self.base, "roles": self.roles, "ready": self.ready}
@@ -89,6 +111,8 @@ class RoleView:
                     "used": int(used.get(t, 0)),
                     "capacity": int(c),
                     "degraded": bool(degraded.get(t)),
+                    "read_p99_s": self.tier_quantile(t, "read", 0.99),
+                    "write_p99_s": self.tier_quantile(t, "write", 0.99),
                 }
                 for t, c in capacity.items()
             ]
@@ -229,6 +253,15 @@ async def _view(http: aiohttp.ClientSession, base: str) -> RoleView:
     return view
 
 
+def _seconds(value: float | None) -> str:
+    """A latency bucket's bound: "<= 2.5 ms"; "-" before any call."""
+    if value is None:
+        return "-"
+    if value == float("inf"):
+        return "> 10 s"
+    return f"<= {value * 1000:g} ms" if value < 1 else f"<= {value:g} s"
+
+
 def _octets(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -264,7 +297,7 @@ def render(
         if speeds is not None:
             parts.append(_speed_line(speeds.get(view.base)))
         if "tiers" in s:
-            table = Table("tier", "used", "capacity", "fill", "state")
+            table = Table("tier", "used", "capacity", "fill", "state", "read p99", "write p99")
             for tier in s["tiers"]:
                 fill = tier["used"] / tier["capacity"] if tier["capacity"] else 0.0
                 table.add_row(
@@ -273,6 +306,8 @@ def render(
                     _octets(tier["capacity"]),
                     f"{fill:.0%}",
                     "degraded" if tier["degraded"] else "ok",
+                    _seconds(tier["read_p99_s"]),
+                    _seconds(tier["write_p99_s"]),
                 )
             parts.append(table)
             ratio = "-" if s["hit_ratio"] is None else f"{s['hit_ratio']:.1%}"

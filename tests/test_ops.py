@@ -119,3 +119,24 @@ async def test_q_quits_top(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         stdin.close()
         os.close(controller)
+
+
+def test_status_shows_each_tier_s_p99_from_its_histogram() -> None:
+    text = SCRAPE.format(requests=1, sent=1, hits=1) + (
+        "# TYPE kvstore_tier_capacity_bytes gauge\n"
+        'kvstore_tier_capacity_bytes{tier="host",position="0"} 100\n'
+        "# TYPE kvstore_tier_operation_duration_seconds histogram\n"
+        + "".join(
+            f'kvstore_tier_operation_duration_seconds_bucket{{tier="host",position="0",'
+            f'op="read",le="{le}"}} {n}\n'
+            for le, n in (("5e-05", 50), ("0.0001", 98), ("0.00025", 100), ("+Inf", 100))
+        )
+        + 'kvstore_tier_operation_duration_seconds_count{tier="host",position="0",op="read"} 100\n'
+        + 'kvstore_tier_operation_duration_seconds_sum{tier="host",position="0",op="read"} 0.01\n'
+    )
+    view = RoleView("https://h:8443/kvsp/", roles=["holder"], samples=parse_metrics(text))
+    [tier] = view.summary()["tiers"]
+    assert tier["read_p99_s"] == 0.00025 and tier["write_p99_s"] is None
+    out = io.StringIO()
+    Console(file=out, width=200).print(render([view]))
+    assert "<= 0.25 ms" in out.getvalue()
