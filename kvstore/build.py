@@ -347,6 +347,18 @@ def build_index(
 
     cfg = config.index
     state: IndexState
+    residency = None
+    if cfg.state in ("redis", "replicated"):
+        # Residency shared by every IS process of this Redis (docs/events.md).
+        from .index.shared_residency import SharedResidency
+
+        residency = SharedResidency(
+            cfg.redis_url,
+            cfg.redis_prefix,
+            cluster=cfg.redis_cluster,
+            max_records=cfg.max_records,
+            max_ttl_ms=cfg.max_ttl_ms,
+        )
     if cfg.state == "memory":
         state = MemoryState(max_records=cfg.max_records)
     elif cfg.state == "redis":
@@ -370,4 +382,5 @@ def build_index(
         block_tokens=_block_tokens(cfg.descriptors),
         allow_anonymous=config.server.insecure_http,
     )
-    return create_index(settings, state, Policy.load(cfg.policy), statuses), state
+    app = create_index(settings, state, Policy.load(cfg.policy), statuses, residency)
+    return app, state

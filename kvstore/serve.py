@@ -304,6 +304,7 @@ async def _build(
     if "index" in roles:
         index_app, index_state = build_index(config, pc_state)
         closing.append(index_state.close)
+        closing.append(index_app.state.residency.close)
         if index_in_process(config, roles):
             # The PC's placer asks this process's IS directly (issue 20).
             from .index.local import LocalIndex

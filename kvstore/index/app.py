@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,8 +48,11 @@ from ..protocol.residency import ResidencyUpdate, Resident
 from ..protocol.wire import JSON_MEDIA_TYPE, NO_STORE, role_id
 from ..security import Grant, Policy
 from ..settings import IndexSettings
+from ..storage.errors import TierUnavailable
 from .residency import ResidencyBook, ResidencyCounters
 from .state import Hits, IndexState
+
+log = logging.getLogger("kvstore.index")
 
 
 class StatusSource(Protocol):
@@ -128,6 +132,21 @@ async def estimates(
     return out
 
 
+class Residency(Protocol):
+    """Instances' residency: this process's (:class:`ResidencyBook`) or
+    shared through Redis (:mod:`.shared_residency`)."""
+
+    counters: ResidencyCounters
+
+    async def tell(self, instance_id: str, update: ResidencyUpdate) -> tuple[int, bool, int]: ...
+
+    def lookup(self, scope_id: str, compat_id: str, keys: Sequence[str]) -> list[Resident]: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class Index:
     """The IS's handlers over its state (its ``routes()`` are the table)."""
 
@@ -137,11 +156,14 @@ class Index:
         state: IndexState,
         policy: Policy,
         statuses: StatusSource | None = None,
+        residency: Residency | None = None,
     ) -> None:
         self.settings, self.state, self.policy = settings, state, policy
         self.statuses = statuses or StatusBook()
         self.counters = IndexCounters()
-        self.residency = ResidencyBook(settings.max_records, settings.max_ttl_ms)
+        self.residency: Residency = residency or ResidencyBook(
+            settings.max_records, settings.max_ttl_ms
+        )
         self.residency.counters = self.counters
 
     def routes(self) -> list[Route]:
@@ -211,7 +233,7 @@ class Index:
             raise BadRequest("the update's instance must match the path")
         for group in (*update.add, *update.remove):
             self.policy.require_write(who, group.scope_id)
-        ttl_ms, known, records = self.residency.apply(instance_id, update)
+        ttl_ms, known, records = await self.residency.tell(instance_id, update)
         return json_response({"ttl_ms": ttl_ms, "known": known, "records": records})
 
     async def lookup(self, request: Request) -> Response:
@@ -240,7 +262,12 @@ class Index:
         found = []
         if query.targets and block_tokens:
             found = await estimates(query.targets, hits, block_tokens, self.statuses)
-        resident = self.residency.lookup(query.scope_id, query.compat_id, query.block_keys)
+        try:
+            await self.residency.start()
+            resident = self.residency.lookup(query.scope_id, query.compat_id, query.block_keys)
+        except TierUnavailable as exc:  # advisory (P4): the replicas still answer
+            log.warning("residency unavailable: %s", exc.detail)
+            resident = []
         if query.shapes_only:
             return _shapes_answer(hits, found, resident)
         return LookupAnswer(hits, found, resident)
@@ -251,10 +278,13 @@ def create_app(
     state: IndexState,
     policy: Policy,
     statuses: StatusSource | None = None,
+    residency: Residency | None = None,
 ) -> Starlette:
     """The IS app over ``state``; ``statuses``: where instance status is read
-    for estimates (L2), the PC's state when they share a process or Redis."""
-    index = Index(settings, state, policy, statuses)
+    for estimates (L2), the PC's state when they share a process or Redis;
+    ``residency``: instances' residency, this process's own by default (a
+    :class:`~kvstore.index.shared_residency.SharedResidency` to share it)."""
+    index = Index(settings, state, policy, statuses, residency)
     metrics = Metrics(counters=index.counters, counters_prefix="kvstore_index")
     app = role_app(
         settings.base_path,

@@ -9,17 +9,18 @@ principal may read the scope (the same check the IS makes of a lookup, L3).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from typing import TYPE_CHECKING
 
 from ..protocol.records import LookupRequest, LookupResponse, ReplicaRecord, ReplicaShape, ShapeRuns
 from ..protocol.residency import Resident
+from ..storage.errors import TierUnavailable
 from .state import IndexState
 
 if TYPE_CHECKING:
-    from .app import IndexCounters
-    from .residency import ResidencyBook
+    from .app import IndexCounters, Residency
 
 #: Distinct replica-shape groups kept parsed (a deployment has few: the
 #: holders a prompt's blocks are on, in a handful of combinations).
@@ -33,7 +34,7 @@ class LocalIndex:
         self,
         state: IndexState,
         counters: IndexCounters | None = None,
-        residency: ResidencyBook | None = None,
+        residency: Residency | None = None,
     ) -> None:
         self.state = state
         self.counters = counters
@@ -69,8 +70,10 @@ class LocalIndex:
             )
         resident: tuple[Resident, ...] = ()
         if self.residency is not None:
-            found = self.residency.lookup(request.scope_id, request.compat_id, request.block_keys)
-            resident = tuple(found)
+            with contextlib.suppress(TierUnavailable):  # advisory (P4): replicas still count
+                await self.residency.start()
+                keys = request.block_keys
+                resident = tuple(self.residency.lookup(request.scope_id, request.compat_id, keys))
         shapes = ShapeRuns(tuple(groups), tuple(runs))
         return LookupResponse(hits.matched, replicas, shapes=shapes, resident=resident)
 

@@ -85,12 +85,7 @@ class ResidencyBook:
         if update.clear:
             self._clear(instance_id, entry)
             self.counters.residency_cleared += 1
-        adding = sum(len(g.block_keys) for g in update.add)
-        if self.records + adding > self.max_records:
-            raise InsufficientStorage(
-                f"the index holds {self.records} residency records of its "
-                f"{self.max_records}; this update adds up to {adding}"
-            )
+        self.check_room(sum(len(g.block_keys) for g in update.add))
         for group in update.remove:
             space = (group.scope_id, group.compat_id)
             for key in group.block_keys:
@@ -110,6 +105,24 @@ class ResidencyBook:
         entry.expires = now + ttl_ms / 1000
         self.counters.residency_updates += 1
         return ttl_ms, known, len(entry.records)
+
+    async def tell(self, instance_id: str, update: ResidencyUpdate) -> tuple[int, bool, int]:
+        """:meth:`apply` (the interface a shared book has too)."""
+        return self.apply(instance_id, update)
+
+    async def start(self) -> None:
+        """Nothing to load (a shared book loads Redis's)."""
+
+    async def close(self) -> None:
+        """Nothing to release (a shared book closes its Redis clients)."""
+
+    def check_room(self, adding: int) -> None:
+        """InsufficientStorage (507) if ``adding`` more records would pass the cap."""
+        if self.records + adding > self.max_records:
+            raise InsufficientStorage(
+                f"the index holds {self.records} residency records of its "
+                f"{self.max_records}; this update adds up to {adding}"
+            )
 
     def lookup(self, scope_id: str, compat_id: str, keys: Sequence[str]) -> list[Resident]:
         """Each live instance holding a prefix of ``keys``, longest first."""

@@ -17,6 +17,7 @@ import aiohttp
 from kvstore.client import IndexClient
 from kvstore.protocol.control import InstanceStatus, Link, Sampler, SessionCheckpoint
 from kvstore.protocol.records import LookupRequest, ReplicaRecord, Residency
+from kvstore.protocol.residency import ResidencyGroup, ResidencyUpdate
 from kvstore.protocol.wire import role_id
 from kvstore.security import create_dev_certificates
 from kvstore.tls import client_context
@@ -27,6 +28,7 @@ from .test_index import SERVER, Process
 
 SCOPE = "a" * 32
 HOLDER, INSTANCE = "https://h1.test/kvsp/", "https://ii1.test/kvsp/"
+POD = "https://vllm-0.test:8000/"
 
 
 def status(epoch: int) -> InstanceStatus:
@@ -187,8 +189,9 @@ async def test_two_replicated_is_processes_answer_from_memory(
 ) -> None:
     # [index] state = "replicated": a record published at one IS process is
     # answered by the other; a killed IS process started again rebuilds the
-    # index from the log before it answers.
-    create_dev_certificates(tmp_path / "certs", ["holder1", "alice"])
+    # index from the log before it answers. So is an engine's residency
+    # (kvstore events), told at one and answered by the other.
+    create_dev_certificates(tmp_path / "certs", ["holder1", "alice", "pod"])
     ports = {"is1": free_port(), "is2": free_port()}
     uris = {name: f"https://127.0.0.1:{port}/is/" for name, port in ports.items()}
     (tmp_path / "policy.json").write_text(
@@ -201,6 +204,11 @@ async def test_two_replicated_is_processes_answer_from_memory(
                         "write_scopes": ["*"],
                     },
                     "urn:kvstore:alice": {"read_scopes": [SCOPE]},
+                    "urn:kvstore:pod": {
+                        "roles": ["instance"],
+                        "instance": POD,
+                        "write_scopes": [SCOPE],
+                    },
                 }
             }
         )
@@ -229,16 +237,27 @@ redis_prefix = "{prefix}"
     query = LookupRequest(SCOPE, COMPAT_ID, (K0, K1))
     try:
         await publish_k0_k1(uris["is1"], tmp_path)
+        async with IndexClient(uris["is1"], context(tmp_path, "pod")) as pod:
+            told = await pod.tell_residency(
+                ResidencyUpdate(
+                    POD, 60_000, add=(ResidencyGroup(SCOPE, COMPAT_ID, "GPU", (K0, K1)),)
+                )
+            )
+            assert not told.known and told.records == 2
         async with IndexClient(uris["is2"], context(tmp_path, "alice")) as alice:
             for _ in range(100):  # the log's lag: milliseconds
-                if (await alice.lookup(query)).matched == 2:
+                answer = await alice.lookup(query)
+                if answer.matched == 2 and answer.resident:
                     break
                 await asyncio.sleep(0.02)
-            assert (await alice.lookup(query)).matched == 2
+            assert answer.matched == 2
+            assert [(r.instance, r.prefix_blocks) for r in answer.resident] == [(POD, 2)]
         second.stop(signal.SIGKILL)
         second.start(ports["is2"])
         async with IndexClient(uris["is2"], context(tmp_path, "alice")) as alice:
-            assert (await alice.lookup(query)).matched == 2  # rebuilt from the log
+            answer = await alice.lookup(query)
+            assert answer.matched == 2  # rebuilt from the log
+            assert [(r.instance, r.prefix_blocks) for r in answer.resident] == [(POD, 2)]
     finally:
         first.stop()
         second.stop()
