@@ -134,3 +134,25 @@ async def test_a_redis_down_costs_lookups_one_timeout_not_one_each() -> None:
         assert time.monotonic() - started < 0.5
     finally:
         await shared.close()
+
+
+async def test_shared_over_a_redis_cluster(redis_cluster: Any) -> None:
+    # One hash tag: a hash and the log change together on one master.
+    prefix = f"test-{os.urandom(4).hex()}:"
+    a, b = (SharedResidency(redis_cluster.url, prefix, cluster=True) for _ in range(2))
+    try:
+        await b.start()
+        _, known, records = await a.tell(
+            role_id(POD), ResidencyUpdate(POD, 30_000, add=adding(key(0), key(1)))
+        )
+        assert not known and records == 2
+        await until(lambda: prefix_at(b, key(0), key(1)) == [(POD, 2)])
+        later = SharedResidency(redis_cluster.url, prefix, cluster=True)
+        try:
+            await later.start()  # the hashes found on whichever master holds them
+            assert prefix_at(later, key(0), key(1)) == [(POD, 2)]
+        finally:
+            await later.close()
+    finally:
+        await a.close()
+        await b.close()
