@@ -48,6 +48,8 @@ from typing import Any
 from ..protocol.records import ReplicaRecord
 from ..redis_client import ERRORS, connect, server_time
 from ..storage.errors import TierUnavailable
+from .readback import ReadBack
+from .readback import entry_id as _id
 from .state import Hits, MemoryState, record_octets
 
 log = logging.getLogger("kvstore.index")
@@ -101,9 +103,7 @@ class ReplicatedState:
         self._started: asyncio.Future[None] | None = None
         self._closing = False
         #: Writes of this process waiting to be read back, by partition.
-        self._waiting: list[list[tuple[tuple[int, int], asyncio.Future[None]]]] = [
-            [] for _ in range(PARTITIONS)
-        ]
+        self._waiting = [ReadBack("index log", APPLY_WAIT_S) for _ in range(PARTITIONS)]
         #: Entries applied, by partition (tests, metrics).
         self.applied = [0] * PARTITIONS
         #: Entries read but not applied (a record another IS had room for and
@@ -166,9 +166,7 @@ class ReplicatedState:
 
     async def close(self) -> None:
         for waiting in self._waiting:
-            for _, waiter in waiting:
-                if not waiter.done():
-                    waiter.cancel()
+            waiting.cancel()
         followers, self._followers = self._followers, []
         # Each follower ends after its current read (at most READ_BLOCK_MS):
         # cancelling a blocked read of redis-py's waits for its socket timeout.
@@ -218,18 +216,7 @@ class ReplicatedState:
                 self._last[p],
             )
             self._last[p] = "0-0"
-        waiting = (entry, asyncio.get_running_loop().create_future())
-        self._waiting[p].append(waiting)
-        try:
-            async with asyncio.timeout(APPLY_WAIT_S):
-                await waiting[1]
-            return True
-        except TimeoutError:
-            log.warning("index log: entry %s not read back within %.0f s", raw_id, APPLY_WAIT_S)
-            return False
-        finally:
-            with contextlib.suppress(ValueError):
-                self._waiting[p].remove(waiting)
+        return await self._waiting[p].wait(entry)
 
     def _redis_ms(self, p: int) -> int:
         """Partition ``p``'s Redis clock now, in ms (as its entry IDs are)."""
@@ -298,11 +285,7 @@ class ReplicatedState:
                 await asyncio.sleep(0.5)
                 continue
             if self._waiting[p]:
-                done = _id(self._last[p])
-                for _, waiter in [w for w in self._waiting[p] if w[0] <= done]:
-                    if not waiter.done():
-                        waiter.set_result(None)
-                self._waiting[p] = [w for w in self._waiting[p] if w[0] > done]
+                self._waiting[p].reached(_id(self._last[p]))
 
     async def _check_reset(self, p: int) -> None:
         """Idle: a newest entry behind what was read means the log was reset
@@ -341,16 +324,7 @@ class ReplicatedState:
                 skips[entry] = exc
                 if len(skips) > RECENT_KEPT:
                     del skips[next(iter(skips))]
-                for waiting_id, waiter in self._waiting[p]:
-                    if waiting_id == entry and not waiter.done():
-                        waiter.set_exception(exc)
-
-
-def _id(entry_id: Any) -> tuple[int, int]:
-    """A stream entry ID (``"<ms>-<seq>"``) as a comparable pair."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
+                self._waiting[p].fail(entry, exc)
 
 
 def _after(entry_id: str) -> str:

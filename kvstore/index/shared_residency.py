@@ -31,6 +31,9 @@ from typing import Any
 from ..protocol.residency import ResidencyGroup, ResidencyUpdate, Resident
 from ..redis_client import ERRORS, connect
 from ..storage.errors import TierUnavailable
+from .readback import EntryId, ReadBack
+from .readback import entry_id as _id
+from .readback import text as _text
 from .residency import ResidencyBook, ResidencyCounters
 
 log = logging.getLogger("kvstore.index")
@@ -83,7 +86,7 @@ class SharedResidency:
         self._last = "0-0"
         self._started: asyncio.Future[None] | None = None
         self._follower: asyncio.Task[None] | None = None
-        self._waiting: list[tuple[tuple[int, int], asyncio.Future[None]]] = []
+        self._waiting = ReadBack("residency log", APPLY_WAIT_S)
         self._closing = False
         self._failed_at = -RETRY_S
 
@@ -139,9 +142,7 @@ class SharedResidency:
 
     async def close(self) -> None:
         self._closing = True
-        for _, waiter in self._waiting:
-            if not waiter.done():
-                waiter.cancel()
+        self._waiting.cancel()
         if self._follower is not None:
             _, late = await asyncio.wait({self._follower}, timeout=2.0)
             for task in late:
@@ -207,32 +208,7 @@ class SharedResidency:
                         self.book.apply(_text(fields[b"i"]), update)
                     except Exception as exc:  # one bad entry never stops the rest
                         log.warning("residency log: entry %s skipped: %s", self._last, exc)
-            done = _id(self._last)
-            for waiting in [w for w in self._waiting if w[0] <= done]:
-                if not waiting[1].done():
-                    waiting[1].set_result(None)
+            self._waiting.reached(_id(self._last))
 
-    async def _read_back(self, entry: tuple[int, int]) -> bool:
-        if _id(self._last) >= entry:
-            return True
-        waiting = (entry, asyncio.get_running_loop().create_future())
-        self._waiting.append(waiting)
-        try:
-            async with asyncio.timeout(APPLY_WAIT_S):
-                await waiting[1]
-            return True
-        except TimeoutError:
-            log.warning("residency log: entry %s not read back within %.0f s", entry, APPLY_WAIT_S)
-            return False
-        finally:
-            with contextlib.suppress(ValueError):
-                self._waiting.remove(waiting)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _id(entry_id: Any) -> tuple[int, int]:
-    ms, _, seq = _text(entry_id).partition("-")
-    return int(ms), int(seq or 0)
+    async def _read_back(self, entry: EntryId) -> bool:
+        return _id(self._last) >= entry or await self._waiting.wait(entry)
