@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..logs import Tally
+from ..logs import Tally, describe
 from ..protocol.control import InstanceStatus
 from ..protocol.problems import KvspError
 
@@ -92,8 +92,7 @@ class EngineStatus:
             await self.controller.put_status(self.status(*load))
         except (aiohttp.ClientError, TimeoutError, ValueError, KvspError) as exc:
             self.failures += 1
-            detail = exc.detail if isinstance(exc, KvspError) else str(exc) or type(exc).__name__
-            self._failed(self.instance, detail)
+            self._failed(self.instance, describe(exc))
             return False
         self.reports += 1
         return True

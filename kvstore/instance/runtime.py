@@ -12,7 +12,6 @@ from typing import Any
 
 from ..holderset import HolderSet
 from ..logs import describe
-from ..protocol.problems import KvspError
 from ..seams import Holders
 from ..storage import BlockRef
 from .engine import Engine
@@ -79,7 +78,7 @@ class BlockWriter:
             self.written += 1  # stored, or it had the block already (BL7)
         except Exception as exc:  # the writer never dies of one holder's answer
             self.failed += 1
-            detail = exc.detail if isinstance(exc, KvspError) else describe(exc)
+            detail = describe(exc)  # a KvspError: its detail
             log.warning("block %s to %s: %s", ref.block_key[:12], target.seeds[0], detail)
 
     async def _run(self) -> None:
