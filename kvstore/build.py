@@ -268,16 +268,11 @@ def build_instance(
 
 def read_scope_keys(files: tuple[str, ...]) -> dict[str, bytes]:
     """Scope keys from files of hex text (at least 32 octets each), by scope ID."""
+    from .integrations.options import read_scope_key
     from .protocol.keys import scope_id
 
-    keys: dict[str, bytes] = {}
-    for file in files:
-        try:
-            key = bytes.fromhex(Path(file).read_text().strip())
-            keys[scope_id(key).hex()] = key
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"instance.scope_keys: {file}: {exc}") from exc
-    return keys
+    keys = [read_scope_key(file, "scope_keys", prefix="instance.") for file in files]
+    return {scope_id(key).hex(): key for key in keys}
 
 
 def build_sessions(

@@ -14,9 +14,9 @@ from typing import Any
 
 from .. import logs
 from ..config import ConfigError
+from ..integrations.options import read_scope_key
 from ..logs import describe
 from ..protocol.compat import parse_descriptor
-from ..protocol.keys import scope_id
 from ..protocol.problems import KvspError
 from ..protocol.residency import ResidencyUpdate
 from ..reload import Reloader
@@ -27,12 +27,7 @@ log = logging.getLogger("kvstore.events")
 
 
 def read_key(file: str, key: str) -> bytes:
-    try:
-        found = bytes.fromhex(Path(file).read_text().strip())
-        scope_id(found)  # K1: at least 32 octets
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"events.{key}: {file}: {exc}") from exc
-    return found
+    return read_scope_key(file, key, prefix="events.")
 
 
 def build_bridge(settings: EventsSettings) -> Bridge:

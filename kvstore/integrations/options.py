@@ -223,13 +223,14 @@ def number(options: Mapping[str, Any], name: str, default: float, *, zero: bool 
     return result
 
 
-def read_scope_key(file: str, option: str = "scope_key_file") -> bytes:
-    """A scope key from a file of hex (K1: at least 32 octets)."""
+def read_scope_key(file: str, option: str = "scope_key_file", prefix: str = "kvstore.") -> bytes:
+    """A scope key from a file of hex (K1: at least 32 octets); an error
+    names ``<prefix><option>`` (an engine's option, a section's key)."""
     try:
         key = bytes.fromhex(Path(file).read_text().strip())
         scope_id(key)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"kvstore.{option}: {file}: {exc}") from exc
+        raise ConfigError(f"{prefix}{option}: {file}: {exc}") from exc
     return key
 
 
