@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
-from pathlib import Path
 from typing import Any
 
 from .. import logs
 from ..config import ConfigError
-from ..integrations.options import read_scope_key
+from ..integrations.options import read_descriptor_file, read_scope_key
 from ..logs import describe
-from ..protocol.compat import parse_descriptor
 from ..protocol.problems import KvspError
 from ..protocol.residency import ResidencyUpdate
 from ..reload import Reloader
@@ -26,20 +23,14 @@ from .settings import EventsSettings
 log = logging.getLogger("kvstore.events")
 
 
-def read_key(file: str, key: str) -> bytes:
-    return read_scope_key(file, key, prefix="events.")
-
-
 def build_bridge(settings: EventsSettings) -> Bridge:
-    try:
-        descriptor = parse_descriptor(json.loads(Path(settings.descriptor_file).read_text()))
-    except (OSError, ValueError, KvspError) as exc:
-        raise ConfigError(f"events.descriptor_file: {settings.descriptor_file}: {exc}") from exc
+    descriptor = read_descriptor_file(settings.descriptor_file, prefix="events.")
     keys = {
-        salt: read_key(file, f"salt_scopes.{salt}") for salt, file in settings.salt_scopes.items()
+        salt: read_scope_key(file, f"salt_scopes.{salt}", prefix="events.")
+        for salt, file in settings.salt_scopes.items()
     }
     if settings.scope_key_file:
-        keys[""] = read_key(settings.scope_key_file, "scope_key_file")
+        keys[""] = read_scope_key(settings.scope_key_file, "scope_key_file", prefix="events.")
     return Bridge(keys, descriptor.compat_id_hex, descriptor.block_tokens, settings.max_blocks)
 
 

@@ -56,7 +56,7 @@ class Geometry:
                 "kvstore: the KV geometry (layers, kv_heads, head_dim, kv_dtype, "
                 "chunk_size) or a descriptor_file is required"
             )
-        return cls.of(_descriptor_file(str(options["descriptor_file"])))
+        return cls.of(read_descriptor_file(str(options["descriptor_file"])))
 
     @classmethod
     def of(cls, descriptor: CompatibilityDescriptor) -> Geometry:
@@ -262,7 +262,7 @@ def _descriptor(options: Mapping[str, Any], geometry: Geometry) -> Compatibility
     }
     file = options.get("descriptor_file")
     if file:
-        descriptor = _descriptor_file(str(file))
+        descriptor = read_descriptor_file(str(file))
         found = {name: getattr(descriptor, name) for name in shape}
         if found != shape:
             raise ConfigError(
@@ -286,11 +286,13 @@ def _descriptor(options: Mapping[str, Any], geometry: Geometry) -> Compatibility
         raise ConfigError(f"kvstore descriptor: {exc.detail}") from exc
 
 
-def _descriptor_file(file: str) -> CompatibilityDescriptor:
+def read_descriptor_file(file: str, prefix: str = "kvstore.") -> CompatibilityDescriptor:
+    """A Compatibility Descriptor from a JSON file; an error names
+    ``<prefix>descriptor_file``."""
     try:
         return parse_descriptor(json.loads(Path(file).read_text()))
     except (OSError, ValueError, KvspError) as exc:
-        raise ConfigError(f"kvstore.descriptor_file: {file}: {exc}") from exc
+        raise ConfigError(f"{prefix}descriptor_file: {file}: {exc}") from exc
 
 
 def options_with_prefix(
