@@ -24,7 +24,6 @@ from .clibase import (
     ClientTlsProblem,
     CliError,
     Unhealthy,
-    _dev_context,
     default_certs,
     default_health_url,
     default_urls,
@@ -262,68 +261,6 @@ def cmd_serve(args: argparse.Namespace) -> Any:
     return None
 
 
-def _ops_context(args: argparse.Namespace) -> Any:
-    import ssl
-
-    if not any(u.startswith("https:") for u in args.url):
-        return None
-    try:
-        return _dev_context(args.certs, args.cafile, args.cert, args.key)
-    except FileNotFoundError as exc:
-        raise CliError(str(exc)) from exc
-    except (OSError, ssl.SSLError) as exc:
-        raise CliError(f"client certificate: {exc}") from exc
-
-
-def cmd_status(args: argparse.Namespace) -> Any:
-    """One summary of each role at the given base URIs."""
-    import asyncio
-
-    from .ops import gather, render
-
-    views = asyncio.run(gather(args.url, _ops_context(args)))
-    if args.json:
-        return [v.summary() for v in views]
-    from rich.console import Console
-
-    Console().print(render(views))
-    if any(v.error for v in views):
-        raise CliError("; ".join(v.error for v in views if v.error))
-    return None
-
-
-def cmd_top(args: argparse.Namespace) -> Any:
-    """The summary with rates, redrawn every ``--interval`` seconds until q or Ctrl-C."""
-    import asyncio
-    import contextlib
-
-    from .ops import top
-
-    context = _ops_context(args)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(top(args.url, context, args.interval, args.rounds))
-    return None
-
-
-def cmd_events(args: argparse.Namespace) -> Any:
-    """The bridge beside a vLLM engine: its KV events into the IS as residency."""
-    from .config import ConfigError
-
-    try:
-        from .fleet.run import run
-    except ImportError as exc:
-        raise CliError(f"events: the events extra is not installed ({exc})") from exc
-    try:
-        status = run(args.config)
-    except ConfigError as exc:
-        raise CliError(str(exc)) from exc
-    except KeyboardInterrupt:
-        status = 0
-    if status:
-        raise SystemExit(status)
-    return None
-
-
 def cmd_openapi(args: argparse.Namespace) -> Any:
     from .openapi import render
 
@@ -342,7 +279,7 @@ def cmd_demo(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import certcmds, checks
+    from . import certcmds, checks, opscmds
 
     parser = argparse.ArgumentParser(
         prog="kvstore",
@@ -513,11 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = ops("status", "one summary: tiers, hit ratios, leases, replicas, instances")
     status.add_argument("--json", action="store_true")
-    status.set_defaults(func=cmd_status)
+    status.set_defaults(func=opscmds.cmd_status)
     top = ops("top", "the summary and its rates, live, every second until q or Ctrl-C")
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--rounds", type=int, default=0, help="stop after this many (0: never)")
-    top.set_defaults(func=cmd_top)
+    top.set_defaults(func=opscmds.cmd_top)
 
     events = sub.add_parser(
         "events",
@@ -526,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument(
         "--config", required=True, help="a TOML file with [events] (docs/events.md)"
     )
-    events.set_defaults(func=cmd_events)
+    events.set_defaults(func=opscmds.cmd_events)
 
     openapi = sub.add_parser("openapi", help="a role's OpenAPI 3.1 document (docs/openapi/)")
     openapi.add_argument("role", choices=["holder", "index", "controller", "instance"])

@@ -1,4 +1,4 @@
-"""What every ``kvstore`` command module shares (:mod:`.cli`, :mod:`.checks`,
+"""What every ``kvstore`` command module shares (:mod:`.cli`, :mod:`.checks`, :mod:`.opscmds`,
 :mod:`.certcmds`): the errors that end a command with one line and their exit
 statuses, reading a JSON argument, a client TLS context from a certificate
 directory, the development server's URIs and certificate directory as the
