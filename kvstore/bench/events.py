@@ -15,8 +15,8 @@
   same run; goal: p99 under 100 ms.
 * **Placements per second with residency**: the PC and an IS in one
   process, 64 instances, 8k-key prompts with 3 replicas each, every
-  instance resident on a prefix of its own, against the same placements
-  with no residency records.
+  instance resident on a prefix of its own, 1, 4 and 16 at once, against
+  the same placements with no residency records.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ async def _placement_rows(quick: bool) -> list[Result]:
     )
     body = json.dumps({"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys}).encode()
     seconds = 1.0 if quick else 3.0
-    rates = {}
+    rates: dict[tuple[str, int], float] = {}
     for name, residency in (("without", None), ("with", book)):
         app = create_app(settings, pc, policy, LocalIndex(state, residency=residency))
         answer = json.loads(await _call(app, body, path="/pc/place"))
@@ -268,16 +268,18 @@ async def _placement_rows(quick: bool) -> list[Result]:
         async def place(app: Any = app) -> None:
             await _call(app, body, path="/pc/place", keep=False)
 
-        rates[name] = await _rate(place, seconds, 4)
-    label = f"placements, {size}-key prompts, 64 instances each resident on a prefix, 4 at once"
+        for in_flight in (1, 4, 16):
+            rates[name, in_flight] = await _rate(place, seconds, in_flight)
+    label = f"placements, {size}-key prompts, 64 instances each resident on a prefix"
     return [
         Result(
-            label,
+            f"{label}, {n} at once",
             "placements/s",
-            rates["with"],
+            rates["with", n],
             "the same with no residency records",
-            rates["without"],
+            rates["without", n],
         )
+        for n in (1, 4, 16)
     ]
 
 
